@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs k3's build dependencies from Debian packages when they are missing. Idempotent.
+# Usage: scripts/setup.sh
+set -euo pipefail
+
+packages=(cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev libssl-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "k3 setup: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -q
+  $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  echo "k3 setup: CUDA toolkit found, the CUDA backend will be compiled"
+else
+  echo "k3 setup: no CUDA toolkit, building the CPU backends only"
+fi

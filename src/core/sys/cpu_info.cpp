@@ -1,0 +1,90 @@
+// CPU model and SIMD features via CPUID (x86-64). A feature counts as present only when the OS
+// saves the matching register state (XGETBV), so a hypervisor that hides AVX-512 state is honoured.
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "k3/system.hpp"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define K3_X86 1
+#endif
+
+namespace k3 {
+namespace {
+
+#ifdef K3_X86
+uint64_t xgetbv0() {
+  uint32_t eax = 0, edx = 0;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+#endif
+
+CpuInfo detect() {
+  CpuInfo info;
+  info.logical_cpus = static_cast<int>(std::thread::hardware_concurrency());
+#ifdef K3_X86
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  char brand[49] = {};
+  if (__get_cpuid_max(0x80000000u, nullptr) >= 0x80000004u) {
+    for (unsigned i = 0; i < 3; ++i) {
+      __get_cpuid(0x80000002u + i, &a, &b, &c, &d);
+      std::memcpy(brand + 16 * i, &a, 4);
+      std::memcpy(brand + 16 * i + 4, &b, 4);
+      std::memcpy(brand + 16 * i + 8, &c, 4);
+      std::memcpy(brand + 16 * i + 12, &d, 4);
+    }
+  }
+  info.model = brand;
+  while (!info.model.empty() && info.model.back() == ' ') info.model.pop_back();
+  while (!info.model.empty() && info.model.front() == ' ') info.model.erase(info.model.begin());
+
+  __get_cpuid(1, &a, &b, &c, &d);
+  const bool osxsave = (c >> 27) & 1u;
+  const bool fma = (c >> 12) & 1u;
+  const uint64_t xcr0 = osxsave ? xgetbv0() : 0;
+  const bool os_avx = (xcr0 & 0x6u) == 0x6u;     // XMM + YMM state
+  const bool os_avx512 = (xcr0 & 0xE6u) == 0xE6u;  // + opmask, ZMM_Hi256, Hi16_ZMM
+  __cpuid_count(7, 0, a, b, c, d);
+  const bool avx2 = (b >> 5) & 1u;
+  const bool avx512f = (b >> 16) & 1u, avx512bw = (b >> 30) & 1u, avx512vl = (b >> 31) & 1u;
+  const bool avx512_vnni = (c >> 11) & 1u;
+  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+  __cpuid_count(7, 1, a1, b1, c1, d1);
+  const bool avx512_bf16 = (a1 >> 5) & 1u;
+  info.features.avx2 = os_avx && avx2;
+  info.features.fma = os_avx && fma;
+  info.features.avx512f = os_avx512 && avx512f;
+  info.features.avx512bw = os_avx512 && avx512bw;
+  info.features.avx512vl = os_avx512 && avx512vl;
+  info.features.avx512_bf16 = os_avx512 && avx512_bf16;
+  info.features.avx512_vnni = os_avx512 && avx512_vnni;
+#else
+  info.model = "unknown (non-x86 CPU)";
+#endif
+  if (info.model.empty()) info.model = "unknown";
+  return info;
+}
+
+}  // namespace
+
+const CpuInfo& cpu_info() {
+  static const CpuInfo info = detect();
+  return info;
+}
+
+int default_thread_count() {
+  for (const char* var : {"K3_NUM_THREADS", "OMP_NUM_THREADS"}) {
+    if (const char* v = std::getenv(var)) {
+      const int n = std::atoi(v);
+      if (n > 0) return n;
+    }
+  }
+  const int n = cpu_info().logical_cpus;
+  return n > 0 ? n : 1;
+}
+
+}  // namespace k3

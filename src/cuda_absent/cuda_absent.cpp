@@ -1,0 +1,23 @@
+// The CUDA entry points of a build without nvcc: each reports that CUDA is not compiled in.
+#include "k3/cuda.hpp"
+
+namespace k3::cuda {
+namespace {
+Status not_built() {
+  return unavailable("k3 was built without CUDA (nvcc not found at configure time); rebuild with -DK3_CUDA=ON");
+}
+}  // namespace
+
+bool compiled() { return false; }
+std::string compiled_archs() { return ""; }
+Result<std::vector<DeviceInfo>> devices() { return not_built(); }
+Status mx_quantize(std::span<const float>, int64_t, int64_t, MxElement, ScaleRule, std::span<uint8_t>,
+                   std::span<uint8_t>) {
+  return not_built();
+}
+Status mx_dequantize(std::span<const uint8_t>, std::span<const uint8_t>, int64_t, int64_t, MxElement,
+                     std::span<float>) {
+  return not_built();
+}
+
+}  // namespace k3::cuda

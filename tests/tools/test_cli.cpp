@@ -1,0 +1,72 @@
+// End-to-end checks of the `k3` command line (exit codes, JSON, error messages).
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace {
+
+struct Run {
+  int code;
+  std::string out;
+};
+
+Run run_cli(const std::string& args) {
+  const std::string cmd = std::string(K3_CLI_PATH) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  const int status = pclose(p);
+  return {WEXITSTATUS(status), out};
+}
+
+TEST(Cli, InfoJsonHasTheFacts) {
+  const auto r = run_cli("info --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_FALSE(j["version"].get<std::string>().empty());
+  EXPECT_TRUE(j["cpu"]["features"].contains("avx512_bf16"));
+  EXPECT_TRUE(j["cpu"]["features"].contains("avx2"));
+  EXPECT_GE(j["threads"].get<int>(), 1);
+  EXPECT_TRUE(j["cuda"].contains("devices"));
+}
+
+TEST(Cli, InfoTextNamesCudaDevicesOrTheirAbsence) {
+  const auto r = run_cli("info");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("cuda device"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("simd:"), std::string::npos);
+}
+
+TEST(Cli, ValidateFormatsPasses) {
+  const auto r = run_cli("validate --op formats");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find("FAIL"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("e4m3 codes"), std::string::npos) << r.out;
+}
+
+TEST(Cli, UnknownOpAndMissingRequirementFail) {
+  auto r = run_cli("validate --op nosuchop");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("--op nosuchop is not known"), std::string::npos) << r.out;
+  r = run_cli("validate --op formats --backend cuda");
+  // Without a usable device, asking for the CUDA backend must fail (not pass as "missing").
+  const auto info = nlohmann::json::parse(run_cli("info --json").out);
+  if (info["cuda"]["devices"].empty()) {
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_NE(r.out.find("FAIL"), std::string::npos) << r.out;
+  } else {
+    EXPECT_EQ(r.code, 0) << r.out;
+  }
+}
+
+TEST(Cli, BadUsageExitsNonZero) {
+  EXPECT_NE(run_cli("").code, 0);
+  EXPECT_NE(run_cli("validate --no-such-flag").code, 0);
+}
+
+}  // namespace

@@ -1,0 +1,90 @@
+// `k3 info`: version, build, backends, CPU and SIMD features, threads, CUDA devices.
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "command.hpp"
+#include "k3/build_info.hpp"
+#include "k3/cuda.hpp"
+#include "k3/system.hpp"
+
+namespace k3::tool {
+namespace {
+
+nlohmann::json info_json() {
+  const auto& cpu = cpu_info();
+  const auto& f = cpu.features;
+  nlohmann::json j;
+  j["version"] = build::kVersion;
+  j["build_type"] = build::kBuildType;
+  j["compiler"] = build::kCompiler;
+  j["sanitized"] = build::kSanitized;
+  j["backends"] = nlohmann::json::array({"reference", "cpu"});
+  if (cuda::compiled()) j["backends"].push_back("cuda");
+  j["cuda"]["compiled"] = cuda::compiled();
+  j["cuda"]["archs"] = cuda::compiled_archs();
+  j["cpu"]["model"] = cpu.model;
+  j["cpu"]["logical_cpus"] = cpu.logical_cpus;
+  j["cpu"]["features"] = {{"avx2", f.avx2},         {"fma", f.fma},
+                          {"avx512f", f.avx512f},   {"avx512bw", f.avx512bw},
+                          {"avx512vl", f.avx512vl}, {"avx512_bf16", f.avx512_bf16},
+                          {"avx512_vnni", f.avx512_vnni}};
+  j["threads"] = default_thread_count();
+  auto devs = cuda::devices();
+  j["cuda"]["devices"] = nlohmann::json::array();
+  if (devs.is_ok()) {
+    for (const auto& d : devs.value()) {
+      j["cuda"]["devices"].push_back({{"index", d.index},
+                                      {"name", d.name},
+                                      {"compute_capability", std::to_string(d.cc_major) + "." + std::to_string(d.cc_minor)},
+                                      {"sm_count", d.sm_count},
+                                      {"total_memory_bytes", d.total_memory},
+                                      {"runnable", d.runnable}});
+    }
+  } else {
+    j["cuda"]["devices_note"] = devs.status().message();
+  }
+  return j;
+}
+
+void print_text(const nlohmann::json& j) {
+  std::printf("k3 %s (%s build, %s%s)\n", j["version"].get<std::string>().c_str(),
+              j["build_type"].get<std::string>().c_str(), j["compiler"].get<std::string>().c_str(),
+              j["sanitized"].get<bool>() ? ", ASan+UBSan" : "");
+  std::string backends;
+  for (const auto& b : j["backends"]) backends += (backends.empty() ? "" : ", ") + b.get<std::string>();
+  std::printf("backends:      %s\n", backends.c_str());
+  std::printf("cuda archs:    %s\n", j["cuda"]["compiled"].get<bool>() ? j["cuda"]["archs"].get<std::string>().c_str()
+                                                                           : "(not compiled)");
+  std::printf("cpu:           %s, %d logical CPUs\n", j["cpu"]["model"].get<std::string>().c_str(),
+              j["cpu"]["logical_cpus"].get<int>());
+  std::string feats;
+  for (const auto& [name, on] : j["cpu"]["features"].items()) feats += "  " + name + (on.get<bool>() ? "+" : "-");
+  std::printf("simd:         %s\n", feats.c_str());
+  std::printf("threads:       %d (K3_NUM_THREADS / OMP_NUM_THREADS override)\n", j["threads"].get<int>());
+  if (j["cuda"]["devices"].empty()) {
+    std::printf("cuda devices:  none (%s)\n", j["cuda"].value("devices_note", std::string("none found")).c_str());
+  } else {
+    for (const auto& d : j["cuda"]["devices"]) {
+      std::printf("cuda device %d: %s, sm_%s, %d SMs, %.1f GiB%s\n", d["index"].get<int>(),
+                  d["name"].get<std::string>().c_str(), d["compute_capability"].get<std::string>().c_str(),
+                  d["sm_count"].get<int>(), static_cast<double>(d["total_memory_bytes"].get<int64_t>()) / (1 << 30),
+                  d["runnable"].get<bool>() ? "" : " (no compiled architecture runs on it)");
+    }
+  }
+}
+
+const CommandRegistration kRegistration("info", 0, [](CLI::App& app) -> std::function<int()> {
+  auto* cmd = app.add_subcommand("info", "Show version, build, backends, CPU features and CUDA devices");
+  auto json = std::make_shared<bool>(false);
+  cmd->add_flag("--json", *json, "Machine-readable output");
+  return [json]() {
+    const auto j = info_json();
+    if (*json) std::cout << j.dump(2) << "\n";
+    else print_text(j);
+    return 0;
+  };
+});
+
+}  // namespace
+}  // namespace k3::tool

@@ -1,0 +1,95 @@
+// `k3 validate [--op NAME|all] [--suite S] [--backend B] [--require CAP] [--output FILE]`
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "command.hpp"
+#include "k3/build_info.hpp"
+#include "k3/system.hpp"
+#include "validate.hpp"
+
+namespace k3::tool {
+
+std::vector<ValidateOp>& validate_registry() {
+  static std::vector<ValidateOp> registry;
+  return registry;
+}
+
+namespace {
+
+struct Args {
+  std::string op = "all";
+  std::string output;
+  ValidateOptions opts;
+};
+
+void print_table(const std::vector<ValidateRow>& rows) {
+  std::printf("%-8s %-44s %-9s %10s %10s %10s %-16s %s\n", "op", "case", "backend", "cosine", "nrmse", "max_abs",
+              "digest", "result");
+  for (const auto& r : rows) {
+    std::printf("%-8s %-44s %-9s %10.6f %10.3e %10.3e %-16s %s%s%s\n", r.op.c_str(), r.case_name.c_str(),
+                r.backend.c_str(), r.cosine, r.nrmse, r.max_abs, r.digest.substr(0, 16).c_str(),
+                r.pass ? "PASS" : "FAIL", r.note.empty() ? "" : "  ", r.note.c_str());
+  }
+}
+
+int run_validate(const Args& a) {
+  std::vector<ValidateRow> rows;
+  bool matched = false;
+  for (const auto& op : validate_registry()) {
+    if (a.op != "all" && a.op != op.name) continue;
+    matched = true;
+    auto r = op.run(a.opts);
+    rows.insert(rows.end(), r.begin(), r.end());
+  }
+  if (!matched) {
+    std::string names;
+    for (const auto& op : validate_registry()) names += " " + op.name;
+    std::fprintf(stderr, "k3 validate: --op %s is not known (known:%s, all)\n", a.op.c_str(), names.c_str());
+    return 2;
+  }
+  print_table(rows);
+  const auto failed = std::count_if(rows.begin(), rows.end(), [](const ValidateRow& r) { return !r.pass; });
+  std::printf("\n%zu checks, %td failed\n", rows.size(), failed);
+  if (!a.output.empty()) {
+    nlohmann::json j;
+    j["k3_version"] = build::kVersion;
+    j["build_type"] = build::kBuildType;
+    j["cpu"] = cpu_info().model;
+    j["seed"] = a.opts.seed;
+    j["suite"] = a.opts.suite;
+    for (const auto& r : rows) {
+      j["records"].push_back({{"op", r.op}, {"case", r.case_name}, {"backend", r.backend}, {"cosine", r.cosine},
+                              {"nrmse", r.nrmse}, {"max_abs", r.max_abs}, {"digest", r.digest},
+                              {"pass", r.pass}, {"note", r.note}});
+    }
+    std::ofstream out(a.output);
+    if (!out) {
+      std::fprintf(stderr, "k3 validate: --output %s: cannot open for writing\n", a.output.c_str());
+      return 2;
+    }
+    out << j.dump(2) << "\n";
+  }
+  return failed == 0 ? 0 : 1;
+}
+
+const CommandRegistration kRegistration("validate", 10, [](CLI::App& app) -> std::function<int()> {
+  auto* cmd = app.add_subcommand("validate", "Run the correctness matrix against the FP64/FP32 oracles");
+  auto a = std::make_shared<Args>();
+  std::string ops_help = "Op to validate: all";
+  for (const auto& op : validate_registry()) ops_help += ", " + op.name + " (" + op.help + ")";
+  cmd->add_option("--op", a->op, ops_help)->capture_default_str();
+  cmd->add_option("--suite", a->opts.suite, "Suite within the op (smoke, real, nonfinite, determinism, all)")
+      ->capture_default_str();
+  cmd->add_option("--backend", a->opts.backend, "Backend to check: all usable ones, reference, cpu, cuda")
+      ->capture_default_str();
+  cmd->add_option("--require", a->opts.require, "Fail unless this capability is present (repeatable)");
+  cmd->add_option("--seed", a->opts.seed, "Seed of the generated cases")->capture_default_str();
+  cmd->add_option("--output", a->output, "Write the records as JSON to this file");
+  return [a]() { return run_validate(*a); };
+});
+
+}  // namespace
+}  // namespace k3::tool
