@@ -1,0 +1,30 @@
+// k3/limits.hpp — the machine's measured limits, taken in the same run as a benchmark so that
+// results can be reported as fractions of them (spec/validation.md, benchmark protocol).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "k3/system.hpp"
+
+namespace k3 {
+
+struct MeasuredRate {
+  double value = 0;      // bytes/s or FLOP/s (median of the repetitions)
+  double min = 0, max = 0;
+  std::string what;      // e.g. "read bandwidth, 1 GiB buffer, 2 threads"
+};
+
+// Streaming read bandwidth over a buffer far larger than the last-level cache (default 1 GiB),
+// with `threads` threads (AVX-512 / AVX2 loads where available).
+MeasuredRate measure_read_bandwidth(int threads, int64_t bytes = int64_t{1} << 30);
+
+// Peak rate of the BF16 dot-product instruction the CPU kernels use (AVX512-BF16 VDPBF16PS:
+// 2 FLOP per BF16 pair), on `threads` threads with independent accumulator chains.
+// Falls back to FP32 FMA (AVX-512 or AVX2) when the CPU has no AVX512-BF16; `what` says which.
+MeasuredRate measure_dot_peak(int threads);
+
+// Peak FP32 FMA rate (2 FLOP per lane per FMA) with the widest FMA available.
+MeasuredRate measure_fp32_fma_peak(int threads);
+
+}  // namespace k3

@@ -1,0 +1,180 @@
+// Machine-limit probes: streaming read bandwidth and instruction peaks. Each probe repeats a
+// fixed amount of work several times and reports the median. Compiled with per-function target
+// attributes so one binary runs on any x86-64 and uses the best instructions present.
+#include "k3/limits.hpp"
+
+// GCC 12 reports its own _mm512_undefined_* helpers (used by _mm512_reduce_add_ps) as
+// "used uninitialized": a false positive inside avx512fintrin.h.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace k3 {
+namespace {
+
+double seconds_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+MeasuredRate summarize(std::vector<double> rates, std::string what) {
+  std::sort(rates.begin(), rates.end());
+  MeasuredRate r;
+  r.value = rates[rates.size() / 2];
+  r.min = rates.front();
+  r.max = rates.back();
+  r.what = std::move(what);
+  return r;
+}
+
+__attribute__((target("avx512f"))) double sum_avx512(const float* p, int64_t n) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i + 64 <= n; i += 64) {
+    a0 = _mm512_add_ps(a0, _mm512_load_ps(p + i));
+    a1 = _mm512_add_ps(a1, _mm512_load_ps(p + i + 16));
+    a2 = _mm512_add_ps(a2, _mm512_load_ps(p + i + 32));
+    a3 = _mm512_add_ps(a3, _mm512_load_ps(p + i + 48));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+__attribute__((target("avx2"))) double sum_avx2(const float* p, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i + 32 <= n; i += 32) {
+    a0 = _mm256_add_ps(a0, _mm256_load_ps(p + i));
+    a1 = _mm256_add_ps(a1, _mm256_load_ps(p + i + 8));
+    a2 = _mm256_add_ps(a2, _mm256_load_ps(p + i + 16));
+    a3 = _mm256_add_ps(a3, _mm256_load_ps(p + i + 24));
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+}
+
+double sum_scalar(const float* p, int64_t n) {
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += p[i];
+  return s;
+}
+
+constexpr int64_t kPeakIters = 20'000'000;
+
+// 12 independent accumulator chains hide the instruction latency (latency x throughput <= 12).
+__attribute__((target("avx512f,avx512bf16"))) double dot_bf16_loop(int64_t iters) {
+  __m512 acc[12];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3F80);  // 1.0
+  const __m512bh y = (__m512bh)_mm512_set1_epi16(0x3400);  // tiny: accumulators stay finite
+  for (int64_t i = 0; i < iters; ++i) {
+    for (auto& a : acc) a = _mm512_dpbf16_ps(a, x, y);
+    __asm__ volatile("" : : : "memory");
+  }
+  __m512 s = acc[0];
+  for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
+  return _mm512_reduce_add_ps(s);
+}
+
+__attribute__((target("avx512f"))) double fma512_loop(int64_t iters) {
+  __m512 acc[12];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const __m512 x = _mm512_set1_ps(1.0f), y = _mm512_set1_ps(1e-9f);
+  for (int64_t i = 0; i < iters; ++i) {
+    for (auto& a : acc) a = _mm512_fmadd_ps(x, y, a);
+    __asm__ volatile("" : : : "memory");
+  }
+  __m512 s = acc[0];
+  for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, acc[i]);
+  return _mm512_reduce_add_ps(s);
+}
+
+__attribute__((target("avx2,fma"))) double fma256_loop(int64_t iters) {
+  __m256 acc[12];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  const __m256 x = _mm256_set1_ps(1.0f), y = _mm256_set1_ps(1e-9f);
+  for (int64_t i = 0; i < iters; ++i) {
+    for (auto& a : acc) a = _mm256_fmadd_ps(x, y, a);
+    __asm__ volatile("" : : : "memory");
+  }
+  __m256 s = acc[0];
+  for (int i = 1; i < 12; ++i) s = _mm256_add_ps(s, acc[i]);
+  alignas(32) float t[8];
+  _mm256_store_ps(t, s);
+  return t[0];
+}
+
+// Runs `loop(iters)` on every thread, returns FLOP/s for flop_per_iter per thread-iteration.
+template <typename Loop>
+MeasuredRate peak(int threads, Loop loop, double flop_per_iter, std::string what) {
+  std::vector<double> rates;
+  volatile double sink = 0;
+  loop(kPeakIters / 20);  // warm-up (frequency ramp)
+  for (int rep = 0; rep < 5; ++rep) {
+    const double t0 = seconds_now();
+    double acc = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : acc)
+    acc += loop(kPeakIters / 4);
+    const double dt = seconds_now() - t0;
+    sink = sink + acc;
+    rates.push_back(flop_per_iter * static_cast<double>(kPeakIters / 4) * threads / dt);
+  }
+  return summarize(rates, std::move(what) + ", " + std::to_string(threads) + " thread(s)");
+}
+
+}  // namespace
+
+MeasuredRate measure_read_bandwidth(int threads, int64_t bytes) {
+  const int64_t n = bytes / static_cast<int64_t>(sizeof(float));
+  auto* buf = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(n) * sizeof(float)));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(i & 7);  // first touch by the reader
+  const auto& f = cpu_info().features;
+  auto sum = f.avx512f ? sum_avx512 : (f.avx2 ? sum_avx2 : sum_scalar);
+  std::vector<double> rates;
+  volatile double sink = 0;
+  for (int rep = 0; rep < 6; ++rep) {
+    const double t0 = seconds_now();
+    double acc = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : acc)
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      const int64_t chunk = (n / nt) & ~int64_t{63};
+      acc += sum(buf + t * chunk, chunk);
+    }
+    const double dt = seconds_now() - t0;
+    sink = sink + acc;
+    if (rep > 0) rates.push_back(static_cast<double>(bytes) / dt);  // rep 0 warms up
+  }
+  std::free(buf);
+  return summarize(rates, "read bandwidth, " + std::to_string(bytes >> 20) + " MiB buffer, " +
+                              std::to_string(threads) + " thread(s)");
+}
+
+MeasuredRate measure_dot_peak(int threads) {
+  const auto& f = cpu_info().features;
+  if (f.avx512_bf16) return peak(threads, dot_bf16_loop, 12.0 * 64, "AVX512-BF16 vdpbf16ps peak");
+  return measure_fp32_fma_peak(threads);
+}
+
+MeasuredRate measure_fp32_fma_peak(int threads) {
+  const auto& f = cpu_info().features;
+  if (f.avx512f) return peak(threads, fma512_loop, 12.0 * 32, "AVX-512 FP32 FMA peak");
+  if (f.avx2 && f.fma) return peak(threads, fma256_loop, 12.0 * 16, "AVX2 FP32 FMA peak");
+  return peak(
+      threads,
+      [](int64_t iters) {
+        double a = 0;
+        for (int64_t i = 0; i < iters; ++i) a = a * 0.999 + 1.0;
+        return a;
+      },
+      2.0, "scalar FP64 multiply-add (no SIMD FMA)");
+}
+
+}  // namespace k3

@@ -1,0 +1,70 @@
+// `k3 bench <target>`: benchmarks report medians with spread and fractions of the machine's
+// limits measured in the same run (spec/validation.md). Each target (limits, moe, kda, ...)
+// registers itself from its own tools/k3/bench_*.cpp.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "k3/limits.hpp"
+
+namespace k3::tool {
+
+// Adds the target as a sub-command of `bench` and returns the callback that runs it.
+using BenchSetup = std::function<std::function<int()>(CLI::App& bench)>;
+
+struct BenchEntry {
+  std::string name;
+  BenchSetup setup;
+};
+std::vector<BenchEntry>& bench_registry();
+
+struct BenchRegistration {
+  BenchRegistration(std::string name, BenchSetup setup) { bench_registry().push_back({std::move(name), std::move(setup)}); }
+};
+
+// Timing statistics over repeated runs, in seconds.
+struct Timing {
+  double median = 0, min = 0, max = 0;
+  int iterations = 0;
+};
+
+// Runs fn() `warmup` times untimed, then `iters` times timed individually.
+inline Timing time_runs(const std::function<void()>& fn, int warmup, int iters) {
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<double> t;
+  t.reserve(iters);
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return {t[t.size() / 2], t.front(), t.back(), iters};
+}
+
+inline nlohmann::json to_json(const Timing& t) {
+  return {{"median_s", t.median}, {"min_s", t.min}, {"max_s", t.max}, {"iterations", t.iterations}};
+}
+inline nlohmann::json to_json(const MeasuredRate& r) {
+  return {{"value", r.value}, {"min", r.min}, {"max", r.max}, {"what", r.what}};
+}
+
+// Machine description for JSON records (CPU, SIMD level, threads, build).
+nlohmann::json machine_json(int threads);
+
+// One-line progress indicator on stderr ("[3/22] moe w4a8 M=16 ...").
+inline void progress(int done, int total, const std::string& what) {
+  std::fprintf(stderr, "\r[%d/%d] %-60s", done, total, what.c_str());
+  if (done == total) std::fprintf(stderr, "\n");
+  std::fflush(stderr);
+}
+
+}  // namespace k3::tool
