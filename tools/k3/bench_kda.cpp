@@ -24,6 +24,7 @@ struct Args {
   std::vector<int64_t> decode_n = {1, 2, 4, 8, 16, 32, 64};
   int iters = 5;
   int64_t pool_mib = 256;  // decode rotates over at least this much state (8x a 32 MiB L3)
+  int64_t bw_mib = 512;    // buffer of the read-bandwidth probe
   std::string output;
 };
 
@@ -65,7 +66,7 @@ int run(const Args& a) {
   int done = 0;
   progress(done, total, "measuring FP32 FMA peak and read bandwidth");
   const MeasuredRate peak = measure_fp32_fma_peak(threads);
-  const MeasuredRate bw = measure_read_bandwidth(threads, int64_t{512} << 20);
+  const MeasuredRate bw = measure_read_bandwidth(threads, a.bw_mib << 20);
   progress(++done, total, "limits measured");
   nlohmann::json records = nlohmann::json::array();
   const double K = static_cast<double>(cfg.head_k), V = static_cast<double>(cfg.head_v);
@@ -221,6 +222,9 @@ const BenchRegistration kRegistration("kda", [](CLI::App& bench) -> std::functio
   cmd->add_option("--pool-mib", a->pool_mib, "Decode: state MiB rotated over (defeats the cache)")
       ->capture_default_str()
       ->check(CLI::Range(1, 65536));
+  cmd->add_option("--bw-mib", a->bw_mib, "Buffer of the read-bandwidth probe in MiB")
+      ->capture_default_str()
+      ->check(CLI::Range(16, 65536));
   cmd->add_option("--output", a->output, "Write JSON records to this file");
   return [a]() { return run(*a); };
 });

@@ -142,8 +142,8 @@ void prefill_rows(const Case& k, std::vector<ValidateRow>& rows) {
     return;
   }
   const std::string dtype = c.spec.bf16 ? "bf16" : "fp32";
-  const std::string subset = k.ref_heads < H ? " (ref: heads 0.." + std::to_string(k.ref_heads - 1) + " of " +
-                                                   std::to_string(H) + ")"
+  const std::string subset = k.ref_heads < H ? "; heads 0.." + std::to_string(k.ref_heads - 1) + " of " +
+                                                   std::to_string(H)
                                              : "";
   // FP32 reference on (a subset of) the heads.
   const kda::KdaCase cs = first_heads(c, k.ref_heads);
@@ -157,8 +157,8 @@ void prefill_rows(const Case& k, std::vector<ValidateRow>& rows) {
   for (const auto* p : {&chk, &rec}) {
     const bool is_chk = p == &chk;
     auto e = worst(kda::compare(heads_of(p->o, H, hs, V), ro), kda::compare(heads_of(p->f, H, hs, K * V), rf));
-    auto r = make_row(k.name + (is_chk ? " chunked" : " recurrent") + " vs fp32" + subset, "cpu", e, bound32,
-                      dtype + " inputs; o and final state");
+    auto r = make_row(std::string(is_chk ? "chunked" : "recurrent") + "/fp32 " + k.name, "cpu", e, bound32,
+                      dtype + " inputs; o and final state" + subset);
     r.digest = sha256_hex_of<float>(p->o);
     rows.push_back(r);
   }
@@ -171,17 +171,19 @@ void prefill_rows(const Case& k, std::vector<ValidateRow>& rows) {
     return;
   }
   const auto e64 = worst(kda::compare(heads_of(chk.o, H, h64, V), o64), kda::compare(heads_of(chk.f, H, h64, K * V), f64));
-  rows.push_back(make_row(k.name + " chunked vs fp64 (heads 0.." + std::to_string(h64 - 1) + ")", "cpu", e64,
-                          kBoundTight, ""));
+  rows.push_back(make_row("chunked/fp64 " + k.name, "cpu", e64, kBoundTight,
+                          h64 < H ? "heads 0.." + std::to_string(h64 - 1) + " of " + std::to_string(H) : ""));
   const auto e_ref = worst(kda::compare(heads_of(ro, hs, h64, V), o64), kda::compare(heads_of(rf, hs, h64, K * V), f64));
-  rows.push_back(make_row(k.name + " fp32 ref vs fp64", "reference", e_ref, kBoundTight, ""));
+  rows.push_back(make_row("fp32/fp64 " + k.name, "reference", e_ref, kBoundTight,
+                          h64 < H ? "heads 0.." + std::to_string(h64 - 1) + " of " + std::to_string(H) : ""));
   const auto eq = worst(kda::compare(rec.o, chk.o), kda::compare(rec.f, chk.f));
-  rows.push_back(make_row(k.name + " recurrent vs chunked", "cpu", eq, kBoundTight, "all heads"));
+  rows.push_back(make_row("recurrent/chunked " + k.name, "cpu", eq, kBoundTight, "o and final state"));
 }
 
-void pool_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
+void pool_rows(int64_t heads, uint64_t seed, std::vector<ValidateRow>& rows) {
   // K3 shape: decode 5 rows (one padding) and verify 3 x 8 draft tokens on a 40-slot pool.
-  kda::CaseSpec s = spec_of(96, 128, GateMode::kSafe, StateLayout::kKFirst, true, {24}, {}, seed);
+  kda::CaseSpec s = spec_of(heads, 128, GateMode::kSafe, StateLayout::kKFirst, true, {24}, {}, seed);
+  const std::string hs = "H=" + std::to_string(heads);
   s.initial_state = false;
   const kda::KdaCase c = kda::make_case(s);
   const auto& cfg = c.spec.cfg;
@@ -216,7 +218,7 @@ void pool_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
     in.beta = in.beta.first(5 * cfg.num_heads);
     const Status st = kda::decode(cfg, {in, pool, idx, o});
     if (!st.is_ok()) {
-      rows.push_back(flag_row("decode H=96 K=V=128 N=5", false, st.to_string()));
+      rows.push_back(flag_row("decode " + hs + " N=5", false, st.to_string()));
     } else {
       kda::ErrorStats e;
       bool untouched = true, pad_zero = true;
@@ -234,10 +236,10 @@ void pool_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
         if (sl == 7 || sl == 31 || sl == 0 || sl == 12) continue;
         untouched &= std::equal(pool.begin() + sl * block, pool.begin() + (sl + 1) * block, pool0.begin() + sl * block);
       }
-      auto r = make_row("decode H=96 K=V=128 N=5 (1 padding row) vs fp32", "cpu", e, kBoundTight, "o and slot states");
+      auto r = make_row("decode/fp32 " + hs + " K=V=128 N=5 (1 pad)", "cpu", e, kBoundTight, "o and slot states");
       r.digest = sha256_hex_of<float>(o);
       rows.push_back(r);
-      rows.push_back(flag_row("decode: 36 slots not named are bit-identical", untouched && pad_zero,
+      rows.push_back(flag_row("decode: 36 unnamed slots bit-identical", untouched && pad_zero,
                               untouched ? (pad_zero ? "and the padding row's o is 0" : "padding row o not 0")
                                         : "an unnamed slot changed"));
     }
@@ -251,7 +253,7 @@ void pool_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
     const std::vector<int32_t> acc = {3, 8, 1};
     const Status st = kda::verify(cfg, {c.inputs(), T, pool, idx, acc, o});
     if (!st.is_ok()) {
-      rows.push_back(flag_row("verify H=96 K=V=128 N=3 T=8", false, st.to_string()));
+      rows.push_back(flag_row("verify " + hs + " N=3 T=8", false, st.to_string()));
     } else {
       kda::ErrorStats e;
       for (int64_t n = 0; n < 3; ++n) {
@@ -273,11 +275,11 @@ void pool_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
       for (int64_t sl = 26; sl < slots; ++sl) {
         untouched &= std::equal(pool.begin() + sl * block, pool.begin() + (sl + 1) * block, pool0.begin() + sl * block);
       }
-      auto r = make_row("verify H=96 N=3 T=8 accepted 3/8/1 vs fp32", "cpu", e, kBoundTight,
+      auto r = make_row("verify/fp32 " + hs + " N=3 T=8 acc 3/8/1", "cpu", e, kBoundTight,
                         "o and every prefix state");
       r.digest = sha256_hex_of<float>(o);
       rows.push_back(r);
-      rows.push_back(flag_row("verify: 17 slots not written are bit-identical", untouched,
+      rows.push_back(flag_row("verify: 17 unwritten slots bit-identical", untouched,
                               untouched ? "" : "an unwritten slot changed"));
     }
   }
@@ -298,8 +300,8 @@ void determinism_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
         same &= d == d1;
       }
     }
-    auto r = flag_row(std::string("bit-identical: 1/2/3 threads x 2 runs, ") + kda::algorithm_name(algo), ok && same,
-                      same ? "o and final state digests equal" : "digests differ");
+    auto r = flag_row(std::string("1/2/3 threads x 2 runs ") + kda::algorithm_name(algo), ok && same,
+                      same ? "bit-identical o and final state (digests)" : "digests differ");
     r.digest = d1.substr(0, 16);
     rows.push_back(r);
   }
@@ -318,9 +320,9 @@ void isa_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
         rows.push_back(flag_row(std::string("isa ") + isa_level_name(isa), false, r.st.to_string()));
         continue;
       }
-      auto row = make_row(std::string("isa ") + isa_level_name(isa) + " " + kda::algorithm_name(algo) +
-                              " D=100 softplus varlen",
-                          "cpu", worst(kda::compare(r.o, ro), kda::compare(r.f, rf)), kBoundTight, "fp32 inputs");
+      auto row = make_row(std::string(kda::algorithm_name(algo)) + "/fp32 isa " + isa_level_name(isa), "cpu",
+                          worst(kda::compare(r.o, ro), kda::compare(r.f, rf)), kBoundTight,
+                          "D=100 softplus varlen 130/15, fp32 inputs");
       row.digest = sha256_hex_of<float>(r.o);
       rows.push_back(row);
     }
@@ -343,8 +345,8 @@ void ops_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
     std::vector<float> y(80 * D), yr(80 * D), s = st0, sr = st0;
     const bool ok = kda::causal_conv1d({D, W, true, x, w, b, cu, s, y}).is_ok() &&
                     kda::causal_conv1d_reference({D, W, true, x, w, b, cu, sr, yr}).is_ok();
-    auto r = make_row("conv1d W=4 + silu D=12288 varlen 15/1/64", "cpu", kda::compare(y, yr), kBoundTight,
-                      s == sr ? "rolling state exact" : "rolling state differs");
+    auto r = make_row("conv1d+silu/fp64 W=4 D=12288 varlen", "cpu", kda::compare(y, yr), kBoundTight,
+                      s == sr ? "T 15/1/64; rolling state exact" : "rolling state differs");
     r.pass = r.pass && ok && s == sr;
     r.digest = sha256_hex_of<float>(y);
     rows.push_back(r);
@@ -355,7 +357,7 @@ void ops_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
     std::vector<float> y(R * D), yr(R * D);
     const bool ok = kda::gated_rmsnorm({D, 1e-5f, x, g, w, y}).is_ok() &&
                     kda::gated_rmsnorm_reference({D, 1e-5f, x, g, w, yr}).is_ok();
-    auto r = make_row("gated rmsnorm T=64 H=96 V=128", "cpu", kda::compare(y, yr), kBoundTight, "vs fp64");
+    auto r = make_row("gated rmsnorm/fp64 T=64 H=96 V=128", "cpu", kda::compare(y, yr), kBoundTight, "");
     r.pass = r.pass && ok;
     r.digest = sha256_hex_of<float>(y);
     rows.push_back(r);
@@ -374,21 +376,21 @@ std::vector<ValidateRow> run_kda(const ValidateOptions& opt) {
   const bool smoke = opt.suite == "smoke";
   const uint64_t s = opt.seed;
   std::vector<Case> cases = {
-      {"T=63 D=60 H=8 safe k_first bf16", spec_of(8, 60, GateMode::kSafe, StateLayout::kKFirst, true, {63}, {}, s), 8, 8},
-      {"T=500 D=100 H=8 softplus v_first bf16 resets", spec_of(8, 100, GateMode::kSoftplus, StateLayout::kVFirst, true,
+      {"T=63 D=60 H=8 safe kf bf16", spec_of(8, 60, GateMode::kSafe, StateLayout::kKFirst, true, {63}, {}, s), 8, 8},
+      {"T=500 D=100 H=8 softplus vf bf16", spec_of(8, 100, GateMode::kSoftplus, StateLayout::kVFirst, true,
                                                                {500}, {0, 17, 250, 499}, s + 1), 8, 8},
-      {"T=1000 D=128 H=8 g=-1000 resets k_first bf16", spec_of(8, 128, GateMode::kLogDecay, StateLayout::kKFirst, true,
-                                                               {1000}, {63, 64, 100, 517, 999}, s + 2), 8, 4},
-      {"varlen 15/500/1/63/300 D=128 H=8 safe bf16", spec_of(8, 128, GateMode::kSafe, StateLayout::kKFirst, true,
+      {"varlen 15/500/1/63/300 H=8 bf16", spec_of(8, 128, GateMode::kSafe, StateLayout::kKFirst, true,
                                                               {15, 500, 1, 63, 300}, {15, 300}, s + 3), 8, 4},
   };
   if (!smoke) {
-    cases.push_back({"T=1500 D=128 H=8 log_decay v_first fp32",
+    cases.push_back({"T=1000 D=128 H=8 g=-1000 kf bf16", spec_of(8, 128, GateMode::kLogDecay, StateLayout::kKFirst,
+                                                                 true, {1000}, {63, 64, 100, 517, 999}, s + 2), 8, 4});
+    cases.push_back({"T=1500 D=128 H=8 log_decay vf fp32",
                      spec_of(8, 128, GateMode::kLogDecay, StateLayout::kVFirst, false, {1500}, {700}, s + 4), 8, 2});
-    // The K3 shape: the CPU paths run all 96 heads; the FP32 reference checks 24 of them and the
-    // FP64 reference 2, to keep the default run to a few minutes on 2 cores.
-    cases.push_back({"K3 T=8192 H=96 K=V=128 safe bf16",
-                     spec_of(96, 128, GateMode::kSafe, StateLayout::kKFirst, true, {8192}, {4000}, s + 7), 24, 2});
+    // The K3 shape: all 96 heads against the FP32 reference; the FP64 reference checks heads
+    // 0 and 1 only, to keep the default run to about a minute on 2 cores.
+    cases.push_back({"K3 T=8192 H=96 K=V=128 bf16",
+                     spec_of(96, 128, GateMode::kSafe, StateLayout::kKFirst, true, {8192}, {4000}, s + 7), 96, 2});
   }
   if (opt.backend == "reference") {
     for (const auto& k : cases) {
@@ -398,7 +400,7 @@ std::vector<ValidateRow> run_kda(const ValidateOptions& opt) {
       std::vector<double> o64(cs.o_size()), f64(cs.state_size());
       const bool ok = kda::reference_fp32(cs.spec.cfg, cs.inputs(), {ro, rf}).is_ok() &&
                       kda::reference_fp64(cs.spec.cfg, cs.inputs(), o64, f64).is_ok();
-      auto r = make_row(k.name + " fp32 ref vs fp64", "reference",
+      auto r = make_row("fp32/fp64 " + k.name, "reference",
                         worst(kda::compare(ro, o64), kda::compare(rf, f64)), kBoundTight, "");
       r.pass = r.pass && ok;
       rows.push_back(r);
@@ -406,7 +408,7 @@ std::vector<ValidateRow> run_kda(const ValidateOptions& opt) {
     return rows;
   }
   for (const auto& k : cases) prefill_rows(k, rows);
-  pool_rows(s + 8, rows);
+  pool_rows(smoke ? 8 : 96, s + 8, rows);
   determinism_rows(s, rows);
   isa_rows(s, rows);
   ops_rows(s + 9, rows);
