@@ -6,8 +6,9 @@
 //
 // Every type here is a plain value or a non-owning view; tensors are token-major and dense.
 // A backend is used in two steps: a plan (checks the configuration once, fixes the thread count,
-// SIMD level and workspace size) and run calls on caller-owned buffers. The CPU run calls do not
-// allocate when given a workspace; a CUDA backend can offer the same calls with device spans.
+// SIMD level and workspace size) and run calls on caller-owned buffers. The CPU prefill does not
+// allocate when given a workspace (decode / verify allocate only the slot list they check for
+// duplicates); a CUDA backend can offer the same calls with device spans.
 #pragma once
 
 #include <cstdint>
@@ -118,7 +119,7 @@ Status reference_fp64(const KdaConfig& cfg, const KdaInputs& in, std::span<doubl
 Status reference_fp32(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out);
 
 // ---- CPU backend ---------------------------------------------------------------------------
-inline constexpr int64_t kDefaultChunkMinTokens = 64;  // measured crossover, docs/kda.md
+inline constexpr int64_t kDefaultChunkMinTokens = 8;  // measured crossover, docs/kda.md
 
 struct CpuOptions {
   int threads = 0;                  // 0: default_thread_count()

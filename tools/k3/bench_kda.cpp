@@ -186,6 +186,15 @@ int run(const Args& a) {
                 100 * fr / peak.value, r.chk.median * 1e3, r.chk.min * 1e3, r.chk.max * 1e3, fc / 1e9,
                 100 * fc / peak.value, r.ratio);
   }
+  bool above_peak = false;
+  for (const auto& r : prows) {
+    const double units = static_cast<double>(r.t) * static_cast<double>(cfg.num_heads);
+    above_peak |= units * flop_recurrent(K, V) / r.rec.median > peak.value;
+  }
+  if (above_peak) {
+    std::printf("note: a rate above 100%% means the FMA-peak probe under-measured the peak on this machine "
+                "(shared or throttled cores, or a probe limited by its own loop); compare paths by rec/chk\n");
+  }
   std::printf("\ndecode H=%lld K=V=%lld, one token per sequence (state read + written once per step)\n",
               static_cast<long long>(cfg.num_heads), static_cast<long long>(cfg.head_k));
   std::printf("%5s | %28s %12s %9s %10s\n", "N", "step ms", "state MB", "GB/s", "of read bw");
