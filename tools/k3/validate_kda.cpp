@@ -101,7 +101,6 @@ kda::KdaCase first_heads(const kda::KdaCase& c, int64_t h) {
 }
 
 std::vector<float> heads_of(const std::vector<float>& x, int64_t H, int64_t h, int64_t inner) {
-  kda::KdaCase tmp;
   const int64_t outer = static_cast<int64_t>(x.size()) / (H * inner);
   std::vector<float> r(static_cast<size_t>(outer * h * inner));
   for (int64_t o = 0; o < outer; ++o) {
