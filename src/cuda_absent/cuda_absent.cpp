@@ -1,5 +1,6 @@
 // The CUDA entry points of a build without nvcc: each reports that CUDA is not compiled in.
 #include "k3/cuda.hpp"
+#include "k3/cuda_bench.hpp"
 #include "k3/cuda_moe.hpp"
 
 namespace k3::cuda {
@@ -34,5 +35,11 @@ Status run(const MoePlan&, const DeviceWeights&, const DeviceInputs&, void*, voi
 Status run_host(const MoeProblem&, const MoeWeightsView&, const MoeInputsView&, std::span<uint8_t>) {
   return not_built();
 }
+
+Result<DeviceTiming> time_device_copy(int64_t, int, int) { return not_built(); }
+Result<DeviceTiming> time_moe(const MoeProblem&, const MoeWeightsView&, const MoeInputsView&, int, int, int) {
+  return not_built();
+}
+Result<DeviceTiming> time_cublas_baseline(const MoeProblem&, std::span<const int64_t>, int, int) { return not_built(); }
 
 }  // namespace k3::cuda
