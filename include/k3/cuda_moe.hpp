@@ -56,14 +56,28 @@ struct MoePlan {
   int64_t ws_act = 0;            // [max_tiles * block_m, N] BF16: activation output (exact MXFP8 values for W4A8)
   int64_t ws_y = 0;              // [max_tiles * block_m, K] FP32: FC2 output per permuted row
   int64_t ws_status = 0;         // [1] int32: error bits set by kernels (e.g. inexact x block)
+  // sm_120a native block-scaled W4A8 path only (MoePlanOptions::sm120_native_w4a8), else 0:
+  bool sm120_native = false;
+  int64_t ws_x_codes = 0;        // [max_m, K] E4M3 codes of x
+  int64_t ws_x_scales = 0;       // [max_m, K/32] UE8M0
+  int64_t ws_act_codes = 0;      // [max_tiles * block_m, N] E4M3 codes of the activation output
+  int64_t ws_act_scales = 0;     // [max_tiles * block_m, N/32] UE8M0
   int64_t workspace_bytes = 0;
   int sort_chunk = 1024;         // token-slots per block of the stable counting sort
   std::string to_string() const; // one line per decision
 };
 
+struct MoePlanOptions {
+  // W4A8 on sm_120's native block-scaled MMA (mma.sync kind::mxf8f6f4.block_scale). NEVER RUN ON
+  // HARDWARE: off by default until it has passed `k3 validate` on an sm_120 GPU.
+  // CLI / run_host: environment variable K3_CUDA_SM120_NATIVE=1.
+  bool sm120_native_w4a8 = false;
+};
+
 // Checks shape, capability and compiled architectures; chooses tiles; sizes the workspace.
 // Errors name what is missing and which backend can run the layer instead (the CPU backend).
-Result<MoePlan> plan_moe(const MoeProblem& problem, int64_t max_m, const DeviceCaps& caps);
+Result<MoePlan> plan_moe(const MoeProblem& problem, int64_t max_m, const DeviceCaps& caps,
+                         const MoePlanOptions& options = {});
 
 // ---- device side (available only in builds with CUDA; otherwise kUnavailable) ---------------
 

@@ -90,3 +90,34 @@ TEST(CudaMoePlan, MissingCapabilitiesNameTheFixAndTheAlternative) {
 
 }  // namespace
 }  // namespace k3::cuda
+
+namespace k3::cuda {
+namespace {
+
+TEST(CudaMoePlan, Sm120NativePathIsOptInAndChecked) {
+  MoeProblem p;
+  DeviceCaps h = h200();
+  MoePlanOptions native;
+  native.sm120_native_w4a8 = true;
+  auto r = plan_moe(p, 8, h, native);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("needs an sm_120 device"), std::string::npos) << r.status().message();
+
+  DeviceCaps rtx = h;
+  rtx.name = "NVIDIA RTX PRO 6000 Blackwell";
+  rtx.cc_major = 12;
+  rtx.smem_per_block_optin = 99 * 1024;
+  auto off = plan_moe(p, 8, rtx);
+  ASSERT_TRUE(off.is_ok());
+  EXPECT_FALSE(off->sm120_native);  // default: the BF16 mma.sync path
+  auto on = plan_moe(p, 8, rtx, native);
+  ASSERT_TRUE(on.is_ok()) << on.status().to_string();
+  EXPECT_TRUE(on->sm120_native);
+  EXPECT_GT(on->ws_act_scales, on->ws_act_codes);
+  EXPECT_NE(on->to_string().find("UNVERIFIED"), std::string::npos);
+  p.recipe = Recipe::kW4A16;
+  EXPECT_NE(plan_moe(p, 8, rtx, native).status().message().find("w4a8 recipe only"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace k3::cuda

@@ -29,14 +29,15 @@ std::string MoePlan::to_string() const {
      << out_dtype_name(problem.out_dtype) << ", K " << problem.shape.hidden << ", N " << problem.shape.intermediate
      << ", E_local " << problem.shape.local_experts() << " of " << problem.shape.num_experts << ", top-"
      << problem.shape.top_k << "\n"
-     << "  path " << moe_path_name(path) << ": tile " << block_m << "x" << block_n << "x" << block_k << ", max_m "
+     << "  path " << moe_path_name(path) << (sm120_native ? " (sm_120 native block-scaled MMA, UNVERIFIED)" : "") << ": tile " << block_m << "x" << block_n << "x" << block_k << ", max_m "
      << max_m << ", max_slots " << max_slots << ", max_tiles " << max_tiles << ", smem " << smem_bytes << " B\n"
      << "  workspace " << workspace_bytes << " B (act " << (ws_y - ws_act) << " B, y "
      << (ws_status - ws_y) << " B)";
   return os.str();
 }
 
-Result<MoePlan> plan_moe(const MoeProblem& problem, int64_t max_m, const DeviceCaps& caps) {
+Result<MoePlan> plan_moe(const MoeProblem& problem, int64_t max_m, const DeviceCaps& caps,
+                         const MoePlanOptions& options) {
   K3_RETURN_IF_ERROR(validate_moe_shape(problem.shape));
   if (max_m < 1 || max_m > 65536) {
     return invalid_argument("max_m = " + std::to_string(max_m) + " must be in [1, 65536]");
@@ -47,6 +48,16 @@ Result<MoePlan> plan_moe(const MoeProblem& problem, int64_t max_m, const DeviceC
                        ", but this build contains kernels for " + arch_list(caps.compiled_archs) +
                        " only; rebuild with -DK3_CUDA_ARCHS including " + std::to_string(arch) +
                        "a, or run the layer with --backend cpu");
+  }
+  if (options.sm120_native_w4a8) {
+    if (arch != 120) {
+      return unsupported("the native block-scaled W4A8 path (sm120_native_w4a8) needs an sm_120 device; '" +
+                         caps.name + "' is sm_" + std::to_string(arch));
+    }
+    if (problem.recipe != Recipe::kW4A8) {
+      return unsupported(std::string("the native block-scaled path (sm120_native_w4a8) runs the w4a8 recipe only, not ") +
+                         recipe_name(problem.recipe));
+    }
   }
   const int64_t k = problem.shape.hidden, n = problem.shape.intermediate;
   const int e_local = problem.shape.local_experts();
@@ -87,6 +98,13 @@ Result<MoePlan> plan_moe(const MoeProblem& problem, int64_t max_m, const DeviceC
   plan.ws_act = take(rows * n * 2);
   plan.ws_y = take(rows * k * 4);
   plan.ws_status = take(4);
+  if (options.sm120_native_w4a8) {
+    plan.sm120_native = true;
+    plan.ws_x_codes = take(max_m * k);
+    plan.ws_x_scales = take(max_m * k / kMxBlock);
+    plan.ws_act_codes = take(rows * n);
+    plan.ws_act_scales = take(rows * n / kMxBlock);
+  }
   plan.workspace_bytes = off;
   return plan;
 }

@@ -1,6 +1,8 @@
 // Host side of the CUDA fused-MoE backend: device capabilities, prepack, run, run_host.
 // NOT YET RUN ON A GPU (compiled for sm_90a / sm_120a only).
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "cuda/common.cuh"
@@ -141,11 +143,24 @@ Status run(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, 
   int* status = at<int>(workspace, plan.ws_status);
   const auto* wi = w.impl();
   K3_CUDA_TRY(cudaMemsetAsync(status, 0, sizeof(int), s), "clear status");
-  moe_detail::launch_prep_x(d, p.recipe, in.m_device, in.x, x_bf16, status, s);
-  moe_detail::launch_sort(d, in.m_device, in.topk_ids, chunk_hist, counts, tile_expert, row_token, slot_row, s);
   const moe_detail::ActParams act_params{p.activation.kind,        p.activation.swiglu_alpha,
                                          p.activation.swiglu_beta, p.activation.swiglu_limit,
                                          wi->situ_beta.get(),      wi->situ_linear_beta.get()};
+  moe_detail::launch_sort(d, in.m_device, in.topk_ids, chunk_hist, counts, tile_expert, row_token, slot_row, s);
+  if (plan.sm120_native) {
+    auto* x_codes = at<uint8_t>(workspace, plan.ws_x_codes);
+    auto* x_scales = at<uint8_t>(workspace, plan.ws_x_scales);
+    auto* act_codes = at<uint8_t>(workspace, plan.ws_act_codes);
+    auto* act_scales = at<uint8_t>(workspace, plan.ws_act_scales);
+    moe_detail::launch_prep_x_mx(d, in.m_device, in.x, x_codes, x_scales, s);
+    moe_detail::launch_fc1_sm120(d, plan.block_n, act_params, x_codes, x_scales, row_token, tile_expert,
+                                 wi->fc1_q.get(), wi->fc1_scale.get(), act_codes, act_scales, s);
+    moe_detail::launch_fc2_sm120(d, plan.block_n, act_codes, act_scales, tile_expert, wi->fc2_q.get(),
+                                 wi->fc2_scale.get(), y, s);
+    moe_detail::launch_finalize(d, p.out_dtype, in.m_device, slot_row, in.topk_weights, y, in.out, s);
+    return detail::from_cuda(cudaGetLastError(), "moe kernel launch (sm_120 native)");
+  }
+  moe_detail::launch_prep_x(d, p.recipe, in.m_device, in.x, x_bf16, status, s);
   moe_detail::launch_fc1(d, plan.block_n, p.recipe, act_params, x_bf16, row_token, tile_expert, wi->fc1_q.get(),
                          wi->fc1_scale.get(), act, s);
   moe_detail::launch_fc2(d, plan.block_n, act, tile_expert, wi->fc2_q.get(), wi->fc2_scale.get(), y, s);
@@ -163,7 +178,10 @@ Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsVie
   if (in.m == 0) return Status::ok();
   auto caps = device_caps(0);
   if (!caps.is_ok()) return caps.status();
-  auto plan = plan_moe(p, in.m, caps.value());
+  MoePlanOptions options;
+  const char* native = std::getenv("K3_CUDA_SM120_NATIVE");
+  options.sm120_native_w4a8 = native != nullptr && std::string(native) == "1";
+  auto plan = plan_moe(p, in.m, caps.value(), options);
   if (!plan.is_ok()) return plan.status();
   auto weights = prepack(plan.value(), w);
   if (!weights.is_ok()) return weights.status();

@@ -60,3 +60,18 @@ void launch_finalize(const Dims& d, OutDType dtype, const int32_t* m, const int3
                      const float* topk_weights, const float* y, void* out, cudaStream_t s);
 
 }  // namespace k3::cuda::moe_detail
+
+namespace k3::cuda::moe_detail {
+
+// sm_120a native block-scaled W4A8 path (moe_gemm_sm120.cu). NEVER RUN ON HARDWARE.
+void launch_prep_x_mx(const Dims& d, const int32_t* m, const uint16_t* x, uint8_t* codes, uint8_t* scales,
+                      cudaStream_t s);
+void launch_fc1_sm120(const Dims& d, int block_n, const ActParams& act, const uint8_t* x_codes,
+                      const uint8_t* x_scales, const int32_t* row_token, const int32_t* tile_expert,
+                      const uint8_t* fc1_q, const uint8_t* fc1_scale, uint8_t* act_codes, uint8_t* act_scales,
+                      cudaStream_t s);
+void launch_fc2_sm120(const Dims& d, int block_n, const uint8_t* act_codes, const uint8_t* act_scales,
+                      const int32_t* tile_expert, const uint8_t* fc2_q, const uint8_t* fc2_scale, float* y,
+                      cudaStream_t s);
+
+}  // namespace k3::cuda::moe_detail
