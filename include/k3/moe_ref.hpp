@@ -26,7 +26,7 @@
 // `out` is the FP64 finalize sum before the final rounding; round_output() applies that rounding
 // (once, directly from FP64, RNE) to BF16 / FP16 / FP32.
 //
-// Determinism: every output element is computed by one thread with a fixed summation order (8
+// Determinism: every output element is computed by one thread with a fixed summation order (32
 // interleaved partial sums over the reduction dimension, combined pairwise), so results are
 // bit-identical across runs and OpenMP thread counts.
 //

@@ -49,22 +49,34 @@ void dequant_fp4(const uint8_t* q, const uint8_t* s, int64_t rows, int64_t cols,
   }
 }
 
-// FP64 dot product with a fixed order: 8 interleaved partial sums, combined pairwise. n % 8 == 0
-// (n is K or N, multiples of 32). Products of the operands used here (MXFP8 / BF16 / FP32 values
-// times FP4 values) are exact in FP64; only the additions round.
+// FP64 dot product with a fixed order: 32 interleaved partial sums (partial j adds elements
+// j, j+32, ...), then combined as a balanced pairwise tree. n % 32 == 0 (n is K or N). 32
+// independent chains keep the adders busy (a single chain is bound by the add latency). Products
+// of the operands used here (MXFP8 / BF16 / FP32 values times FP4 values) are exact in FP64; only
+// the additions round.
+// On x86-64 with GCC the function is also built for AVX2 and AVX-512 (chosen at load time); each
+// partial sum sees the same additions in the same order whatever the vector width, so every
+// variant returns the same bits.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
 double dot(const double* a, const float* b, int64_t n) {
-  std::array<double, 8> acc{};
-  for (int64_t i = 0; i < n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * static_cast<double>(b[i + j]);
+  constexpr int kLanes = 32;
+  std::array<double, kLanes> acc{};
+  for (int64_t i = 0; i < n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * static_cast<double>(b[i + j]);
   }
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
+    for (int j = 0; j < width; ++j) acc[j] = acc[2 * j] + acc[2 * j + 1];
+  }
+  return acc[0];
 }
 
 // C[p, r] = dot(A[p, :], W[r, :]) for p < np, r < rows. A: [np, cols] FP64, W: [rows, cols] FP32,
 // C: [np, rows] FP64. Split over blocks of weight rows; each C element is written by one thread.
 void gemm_nt(const double* a, int64_t np, const float* w, int64_t rows, int64_t cols, double* c) {
   const int64_t nblocks = (rows + kRowBlock - 1) / kRowBlock;
-#pragma omp parallel for schedule(static) if (np * rows * cols >= 4 * kParallelMin)
+#pragma omp parallel for schedule(dynamic) if (np * rows * cols >= 4 * kParallelMin)
   for (int64_t rb = 0; rb < nblocks; ++rb) {
     const int64_t r0 = rb * kRowBlock, r1 = std::min(rows, r0 + kRowBlock);
     for (int64_t p = 0; p < np; ++p) {
