@@ -113,6 +113,7 @@ Result<MoeModelConfig> parse_impl(const std::string& json_text, const std::strin
 
   MoeModelConfig cfg;
   cfg.source = source;
+  cfg.synthetic = root.contains("k3_synthetic");
   const Keys top(root, source);
   K3_RETURN_IF_ERROR(top.get_string(&cfg.model_type, "model_type"));
   const auto tc = root.find("text_config");
