@@ -72,11 +72,27 @@ FILES = {
 }
 
 
+def write_reference_file():
+    """valid_reference_writer: written by the reference implementation (PyPI `safetensors`, Rust
+    core; committed output of safetensors 0.8.0). SafetensorsFile.ReadsTheReferenceWritersOutput
+    checks its contents. Skipped when the module is not installed."""
+    try:
+        import numpy as np
+        from safetensors.numpy import save_file
+    except ImportError:
+        print("safetensors / numpy not installed: valid_reference_writer left as committed")
+        return
+    save_file({"a": np.arange(12, dtype=np.uint8).reshape(3, 4), "b": np.full((2, 5), 1.5, dtype=np.float32),
+               "c": np.zeros((0, 3), dtype=np.int64), "s": np.array(3.0, dtype=np.float64)},
+              os.path.join(OUT, "valid_reference_writer.safetensors"), metadata={"format": "np"})
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
     for name, data in FILES.items():
         with open(os.path.join(OUT, name + ".safetensors"), "wb") as f:
             f.write(data)
+    write_reference_file()
     print(f"wrote {len(FILES)} files to {os.path.normpath(OUT)}")
 
 
