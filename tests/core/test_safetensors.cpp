@@ -293,7 +293,7 @@ TEST(SafetensorsFile, OpenErrorsNameTheFile) {
 }
 
 TEST(SafetensorsFile, ReadsTheReferenceWritersOutput) {
-  // Written by PyPI `safetensors` 0.8.0 (scripts/make_safetensors_corpus.py): header padded with
+  // Written by PyPI `safetensors` 0.8.0 (scripts/make_fuzz_corpus.py): header padded with
   // spaces, tensors ordered by alignment, a zero-size tensor and a scalar.
   auto f = File::open(std::string(K3_TEST_DATA_DIR) + "/safetensors_corpus/valid_reference_writer.safetensors");
   ASSERT_TRUE(f) << f.status().to_string();
@@ -383,6 +383,10 @@ TEST(SafetensorsCheckpoint, IndexErrors) {
   EXPECT_HAS(Checkpoint::open(dir.str()).status().message(), "\"weight_map\" must be an object");
   test::write_text(index, R"({"metadata":{}})");
   EXPECT_HAS(Checkpoint::open(dir.str()).status().message(), "missing \"weight_map\"");
+  test::write_text(index, R"({"weight_map":{"a":)" + std::string(5000, '[') + std::string(5000, ']') + "}}");
+  EXPECT_HAS(Checkpoint::open(dir.str()).status().message(), "JSON nests 5002 levels deep (limit 64)");
+  test::write_text(index, R"({"weight_map":{"a":[1,2]}})");
+  EXPECT_HAS(Checkpoint::open(dir.str()).status().message(), "tensor 'a': shard [1,2] must be a file name");
   test::write_text(index, "{nope");
   EXPECT_HAS(Checkpoint::open(dir.str()).status().message(), "model.safetensors.index.json: not valid JSON");
 

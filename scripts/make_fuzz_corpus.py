@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
-"""Writes the seed corpus tests/data/safetensors_corpus/: tiny valid (valid_*) and malformed
-(bad_*) safetensors files. The unit test SafetensorsCorpus.ReplaysEveryFile requires every valid_*
-file to parse and every bad_* file to give an error; scripts/fuzz.sh starts from this corpus.
+"""Writes the fuzzing seed corpora: tests/data/safetensors_corpus/ (tiny valid_* and malformed bad_*
+safetensors files) and tests/data/model_config_corpus/ (config.json texts). The unit tests
+SafetensorsCorpus.ReplaysEveryFile / ModelConfigCorpus.ReplaysEveryFile require every valid_* file
+to parse and every bad_* file to give an error; scripts/fuzz.sh starts from these corpora.
 Re-running it rewrites the generated files (fuzzer crashers added by hand are kept)."""
 import json
 import os
 import struct
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "safetensors_corpus")
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data")
+OUT = os.path.join(DATA, "safetensors_corpus")
+CONFIG_OUT = os.path.join(DATA, "model_config_corpus")
 
 
 def image(header, data=b"", header_len=None, pad=True):
@@ -72,6 +75,47 @@ FILES = {
 }
 
 
+KIMI_TEXT = {
+    "model_type": "kimi_linear", "hidden_size": 7168, "num_hidden_layers": 93, "num_experts": 896,
+    "num_experts_per_token": 16, "moe_intermediate_size": 3072, "routed_expert_hidden_size": 3584,
+    "num_shared_experts": 2, "first_k_dense_replace": 1, "moe_router_activation_func": "sigmoid",
+    "num_expert_group": 1, "topk_group": 1, "moe_renormalize": True, "routed_scaling_factor": 1.0,
+    "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0, "rms_norm_eps": 1e-5,
+    "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+                            "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float",
+                                                                      "group_size": 32}}}}}
+DEEPSEEK = {
+    "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "n_routed_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "n_group": 8,
+    "topk_group": 4, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "hidden_act": "silu"}
+
+
+def without(d, key):
+    return {k: v for k, v in d.items() if k != key}
+
+
+CONFIGS = {
+    "valid_kimi_k3": {"model_type": "kimi_k3", "text_config": KIMI_TEXT},
+    "valid_deepseek_v3": DEEPSEEK,
+    "bad_missing_num_experts": {"model_type": "kimi_k3", "text_config": without(KIMI_TEXT, "num_experts")},
+    "bad_string_top_k": dict(DEEPSEEK, num_experts_per_tok="8"),
+    "bad_topk_over_experts": dict(DEEPSEEK, num_experts_per_tok=300),
+    "bad_groups": dict(DEEPSEEK, n_group=7),
+    "bad_text_config_not_object": {"model_type": "kimi_k3", "text_config": [1]},
+    "bad_not_json": "{\"model_type\": ",
+    "bad_deep": "[" * 100 + "]" * 100,
+}
+
+
+def write_configs():
+    os.makedirs(CONFIG_OUT, exist_ok=True)
+    for name, value in CONFIGS.items():
+        text = value if isinstance(value, str) else json.dumps(value, indent=1)
+        with open(os.path.join(CONFIG_OUT, name + ".json"), "w") as f:
+            f.write(text)
+
+
 def write_reference_file():
     """valid_reference_writer: written by the reference implementation (PyPI `safetensors`, Rust
     core; committed output of safetensors 0.8.0). SafetensorsFile.ReadsTheReferenceWritersOutput
@@ -93,7 +137,8 @@ def main():
         with open(os.path.join(OUT, name + ".safetensors"), "wb") as f:
             f.write(data)
     write_reference_file()
-    print(f"wrote {len(FILES)} files to {os.path.normpath(OUT)}")
+    write_configs()
+    print(f"wrote {len(FILES)} files to {os.path.normpath(OUT)}, {len(CONFIGS)} to {os.path.normpath(CONFIG_OUT)}")
 
 
 if __name__ == "__main__":
