@@ -133,8 +133,9 @@ Result<MoeLayerWeights> load_impl(const std::string& checkpoint_dir, int layer, 
         ", " + std::to_string(e0 + e_local) + ")): experts " + format_id_ranges(missing) + "; first missing tensor '" +
         first_missing + "'; the checkpoint holds " +
         (held.empty() ? std::string("no experts of this layer") : "experts " + format_id_ranges(held)) +
-        " (write them with `k3 checkpoint synth --layers " + std::to_string(layer) + " --ep-size " +
-        std::to_string(ep_size) + " --ep-rank " + std::to_string(ep_rank) + "` for a synthetic one)");
+        (c.synthetic ? " (a synthetic checkpoint: write them with `k3 checkpoint synth --layers " + std::to_string(layer) +
+                           " --ep-size " + std::to_string(ep_size) + " --ep-rank " + std::to_string(ep_rank) + "`)"
+                     : std::string()));
   }
 
   // Check dtype and shape of every tensor before copying; collect all problems.
