@@ -56,6 +56,11 @@ const char* oracle_kind_name(OracleKind k);  // "contract" / "bf16_reference"
 Status moe_oracle(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, OracleKind kind,
                   std::span<double> out);
 
+// Both oracles in one pass (steps 1-2 are shared, so this costs about 2/3 of two calls); each
+// output is bit-identical to its moe_oracle() result.
+Status moe_oracles(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<double> contract,
+                   std::span<double> bf16_reference);
+
 // Rounds FP64 values once (RNE, overflow to +-Inf, NaN -> the canonical 0x7FFF / 0x7FC00000) to
 // the output dtype; writes little-endian bytes, out.size() == in.size() * out_dtype_size(dtype).
 // Sizes that do not match write nothing (the function is total on valid sizes only).
