@@ -112,6 +112,7 @@ struct PrefillShape {
 Result<PrefillShape> validate_prefill(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out);
 
 // ---- references (token-recurrent, exactly the recurrence above) ----------------------------
+// Threads over (sequence, head) with default_thread_count(); results do not depend on it.
 // FP64: every input widened exactly, all arithmetic in double.
 Status reference_fp64(const KdaConfig& cfg, const KdaInputs& in, std::span<double> o /* [T, H, V] */,
                       std::span<double> final_state /* like KdaOutputs::final_state; may be empty */);
@@ -146,6 +147,7 @@ Result<CpuPlan> make_cpu_plan(const KdaConfig& cfg, const CpuOptions& opt = {});
 Status prefill(const CpuPlan& plan, const KdaInputs& in, const KdaOutputs& out, std::span<float> workspace);
 
 // Decode, one token per sequence, state pool updated in place. Slots not named are not touched.
+// Decode and verify are always token-recurrent (CpuPlan::algorithm applies to prefill).
 struct DecodeArgs {
   KdaInputs in;                            // N tokens ([N, H, K] ...); cu_seqlens, initial_state empty
   std::span<float> state_pool;             // [slots, H, K, V] or [slots, H, V, K] FP32

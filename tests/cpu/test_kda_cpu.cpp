@@ -61,19 +61,19 @@ Result2 run_ref32(const KdaCase& c) {
 TEST(KdaCpu, PrefillMatchesReferenceOnEveryLevel) {
   struct Shape { int64_t h, k, v; std::vector<int64_t> lens; std::vector<int64_t> resets; };
   const Shape shapes[] = {{3, 60, 100, {63}, {}}, {2, 32, 48, {15, 40, 0, 17}, {20, 21}}, {1, 100, 20, {37}, {5, 36}}};
-  for (IsaLevel isa : levels()) {
-    for (const auto& sh : shapes) {
-      for (GateMode gate : {GateMode::kLogDecay, GateMode::kSafe, GateMode::kSoftplus}) {
-        for (StateLayout layout : {StateLayout::kKFirst, StateLayout::kVFirst}) {
-          for (bool bf16 : {true, false}) {
-            CaseSpec s;
-            s.cfg = cfg(sh.h, sh.k, sh.v, gate, layout);
-            s.seqlens = sh.lens;
-            s.resets = sh.resets;
-            s.bf16 = bf16;
-            s.seed = 7 + sh.k;
-            const KdaCase c = make_case(s);
-            const Result2 ref = run_ref32(c);
+  for (const auto& sh : shapes) {
+    for (GateMode gate : {GateMode::kLogDecay, GateMode::kSafe, GateMode::kSoftplus}) {
+      for (StateLayout layout : {StateLayout::kKFirst, StateLayout::kVFirst}) {
+        for (bool bf16 : {true, false}) {
+          CaseSpec s;
+          s.cfg = cfg(sh.h, sh.k, sh.v, gate, layout);
+          s.seqlens = sh.lens;
+          s.resets = sh.resets;
+          s.bf16 = bf16;
+          s.seed = 7 + sh.k;
+          const KdaCase c = make_case(s);
+          const Result2 ref = run_ref32(c);
+          for (IsaLevel isa : levels()) {
             for (Algorithm algo : {Algorithm::kRecurrent, Algorithm::kChunked}) {
               const Result2 out = run_cpu(c, opts(isa, algo));
               const auto eo = compare(out.o, ref.o), ef = compare(out.f, ref.f);
