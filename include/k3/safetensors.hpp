@@ -121,6 +121,7 @@ class Writer {
     Fill fill;
   };
   Status check_new(const std::string& name, DType dtype, const std::vector<int64_t>& shape, int64_t* nbytes) const;
+  Status write_unchecked(const std::string& path) const;
 
   std::vector<Entry> entries_;
   std::set<std::string> names_;

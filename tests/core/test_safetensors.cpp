@@ -259,7 +259,10 @@ TEST(SafetensorsFile, WriterRejectsBadTensors) {
   EXPECT_FALSE(w.add("__metadata__", DType::kU8, {0}, {}).is_ok());
   EXPECT_FALSE(w.add("", DType::kU8, {0}, {}).is_ok());
   EXPECT_FALSE(w.add_deferred("d", DType::kU8, {1}, nullptr).is_ok());
+  EXPECT_HAS(w.add("bad\xff", DType::kU8, {0}, {}).message(), "not valid UTF-8");
   EXPECT_EQ(w.size(), 1u);
+  w.set_metadata({{"k", "\xfe"}});
+  EXPECT_HAS(w.write("/nonexistent/never.safetensors").message(), "metadata is not valid UTF-8");
 }
 
 TEST(SafetensorsFile, FailedFillLeavesNoFile) {

@@ -21,6 +21,16 @@ struct FileCloser {
   }
 };
 
+// The header is JSON: names and metadata must be valid UTF-8 (nlohmann's dump would throw).
+bool valid_utf8(const std::string& s) {
+  try {
+    (void)nlohmann::json(s).dump();
+    return true;
+  } catch (const nlohmann::json::exception&) {
+    return false;
+  }
+}
+
 }  // namespace
 
 Status Writer::check_new(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
@@ -28,6 +38,7 @@ Status Writer::check_new(const std::string& name, DType dtype, const std::vector
   if (name.empty()) return invalid_argument("safetensors writer: tensor name must not be empty");
   if (name == "__metadata__") return invalid_argument("safetensors writer: '__metadata__' is reserved");
   if (names_.count(name)) return invalid_argument("safetensors writer: tensor '" + name + "' added twice");
+  if (!valid_utf8(name)) return invalid_argument("safetensors writer: a tensor name is not valid UTF-8");
   int64_t n = dtype_size(dtype);
   if (n == 0) return invalid_argument("safetensors writer: tensor '" + name + "': unknown dtype");
   for (const int64_t d : shape) {
@@ -73,6 +84,19 @@ int64_t Writer::data_bytes() const {
 }
 
 Status Writer::write(const std::string& path) const {
+  try {
+    return write_unchecked(path);
+  } catch (const std::exception& e) {  // std::bad_alloc and the like; nothing crosses the API
+    std::error_code ec;
+    std::filesystem::remove(path + ".tmp", ec);
+    return io_error(path + ": write failed: " + e.what());
+  }
+}
+
+Status Writer::write_unchecked(const std::string& path) const {
+  for (const auto& [k, v] : metadata_) {
+    if (!valid_utf8(k) || !valid_utf8(v)) return invalid_argument("safetensors writer: metadata is not valid UTF-8");
+  }
   // Header: keys in insertion order (ordered_json), "__metadata__" first when present.
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata_.empty()) header["__metadata__"] = metadata_;
