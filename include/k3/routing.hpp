@@ -1,7 +1,7 @@
 // k3/routing.hpp — the Kimi-K3 / DeepSeek-V3 ("noaux_tc") router (spec/moe.md, "Routing").
 //
 // Per token, all in FP32:
-//   s      = sigmoid(logits) = 1 / (1 + exp(-logit))        per expert
+//   s      = sigmoid(logits) = 1 / (1 + exp(-logit))        per expert (k3::sigmoid_f32)
 //   choice = s + e_score_correction_bias                      the bias only ranks experts
 //   groups (n_group > 1): experts [g*E/n_group, (g+1)*E/n_group) form group g; its score is the
 //          sum of its two best choices (the best one if a group holds one expert); the topk_group
@@ -62,7 +62,8 @@ Status route(const RoutingConfig& cfg, int64_t m, std::span<const float> logits,
 Status router_logits(int64_t m, int64_t hidden, int num_experts, std::span<const uint16_t> x,
                      std::span<const uint16_t> gate, std::span<float> logits);
 
-// The FP32 sigmoid used by route() (1 / (1 + exp(-x))); exposed so other implementations can match it.
+// The FP32 sigmoid used by route(): k3::sigmoid_f32 (k3/portable_math.hpp), 1 / (1 + exp(-x)) from
+// IEEE operations only, so CPU and CUDA routers agree bit for bit.
 float router_sigmoid(float x);
 
 }  // namespace k3

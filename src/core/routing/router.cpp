@@ -7,11 +7,13 @@
 #include <vector>
 
 #include "k3/formats.hpp"
+#include "k3/portable_math.hpp"
 #include "k3/routing.hpp"
 
 namespace k3 {
 
-float router_sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+// Built from IEEE operations only (k3/portable_math.hpp), so the CUDA router matches it bit for bit.
+float router_sigmoid(float x) { return sigmoid_f32(x); }
 
 namespace {
 
