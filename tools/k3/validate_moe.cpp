@@ -12,9 +12,9 @@
 #include "k3/digest.hpp"
 #include "k3/formats.hpp"
 #include "k3/moe_case.hpp"
+#include "k3/moe_compare.hpp"
 #include "k3/moe_ref.hpp"
 #include "moe_backends.hpp"
-#include "moe_compare.hpp"
 #include "validate.hpp"
 #include "validate_moe_checkpoint.hpp"
 
@@ -324,8 +324,8 @@ std::vector<ValidateRow> run_moe(const ValidateOptions& o) {
   const Selection sel = select(o, rows);
   check_requirements(o, sel, rows);
   if (sel.recipes.empty() || sel.acts.empty()) return rows;
-  if (sel.backends.empty() && o.backend == "all") {
-    rows.push_back(make_row("backends", "-", false, "no usable fused-MoE backend"));
+  if (sel.backends.empty()) {  // a named backend that is unknown or unusable already has its FAIL row
+    if (o.backend == "all") rows.push_back(make_row("backends", "-", false, "no usable fused-MoE backend"));
     return rows;
   }
   Runner run{sel, rows};

@@ -1,5 +1,6 @@
-// Comparing a backend's fused-MoE output (bytes of the output dtype) with the FP64 oracles, and
-// the named tolerances of `k3 validate --op moe` (docs/moe.md, "Tolerances").
+// k3/moe_compare.hpp — comparing a backend's fused-MoE output (bytes of the output dtype) with the
+// FP64 oracles of k3/moe_ref.hpp, and the named tolerances of `k3 validate --op moe` (docs/moe.md,
+// "Tolerances"). Backend tests use the same functions, so a unit test and the CLI judge alike.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +10,7 @@
 
 #include "k3/moe.hpp"
 
-namespace k3::tool {
+namespace k3 {
 
 struct MoeMetrics {
   double cosine = 1.0;
@@ -48,4 +49,4 @@ bool within(const MoeMetrics& m, const MoeTolerance& t, std::string* why);
 // Rows of a problem that hold no local slot (EP-remote or masked only): they must be +0.0.
 std::vector<bool> rows_without_local_slot(const MoeShape& shape, const MoeInputsView& in);
 
-}  // namespace k3::tool
+}  // namespace k3

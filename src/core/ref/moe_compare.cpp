@@ -1,4 +1,4 @@
-#include "moe_compare.hpp"
+#include "k3/moe_compare.hpp"
 
 #include <cmath>
 #include <cstdio>
@@ -7,7 +7,7 @@
 #include "k3/formats.hpp"
 #include "k3/moe_ref.hpp"
 
-namespace k3::tool {
+namespace k3 {
 
 namespace {
 
@@ -112,4 +112,4 @@ std::vector<bool> rows_without_local_slot(const MoeShape& shape, const MoeInputs
   return zero;
 }
 
-}  // namespace k3::tool
+}  // namespace k3
