@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "k3/moe.hpp"
+#include "k3/status.hpp"
 
 namespace k3 {
 
@@ -27,7 +28,8 @@ struct MoeMetrics {
 
 // out: M*K values of `dtype` (little-endian bytes); ref: M*K FP64 (before rounding);
 // zero_rows: [M] true for rows that must be exactly +0.0 (no local slot); may be empty.
-MoeMetrics compare_moe_output(std::span<const uint8_t> out, OutDType dtype, std::span<const double> ref,
+// Errors: out.size() != ref.size() * dtype size, or ref.size() not a multiple of zero_rows.size().
+Result<MoeMetrics> compare_moe_output(std::span<const uint8_t> out, OutDType dtype, std::span<const double> ref,
                               const std::vector<bool>& zero_rows);
 
 // Contract tolerances: what a correct FP32-accumulating backend can differ from the FP64 oracle
@@ -47,6 +49,7 @@ MoeTolerance seed_tolerance(Recipe r);
 bool within(const MoeMetrics& m, const MoeTolerance& t, std::string* why);
 
 // Rows of a problem that hold no local slot (EP-remote or masked only): they must be +0.0.
+// Reads at most topk_ids.size() ids; a shape failing validate_moe_shape reports every row.
 std::vector<bool> rows_without_local_slot(const MoeShape& shape, const MoeInputsView& in);
 
 }  // namespace k3

@@ -21,7 +21,7 @@ TEST(MoeCompare, RoundedOracleIsExactAndPasses) {
   std::vector<double> ref;
   for (int i = 0; i < 300; ++i) ref.push_back(std::sin(i * 0.37) * 3.0);
   for (OutDType d : {OutDType::kBF16, OutDType::kFP16, OutDType::kFP32}) {
-    const MoeMetrics m = compare_moe_output(rounded(ref, d), d, ref, {});
+    const MoeMetrics m = compare_moe_output(rounded(ref, d), d, ref, {}).value();
     EXPECT_EQ(m.exact, 300);
     EXPECT_EQ(m.total, 300);
     EXPECT_GT(m.cosine, 0.99999);
@@ -39,7 +39,7 @@ TEST(MoeCompare, EachBoundCatchesItsViolation) {
   std::vector<double> off = ref;
   for (double& v : off) v *= 1.03;
   std::string why;
-  EXPECT_FALSE(within(compare_moe_output(rounded(off, OutDType::kFP32), OutDType::kFP32, ref, {}),
+  EXPECT_FALSE(within(compare_moe_output(rounded(off, OutDType::kFP32), OutDType::kFP32, ref, {}).value(),
                       contract_tolerance(OutDType::kFP32), &why));
   EXPECT_NE(why.find("contract-fp32: nrmse"), std::string::npos) << why;
   // One element off by 0.5 (max|ref| = 7): max abs, while NRMSE stays small.
@@ -49,14 +49,14 @@ TEST(MoeCompare, EachBoundCatchesItsViolation) {
   for (size_t i = 0; i < big.size(); ++i) big[i] = ref[i % ref.size()];
   std::vector<double> big_off = big;
   big_off[10] += 0.5;
-  const MoeMetrics m = compare_moe_output(rounded(big_off, OutDType::kFP32), OutDType::kFP32, big, {});
+  const MoeMetrics m = compare_moe_output(rounded(big_off, OutDType::kFP32), OutDType::kFP32, big, {}).value();
   EXPECT_LT(m.nrmse, 2e-3);
   EXPECT_FALSE(within(m, contract_tolerance(OutDType::kFP32), &why));
   EXPECT_NE(why.find("max abs"), std::string::npos) << why;
   // NaN where the oracle is finite: class mismatch.
   off = ref;
   off[3] = NAN;
-  const MoeMetrics n = compare_moe_output(rounded(off, OutDType::kBF16), OutDType::kBF16, ref, {});
+  const MoeMetrics n = compare_moe_output(rounded(off, OutDType::kBF16), OutDType::kBF16, ref, {}).value();
   EXPECT_EQ(n.nonfinite, 1);
   EXPECT_EQ(n.nonfinite_mismatch, 1);
   EXPECT_FALSE(within(n, contract_tolerance(OutDType::kBF16), &why));
@@ -65,7 +65,7 @@ TEST(MoeCompare, EachBoundCatchesItsViolation) {
   std::vector<double> ref2 = ref;
   ref2[3] = NAN;
   ref2[4] = -INFINITY;
-  const MoeMetrics ok = compare_moe_output(rounded(ref2, OutDType::kBF16), OutDType::kBF16, ref2, {});
+  const MoeMetrics ok = compare_moe_output(rounded(ref2, OutDType::kBF16), OutDType::kBF16, ref2, {}).value();
   EXPECT_EQ(ok.nonfinite_mismatch, 0);
   EXPECT_TRUE(within(ok, contract_tolerance(OutDType::kBF16), &why)) << why;
 }
@@ -74,13 +74,25 @@ TEST(MoeCompare, ZeroRowsMustBePositiveZeroBitForBit) {
   const std::vector<double> ref = {0.0, 0.0, 1.0, 2.0};  // 2 rows of K = 2; row 0 has no local slot
   std::vector<uint8_t> out = rounded(ref, OutDType::kBF16);
   const std::vector<bool> zero_rows = {true, false};
-  EXPECT_EQ(compare_moe_output(out, OutDType::kBF16, ref, zero_rows).zero_row_violations, 0);
+  EXPECT_EQ(compare_moe_output(out, OutDType::kBF16, ref, zero_rows).value().zero_row_violations, 0);
   out[1] = 0x80;  // -0.0: numerically equal, but not what the contract writes
-  const MoeMetrics m = compare_moe_output(out, OutDType::kBF16, ref, zero_rows);
+  const MoeMetrics m = compare_moe_output(out, OutDType::kBF16, ref, zero_rows).value();
   EXPECT_EQ(m.zero_row_violations, 1);
   std::string why;
   EXPECT_FALSE(within(m, contract_tolerance(OutDType::kBF16), &why));
   EXPECT_NE(why.find("not +0.0"), std::string::npos) << why;
+}
+
+TEST(MoeCompare, SizeErrors) {
+  const std::vector<double> ref(6, 1.0);
+  const std::vector<uint8_t> out(11);
+  EXPECT_NE(compare_moe_output(out, OutDType::kBF16, ref, {}).status().message().find("out has 11 bytes, expected 6"),
+            std::string::npos);
+  EXPECT_NE(compare_moe_output(std::vector<uint8_t>(12), OutDType::kBF16, ref, std::vector<bool>(4))
+                .status()
+                .message()
+                .find("6 values do not split into 4 rows"),
+            std::string::npos);
 }
 
 TEST(MoeCompare, RowsWithoutLocalSlot) {

@@ -142,8 +142,13 @@ struct Runner {
       if (!supported(*b, c, name) || !run_backend(*b, c, name, out)) continue;
       auto add = [&](const std::string& case_name, const std::vector<double>& against, const MoeTolerance& tol,
                      bool check_zero_rows) {
-        const MoeMetrics m =
+        const auto cmp =
             compare_moe_output(out, c.problem.out_dtype, against, check_zero_rows ? zero_rows : std::vector<bool>{});
+        if (!cmp.is_ok()) {
+          rows.push_back(make_row(case_name, b->name, false, cmp.status().to_string()));
+          return;
+        }
+        const MoeMetrics& m = cmp.value();
         std::string why;
         const bool ok = within(m, tol, &why);
         ValidateRow r = make_row(case_name, b->name, ok, why + "; " + m.summary());
