@@ -232,6 +232,24 @@ TEST(Router, NonFiniteLogitsFollowTheDocumentedPolicy) {
   for (int i = 0; i < 16; ++i) EXPECT_NE(rb.ids[i], 5);
 }
 
+TEST(Router, GroupsWithoutANonNanChoiceAreNeverKept) {
+  // 16 experts in 4 groups, keep 2, top-4. Group 0 is all NaN, group 3 has one NaN and otherwise the
+  // best scores: groups 3 and then the best of 1 / 2 are kept; NaN never selected.
+  RoutingConfig cfg{16, 4, 4, 2, true, 1.0f};
+  std::vector<float> lg = {NAN, NAN, NAN, NAN, 0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.1f, 0.0f, 0.0f, NAN, 3.f, 2.f, 1.f};
+  const auto r = run_route(cfg, 1, lg, {});
+  expect_same(r, naive_route(cfg, 1, lg, {}));
+  EXPECT_EQ(r.ids, (std::vector<int32_t>{13, 14, 15, 7}));  // group 1 (0.3 + 0.4) beats group 2 (0.5 + 0.1)
+  // Only one group has non-NaN choices and it holds 2 experts: 2 slots, then masked ones.
+  RoutingConfig c2{8, 3, 4, 2, true, 1.0f};
+  std::vector<float> l2(8, NAN);
+  l2[2] = 1.f;
+  l2[3] = 2.f;
+  const auto r2 = run_route(c2, 1, l2, {});
+  expect_same(r2, naive_route(c2, 1, l2, {}));
+  EXPECT_EQ(r2.ids, (std::vector<int32_t>{3, 2, -1}));
+}
+
 TEST(Router, LargestAndSmallestConfigs) {
   RoutingConfig big{4096, 32, 1, 1, true, 1.0f};
   const auto lb = random_logits(3, 4096, 8);

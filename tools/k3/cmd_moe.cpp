@@ -19,6 +19,7 @@
 #include "k3/build_info.hpp"
 #include "k3/checkpoint.hpp"
 #include "k3/digest.hpp"
+#include "k3/expert_map.hpp"
 #include "k3/formats.hpp"
 #include "k3/routing.hpp"
 #include "k3/safetensors.hpp"
@@ -208,6 +209,9 @@ int run_moe(const MoeRunArgs& a) {
   std::printf("k3 moe run: layer %d EP%d rank %d, M %lld, top-%d, %s %s -> %s, backend %s, %.3f s\n", a.layer,
               a.ep_size, a.ep_rank, static_cast<long long>(in->m), in->top_k, recipe_name(p.recipe),
               activation_name(p.activation.kind), out_dtype_name(p.out_dtype), backend->name.c_str(), secs);
+  if (auto map = map_expert_parallel(p.shape, in->m, in->topk_ids); map.is_ok()) {
+    std::printf("%s\n", map->to_string().c_str());
+  }
   std::printf("out sha256 %s -> %s\n", sha256_hex(out).c_str(), a.output.c_str());
   return 0;
 }

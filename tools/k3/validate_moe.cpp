@@ -12,9 +12,9 @@
 #include "k3/digest.hpp"
 #include "k3/formats.hpp"
 #include "k3/moe_case.hpp"
+#include "k3/moe_compare.hpp"
 #include "k3/moe_ref.hpp"
 #include "moe_backends.hpp"
-#include "moe_compare.hpp"
 #include "validate.hpp"
 #include "validate_moe_checkpoint.hpp"
 
@@ -142,8 +142,13 @@ struct Runner {
       if (!supported(*b, c, name) || !run_backend(*b, c, name, out)) continue;
       auto add = [&](const std::string& case_name, const std::vector<double>& against, const MoeTolerance& tol,
                      bool check_zero_rows) {
-        const MoeMetrics m =
+        const auto cmp =
             compare_moe_output(out, c.problem.out_dtype, against, check_zero_rows ? zero_rows : std::vector<bool>{});
+        if (!cmp.is_ok()) {
+          rows.push_back(make_row(case_name, b->name, false, cmp.status().to_string()));
+          return;
+        }
+        const MoeMetrics& m = cmp.value();
         std::string why;
         const bool ok = within(m, tol, &why);
         ValidateRow r = make_row(case_name, b->name, ok, why + "; " + m.summary());
@@ -324,8 +329,8 @@ std::vector<ValidateRow> run_moe(const ValidateOptions& o) {
   const Selection sel = select(o, rows);
   check_requirements(o, sel, rows);
   if (sel.recipes.empty() || sel.acts.empty()) return rows;
-  if (sel.backends.empty() && o.backend == "all") {
-    rows.push_back(make_row("backends", "-", false, "no usable fused-MoE backend"));
+  if (sel.backends.empty()) {  // a named backend that is unknown or unusable already has its FAIL row
+    if (o.backend == "all") rows.push_back(make_row("backends", "-", false, "no usable fused-MoE backend"));
     return rows;
   }
   Runner run{sel, rows};

@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "k3/checkpoint.hpp"
+#include "k3/expert_map.hpp"
 #include "k3/formats.hpp"
 #include "k3/routing.hpp"
 #include "moe_layer.hpp"
@@ -78,10 +79,15 @@ void validate_on_checkpoint(const ValidateOptions& o, const std::vector<Recipe>&
       rows.push_back(fail_row(tag + " m" + std::to_string(m) + " inputs", st.to_string()));
       continue;
     }
+    // The number of this rank's slots goes into the name: with real routing a small M may hold none
+    // (then the output is all zeros and the row only checks that).
+    auto map = map_expert_parallel(c.problem.shape, c.m, c.topk_ids);
+    const std::string name = tag + " m" + std::to_string(m) + (l.router_weight.empty() ? " uniform" : " routed") +
+                             " loc" + std::to_string(map.is_ok() ? map->local_slots : -1);
     for (Recipe r : recipes) {
       c.problem.recipe = r;
-      std::fprintf(stderr, "k3 validate moe: %s m%lld %s\n", tag.c_str(), static_cast<long long>(m), recipe_name(r));
-      check(tag + " m" + std::to_string(m) + (l.router_weight.empty() ? " uniform" : " routed"), c, true);
+      std::fprintf(stderr, "k3 validate moe: %s %s\n", name.c_str(), recipe_name(r));
+      check(name, c, true);
     }
   }
 }

@@ -1,13 +1,15 @@
-#include "moe_compare.hpp"
+#include "k3/moe_compare.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "k3/formats.hpp"
 #include "k3/moe_ref.hpp"
 
-namespace k3::tool {
+namespace k3 {
 
 namespace {
 
@@ -32,10 +34,18 @@ std::string MoeMetrics::summary() const {
   return buf;
 }
 
-MoeMetrics compare_moe_output(std::span<const uint8_t> out, OutDType dtype, std::span<const double> ref,
-                              const std::vector<bool>& zero_rows) {
+Result<MoeMetrics> compare_moe_output(std::span<const uint8_t> out, OutDType dtype, std::span<const double> ref,
+                                      const std::vector<bool>& zero_rows) {
   MoeMetrics m;
   const int size = out_dtype_size(dtype);
+  if (out.size() != ref.size() * static_cast<size_t>(size)) {
+    return invalid_argument("compare_moe_output: out has " + std::to_string(out.size()) + " bytes, expected " +
+                            std::to_string(ref.size()) + " values x " + std::to_string(size) + " bytes");
+  }
+  if (!zero_rows.empty() && ref.size() % zero_rows.size() != 0) {
+    return invalid_argument("compare_moe_output: " + std::to_string(ref.size()) + " values do not split into " +
+                            std::to_string(zero_rows.size()) + " rows");
+  }
   m.total = static_cast<int64_t>(ref.size());
   std::vector<uint8_t> rounded(ref.size() * size);
   round_output(ref, dtype, rounded);
@@ -103,13 +113,16 @@ bool within(const MoeMetrics& m, const MoeTolerance& t, std::string* why) {
 }
 
 std::vector<bool> rows_without_local_slot(const MoeShape& shape, const MoeInputsView& in) {
-  std::vector<bool> zero(in.m, true);
+  std::vector<bool> zero(std::max<int64_t>(in.m, 0), true);
+  if (!validate_moe_shape(shape).is_ok()) return zero;  // no valid rank layout: nothing is local
   const int first = shape.first_local_expert(), el = shape.local_experts();
-  for (int64_t i = 0; i < in.m * shape.top_k; ++i) {
+  // Bounded by the ids actually present (validate_moe_buffers checks their count elsewhere).
+  const int64_t n = std::min<int64_t>(in.m * shape.top_k, static_cast<int64_t>(in.topk_ids.size()));
+  for (int64_t i = 0; i < n; ++i) {
     const int32_t id = in.topk_ids[i];
     if (id >= first && id < first + el) zero[i / shape.top_k] = false;
   }
   return zero;
 }
 
-}  // namespace k3::tool
+}  // namespace k3

@@ -1,5 +1,6 @@
-// Comparing a backend's fused-MoE output (bytes of the output dtype) with the FP64 oracles, and
-// the named tolerances of `k3 validate --op moe` (docs/moe.md, "Tolerances").
+// k3/moe_compare.hpp — comparing a backend's fused-MoE output (bytes of the output dtype) with the
+// FP64 oracles of k3/moe_ref.hpp, and the named tolerances of `k3 validate --op moe` (docs/moe.md,
+// "Tolerances"). Backend tests use the same functions, so a unit test and the CLI judge alike.
 #pragma once
 
 #include <cstdint>
@@ -8,8 +9,9 @@
 #include <vector>
 
 #include "k3/moe.hpp"
+#include "k3/status.hpp"
 
-namespace k3::tool {
+namespace k3 {
 
 struct MoeMetrics {
   double cosine = 1.0;
@@ -26,7 +28,8 @@ struct MoeMetrics {
 
 // out: M*K values of `dtype` (little-endian bytes); ref: M*K FP64 (before rounding);
 // zero_rows: [M] true for rows that must be exactly +0.0 (no local slot); may be empty.
-MoeMetrics compare_moe_output(std::span<const uint8_t> out, OutDType dtype, std::span<const double> ref,
+// Errors: out.size() != ref.size() * dtype size, or ref.size() not a multiple of zero_rows.size().
+Result<MoeMetrics> compare_moe_output(std::span<const uint8_t> out, OutDType dtype, std::span<const double> ref,
                               const std::vector<bool>& zero_rows);
 
 // Contract tolerances: what a correct FP32-accumulating backend can differ from the FP64 oracle
@@ -46,6 +49,7 @@ MoeTolerance seed_tolerance(Recipe r);
 bool within(const MoeMetrics& m, const MoeTolerance& t, std::string* why);
 
 // Rows of a problem that hold no local slot (EP-remote or masked only): they must be +0.0.
+// Reads at most topk_ids.size() ids; a shape failing validate_moe_shape reports every row.
 std::vector<bool> rows_without_local_slot(const MoeShape& shape, const MoeInputsView& in);
 
-}  // namespace k3::tool
+}  // namespace k3
