@@ -1,5 +1,7 @@
 // The CUDA entry points of a build without nvcc: each reports that CUDA is not compiled in.
 #include "k3/cuda.hpp"
+#include "k3/cuda_bench.hpp"
+#include "k3/cuda_moe.hpp"
 
 namespace k3::cuda {
 namespace {
@@ -19,5 +21,25 @@ Status mx_dequantize(std::span<const uint8_t>, std::span<const uint8_t>, int64_t
                      std::span<float>) {
   return not_built();
 }
+
+struct DeviceWeights::Impl {};
+DeviceWeights::DeviceWeights() = default;
+DeviceWeights::DeviceWeights(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+DeviceWeights::~DeviceWeights() = default;
+DeviceWeights::DeviceWeights(DeviceWeights&&) noexcept = default;
+DeviceWeights& DeviceWeights::operator=(DeviceWeights&&) noexcept = default;
+
+Result<DeviceCaps> device_caps(int) { return not_built(); }
+Result<DeviceWeights> prepack(const MoePlan&, const MoeWeightsView&) { return not_built(); }
+Status run(const MoePlan&, const DeviceWeights&, const DeviceInputs&, void*, void*) { return not_built(); }
+Status run_host(const MoeProblem&, const MoeWeightsView&, const MoeInputsView&, std::span<uint8_t>) {
+  return not_built();
+}
+
+Result<DeviceTiming> time_device_copy(int64_t, int, int) { return not_built(); }
+Result<DeviceTiming> time_moe(const MoeProblem&, const MoeWeightsView&, const MoeInputsView&, int, int, int) {
+  return not_built();
+}
+Result<DeviceTiming> time_cublas_baseline(const MoeProblem&, std::span<const int64_t>, int, int) { return not_built(); }
 
 }  // namespace k3::cuda

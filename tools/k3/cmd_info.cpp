@@ -23,6 +23,9 @@ nlohmann::json info_json() {
   if (cuda::compiled()) j["backends"].push_back("cuda");
   j["cuda"]["compiled"] = cuda::compiled();
   j["cuda"]["archs"] = cuda::compiled_archs();
+  if (cuda::compiled()) {
+    j["cuda"]["moe_status"] = "compiled, never run on a GPU: unverified until scripts/device-check.sh passes";
+  }
   j["cpu"]["model"] = cpu.model;
   j["cpu"]["logical_cpus"] = cpu.logical_cpus;
   j["cpu"]["features"] = {{"avx2", f.avx2},         {"fma", f.fma},
@@ -56,6 +59,9 @@ void print_text(const nlohmann::json& j) {
   std::printf("backends:      %s\n", backends.c_str());
   std::printf("cuda archs:    %s\n", j["cuda"]["compiled"].get<bool>() ? j["cuda"]["archs"].get<std::string>().c_str()
                                                                            : "(not compiled)");
+  if (j["cuda"].contains("moe_status")) {
+    std::printf("cuda moe:      %s\n", j["cuda"]["moe_status"].get<std::string>().c_str());
+  }
   std::printf("cpu:           %s, %d logical CPUs\n", j["cpu"]["model"].get<std::string>().c_str(),
               j["cpu"]["logical_cpus"].get<int>());
   std::string feats;

@@ -1,0 +1,83 @@
+// k3/checkpoint.hpp — Kimi-K3 (and DeepSeek-V3-style) MoE checkpoints: the model facts from
+// config.json and one MoE layer's routed experts for one expert-parallel rank, loaded into the
+// FC1 / FC2 tensors of k3/moe.hpp (spec/moe.md, "Checkpoint tensors").
+//
+// Tensor names (w1 = gate, w3 = up, w2 = down; MXFP4 codes packed two per byte, E8M0 scales):
+//   {P}model.layers.{L}.block_sparse_moe.experts.{E}.w{1,2,3}.weight_packed   U8 [rows, cols/2]
+//   {P}model.layers.{L}.block_sparse_moe.experts.{E}.w{1,2,3}.weight_scale    U8 [rows, cols/32]
+//   {P}model.layers.{L}.block_sparse_moe.gate.weight                          BF16 [E, hidden_size]
+//   {P}model.layers.{L}.block_sparse_moe.gate.e_score_correction_bias         BF16 or F32 [E]
+// with P = "language_model." (Kimi-K3, a multimodal wrapper) or "" (text-only Kimi checkpoints);
+// w1 / w3 are [N, K], w2 is [K, N] (K = routed_expert_hidden_size, N = moe_intermediate_size).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "k3/moe.hpp"
+#include "k3/status.hpp"
+
+namespace k3 {
+
+// Model facts from config.json (Kimi-K3 spelling under "text_config", or DeepSeek-V3 spelling at top level).
+struct MoeModelConfig {
+  std::string model_type;            // "kimi_k3" / "deepseek_v3" / ...
+  int64_t hidden_size = 0;           // 7168
+  int64_t expert_hidden = 0;         // K: routed_expert_hidden_size (3584); hidden_size if absent in DeepSeek configs
+  int64_t intermediate = 0;          // N: moe_intermediate_size (3072)
+  int num_experts = 0;               // 896
+  int top_k = 0;                     // 16
+  int n_group = 1, topk_group = 1;
+  bool renormalize = true;
+  float routed_scaling_factor = 1.0f;
+  std::string scoring_func;          // "sigmoid"
+  std::string hidden_act;            // "situ" / "silu" / "swiglu"
+  float situ_beta = 4.0f, situ_linear_beta = 25.0f;
+  int num_hidden_layers = 0, first_k_dense_replace = 0;
+  // quantization_config (empty when the config has none): quant_method "compressed-tensors",
+  // format "mxfp4-pack-quantized", weight group size 32 (0 when not stated).
+  std::string quant_method;
+  std::string quant_format;
+  int quant_group_size = 0;
+  std::string source;                // the config.json path the facts came from
+};
+
+// Parses config.json text. `source` names the file in errors. A missing or mistyped key is an
+// error naming the key (both spellings where two exist), the object it was looked up in and the file.
+Result<MoeModelConfig> parse_model_config(const std::string& json_text, const std::string& source);
+// Reads `checkpoint_dir`/config.json (a path to a .safetensors file reads the config next to it).
+Result<MoeModelConfig> load_model_config(const std::string& checkpoint_dir);  // missing key -> error naming it
+
+// The MoeShape of `cfg` on EP rank `ep_rank` of `ep_size`, validated (validate_moe_shape).
+Result<MoeShape> moe_shape_from_config(const MoeModelConfig& cfg, int ep_size, int ep_rank);
+
+// Checkpoint tensor names with the Kimi-K3 prefix "language_model.". proj is 1 (gate), 2 (down) or 3 (up).
+std::string kimi_expert_tensor_name(int layer, int expert, int proj, bool scale, const std::string& prefix = "language_model.");
+std::string kimi_router_weight_name(int layer, const std::string& prefix = "language_model.");
+std::string kimi_router_bias_name(int layer, const std::string& prefix = "language_model.");
+
+// One MoE layer's routed experts for one EP rank, in the layout of k3/moe.hpp (FC1 = [gate; up]).
+struct MoeLayerWeights {
+  MoeShape shape;                    // hidden = K, intermediate = N, num_experts, top_k, ep_size, ep_rank
+  std::vector<uint8_t> fc1_q;        // [E_local, 2N, K/2]
+  std::vector<uint8_t> fc1_scale;    // [E_local, 2N, K/32]
+  std::vector<uint8_t> fc2_q;        // [E_local, K, N/2]
+  std::vector<uint8_t> fc2_scale;    // [E_local, K, N/32]
+  std::vector<uint16_t> router_weight;  // [E, hidden_size] BF16 bits (empty if the checkpoint lacks it)
+  std::vector<float> router_bias;       // [E] e_score_correction_bias as FP32 (empty if absent)
+  MoeModelConfig config;             // the facts the layer was loaded with
+  int layer = 0;
+  MoeWeightsView view() const;
+};
+
+// Loads layer `layer` for EP rank `ep_rank` of `ep_size` (global experts [r*E_local, (r+1)*E_local)).
+// Errors: the layer is dense or out of range; experts the rank needs are missing (all named, as
+// ranges, with the experts the checkpoint does hold for that layer); a tensor with the wrong
+// dtype or shape (each named with what was expected); a quantization format other than MXFP4.
+Result<MoeLayerWeights> load_moe_layer(const std::string& checkpoint_dir, int layer, int ep_size, int ep_rank);
+
+// "3, 7-9, 12" for a sorted list of ids; after `max_ranges` ranges "... (N more)".
+std::string format_id_ranges(const std::vector<int>& sorted_ids, int max_ranges = 12);
+
+}  // namespace k3

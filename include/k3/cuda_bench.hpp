@@ -1,0 +1,35 @@
+// k3/cuda_bench.hpp — device-side timing helpers for `k3 bench moe --backend cuda` and
+// scripts/device-check.sh: the fused-MoE run, and the two baselines measured in the same run
+// (spec/validation.md): a large device-to-device copy (memory bandwidth limit) and cuBLAS BF16
+// GEMMs per expert on pre-dequantized weights. NOT YET RUN ON A GPU.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "k3/moe.hpp"
+#include "k3/status.hpp"
+
+namespace k3::cuda {
+
+struct DeviceTiming {
+  double median_s = 0, min_s = 0, max_s = 0;
+  int iterations = 0;
+};
+
+// Device-to-device copy of `bytes`; returns bytes read + written per second (median of iters).
+Result<DeviceTiming> time_device_copy(int64_t bytes, int warmup, int iters);
+
+// Times k3::cuda::run for one problem on device 0 with CUDA events (inputs and weights uploaded
+// once; `weight_copies` > 1 rotates among that many weight copies so decode never hits L2).
+Result<DeviceTiming> time_moe(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, int warmup,
+                              int iters, int weight_copies);
+
+// cuBLAS baseline: for each local expert e with rows[e] > 0, FC1 [rows, K] x [K, 2N] and FC2
+// [rows, N] x [N, K] as BF16 GEMMs with FP32 accumulation (cublasGemmEx) on weights dequantized
+// to BF16 beforehand. Activation, permutation and finalize are not included (it is a lower bound
+// of what a BF16 grouped-GEMM pipeline costs).
+Result<DeviceTiming> time_cublas_baseline(const MoeProblem& p, std::span<const int64_t> rows_per_expert, int warmup,
+                                          int iters);
+
+}  // namespace k3::cuda

@@ -1,0 +1,121 @@
+// k3/cuda_moe.hpp — the CUDA fused-MoE backend: plan / prepack / run (spec/moe.md contract).
+//
+// STATUS: compiled for sm_90a and sm_120a in CI; NOT YET RUN ON A GPU. Every kernel behind this
+// API is unverified on hardware until scripts/device-check.sh has passed on a device; `k3 info`
+// and docs/cuda_moe.md say so. The planning logic below is host code and is unit-tested.
+//
+// Includes no CUDA header. Planning (`plan_moe`) is pure host logic in k3_core, so its checks and
+// its printable decisions are tested on machines without a GPU.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "k3/moe.hpp"
+#include "k3/status.hpp"
+
+namespace k3::cuda {
+
+// What a device offers, as read by device_caps() (or written by a test).
+struct DeviceCaps {
+  std::string name;
+  int cc_major = 0;
+  int cc_minor = 0;
+  int sm_count = 0;
+  int64_t smem_per_block_optin = 0;  // bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+  std::vector<int> compiled_archs;   // e.g. {90, 120}: architectures built into this binary
+};
+
+// The bounded list of kernel instances (spec/architecture.md, principle 4).
+enum class MoePath : uint8_t {
+  kDecode,   // few rows per expert: tile 16 rows, weights streamed once per active expert
+  kPrefill,  // many rows per expert: tile 64 rows
+};
+const char* moe_path_name(MoePath p);
+
+struct MoePlan {
+  MoeProblem problem;
+  int64_t max_m = 0;      // the largest M a run may use (graph capture size)
+  MoePath path = MoePath::kDecode;
+  int block_m = 16;       // token rows per GEMM tile (expert segments are padded to it)
+  int block_n = 32;       // output columns per tile: 32 or 64 (must divide N for FC1 and K for FC2)
+  int block_k = 32;       // one MX block per k step
+  int64_t max_slots = 0;  // max_m * top_k
+  int64_t max_tiles = 0;  // upper bound of row tiles over all experts: ceil((max_slots + E_local*(block_m-1)) / block_m)
+  int64_t smem_bytes = 0;
+  // Workspace layout (byte offsets into one caller-owned device buffer; all 256-byte aligned).
+  int64_t ws_x_bf16 = 0;         // [max_m, K] BF16: x (W4A16) or x quantized to MXFP8 and dequantized exactly (W4A8)
+  int64_t ws_slot_row = 0;       // [max_slots] int32: permuted row of each (token, slot), -1 if not local
+  int64_t ws_row_token = 0;      // [max_tiles * block_m] int32: token of each permuted row, -1 for padding
+  int64_t ws_tile_expert = 0;    // [max_tiles] int32: local expert of each row tile, -1 past the end
+  int64_t ws_counts = 0;         // [E_local] int32 rows per local expert; then [E_local] padded offsets
+  int64_t ws_chunk_hist = 0;     // [E_local, chunks] int32: per-chunk histogram for the stable sort
+  int64_t ws_act = 0;            // [max_tiles * block_m, N] BF16: activation output (exact MXFP8 values for W4A8)
+  int64_t ws_y = 0;              // [max_tiles * block_m, K] FP32: FC2 output per permuted row
+  int64_t ws_status = 0;         // [1] int32: error bits set by kernels (e.g. inexact x block)
+  // sm_120a native block-scaled W4A8 path only (MoePlanOptions::sm120_native_w4a8), else 0:
+  bool sm120_native = false;
+  int64_t ws_x_codes = 0;        // [max_m, K] E4M3 codes of x
+  int64_t ws_x_scales = 0;       // [max_m, K/32] UE8M0
+  int64_t ws_act_codes = 0;      // [max_tiles * block_m, N] E4M3 codes of the activation output
+  int64_t ws_act_scales = 0;     // [max_tiles * block_m, N/32] UE8M0
+  int64_t workspace_bytes = 0;
+  int sort_chunk = 1024;         // token-slots per block of the stable counting sort
+  std::string to_string() const; // one line per decision
+};
+
+struct MoePlanOptions {
+  // W4A8 on sm_120's native block-scaled MMA (mma.sync kind::mxf8f6f4.block_scale). NEVER RUN ON
+  // HARDWARE: off by default until it has passed `k3 validate` on an sm_120 GPU.
+  // CLI / run_host: environment variable K3_CUDA_SM120_NATIVE=1.
+  bool sm120_native_w4a8 = false;
+};
+
+// Checks shape, capability and compiled architectures; chooses tiles; sizes the workspace.
+// Errors name what is missing and which backend can run the layer instead (the CPU backend).
+Result<MoePlan> plan_moe(const MoeProblem& problem, int64_t max_m, const DeviceCaps& caps,
+                         const MoePlanOptions& options = {});
+
+// ---- device side (available only in builds with CUDA; otherwise kUnavailable) ---------------
+
+Result<DeviceCaps> device_caps(int device);
+
+// Weights resident on the device in the checkpoint layout ([gate; up] FC1, FC2, linear scales).
+// Prepack also checks that every scale code keeps the exact BF16 dequantization valid
+// (docs/formats.md); a block that would not is reported and the layer cannot run on this path.
+class DeviceWeights {
+ public:
+  DeviceWeights();
+  ~DeviceWeights();
+  DeviceWeights(DeviceWeights&&) noexcept;
+  DeviceWeights& operator=(DeviceWeights&&) noexcept;
+  struct Impl;
+  explicit DeviceWeights(std::unique_ptr<Impl> impl);
+  Impl* impl() const { return impl_.get(); }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w);
+
+// Device pointers of one call. `m_device` holds the real token count (<= plan.max_m) so that a
+// captured CUDA graph can replay with another M without re-launching with new grid sizes.
+struct DeviceInputs {
+  const int32_t* m_device = nullptr;      // [1]
+  const uint16_t* x = nullptr;            // [max_m, K] BF16
+  const int32_t* topk_ids = nullptr;      // [max_m, top_k] global ids, -1 masked
+  const float* topk_weights = nullptr;    // [max_m, top_k]
+  void* out = nullptr;                    // [max_m, K] out dtype
+};
+
+// Enqueues the layer on `stream` (a cudaStream_t, nullptr = default stream). Allocates nothing,
+// launches a fixed grid derived from the plan, never synchronizes the host.
+Status run(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, void* workspace, void* stream);
+
+// Convenience for tools and tests: plan + prepack + copies + run + copy back, on device 0.
+Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out);
+
+}  // namespace k3::cuda

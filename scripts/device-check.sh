@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# GPU check of k3's CUDA backend, sized to finish within 8 minutes on one H200.
+#
+#   scripts/device-check.sh build   # on the build machine: configure + build build-device/ (CUDA,
+#                                   # sm_90a only, Release) — the folder is carried to the GPU machine
+#   scripts/device-check.sh run     # on the GPU machine: CUDA tests, k3 validate --backend cuda,
+#                                   # k3 bench moe --backend cuda with its baselines; a table last
+#   scripts/device-check.sh         # both, on a machine that has a GPU and the build dependencies
+#
+# With the device tool: run `build` here, then run
+#   `bash scripts/device-check.sh run` with carry=["build-device"].
+# Logs and JSON go to $OUT (or build-device/out when $OUT is unset).
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+bdir="$root/build-device"
+mode="${1:-all}"
+
+build() {
+  "$root/scripts/setup.sh"
+  "$root/scripts/build.sh" "$bdir" -DK3_CUDA=ON -DK3_CUDA_ARCHS=90a -DK3_BUILD_BENCH=OFF -DK3_WERROR=ON
+  du -sh "$bdir/k3" "$bdir/tests/k3_cuda_tests"
+}
+
+run_checks() {
+  local out="${OUT:-$bdir/out}"
+  mkdir -p "$out"
+  local k3="$bdir/k3" rc=0
+  echo "== machine"
+  nvidia-smi -L 2>&1 | head -4
+  ldd "$k3" | grep -E "not found" && echo "missing shared libraries (see above)"
+  "$k3" info | tee "$out/info.txt"
+  echo "== CUDA unit tests"
+  timeout 240 "$bdir/tests/k3_cuda_tests" --gtest_brief=1 2>&1 | tee "$out/cuda_tests.txt" | tail -25
+  local tests_rc=${PIPESTATUS[0]}
+  echo "== k3 validate --op moe --suite all --backend cuda"
+  timeout 300 "$k3" validate --op moe --suite all --backend cuda --output "$out/validate.json" >"$out/validate.txt" 2>&1
+  local validate_rc=$?
+  tail -15 "$out/validate.txt"
+  echo "== k3 bench moe --backend cuda"
+  timeout 240 "$k3" bench moe --backend cuda --m 1,8,128,2048,8192 --recipe w4a8 --routing ep_mixed \
+    --output "$out/bench.json" >"$out/bench.txt" 2>&1
+  local bench_rc=$?
+  echo
+  echo "== summary"
+  printf "%-34s %s\n" "cuda unit tests" "$([ "$tests_rc" = 0 ] && echo PASS || echo "FAIL (rc $tests_rc)")"
+  printf "%-34s %s\n" "k3 validate --backend cuda" "$([ "$validate_rc" = 0 ] && echo PASS || echo "FAIL (rc $validate_rc)")"
+  printf "%-34s %s\n" "k3 bench moe --backend cuda" "$([ "$bench_rc" = 0 ] && echo ran || echo "FAIL (rc $bench_rc)")"
+  tail -20 "$out/bench.txt"
+  [ "$tests_rc" = 0 ] && [ "$validate_rc" = 0 ] && [ "$bench_rc" = 0 ] || rc=1
+  return $rc
+}
+
+case "$mode" in
+  build) build ;;
+  run) run_checks ;;
+  all) build && run_checks ;;
+  *) echo "usage: $0 [build|run]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,96 @@
+// Memory-mapped safetensors reader (k3/safetensors.hpp): POSIX open + fstat + mmap, read-only and
+// private; every tensor view is a span into the mapping (zero copy).
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "k3/safetensors.hpp"
+
+namespace k3::st {
+
+namespace {
+
+// Closes a descriptor on every return path of File::open.
+struct FdGuard {
+  int fd;
+  ~FdGuard() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+}  // namespace
+
+Result<File> File::open(const std::string& path) {
+  FdGuard fd{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
+  if (fd.fd < 0) return io_error(path + ": cannot open: " + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd.fd, &st) != 0) return io_error(path + ": cannot stat: " + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) return io_error(path + ": not a regular file");
+  const auto size = static_cast<uint64_t>(st.st_size);
+  if (size < 8) {
+    return io_error(path + ": file is " + std::to_string(size) +
+                    " bytes, too short for the 8-byte header length (truncated?)");
+  }
+  void* map = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_PRIVATE, fd.fd, 0);
+  if (map == MAP_FAILED) return io_error(path + ": mmap of " + std::to_string(size) + " bytes failed: " + std::strerror(errno));
+
+  File f;
+  f.path_ = path;
+  f.map_ = static_cast<const uint8_t*>(map);
+  f.size_ = size;
+  auto parsed = parse_header(std::span<const uint8_t>(f.map_, static_cast<size_t>(size)), path, &f.metadata_);
+  if (!parsed) return parsed.status();  // f's destructor unmaps
+  f.tensors_ = std::move(parsed.value());
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | f.map_[i];
+  f.data_start_ = 8 + header_len;
+  for (size_t i = 0; i < f.tensors_.size(); ++i) f.index_.emplace(f.tensors_[i].name, i);
+  return f;
+}
+
+File::File(File&& other) noexcept { *this = std::move(other); }
+
+File& File::operator=(File&& other) noexcept {
+  if (this != &other) {
+    release();
+    path_ = std::move(other.path_);
+    map_ = other.map_;
+    size_ = other.size_;
+    data_start_ = other.data_start_;
+    tensors_ = std::move(other.tensors_);
+    index_ = std::move(other.index_);
+    metadata_ = std::move(other.metadata_);
+    other.map_ = nullptr;
+    other.size_ = 0;
+  }
+  return *this;
+}
+
+File::~File() { release(); }
+
+void File::release() {
+  if (map_ != nullptr) ::munmap(const_cast<uint8_t*>(map_), static_cast<size_t>(size_));
+  map_ = nullptr;
+  size_ = 0;
+}
+
+const TensorInfo* File::find(const std::string& name) const {
+  const auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+std::span<const uint8_t> File::bytes(const TensorInfo& t) const {
+  // Offsets were validated against the file size at open; re-check so that a TensorInfo from
+  // another file can never produce an out-of-bounds view.
+  if (map_ == nullptr || t.begin < 0 || t.end < t.begin ||
+      data_start_ + static_cast<uint64_t>(t.end) > size_) {
+    return {};
+  }
+  return {map_ + data_start_ + static_cast<uint64_t>(t.begin), static_cast<size_t>(t.end - t.begin)};
+}
+
+}  // namespace k3::st

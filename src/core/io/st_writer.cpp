@@ -1,0 +1,140 @@
+// safetensors writer (k3/safetensors.hpp): header JSON in insertion order, padded with spaces to a
+// multiple of 8, then the tensors back to back. Written to `path.tmp`, then renamed.
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "k3/safetensors.hpp"
+
+namespace k3::st {
+
+namespace {
+
+// Fixed-size chunks for deferred tensors keep memory bounded for multi-GB files.
+constexpr int64_t kChunkCap = int64_t{1} << 30;
+
+struct FileCloser {
+  void operator()(std::FILE* f) const {
+    if (f) std::fclose(f);
+  }
+};
+
+}  // namespace
+
+Status Writer::check_new(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
+                         int64_t* nbytes) const {
+  if (name.empty()) return invalid_argument("safetensors writer: tensor name must not be empty");
+  if (name == "__metadata__") return invalid_argument("safetensors writer: '__metadata__' is reserved");
+  if (names_.count(name)) return invalid_argument("safetensors writer: tensor '" + name + "' added twice");
+  int64_t n = dtype_size(dtype);
+  if (n == 0) return invalid_argument("safetensors writer: tensor '" + name + "': unknown dtype");
+  for (const int64_t d : shape) {
+    if (d < 0) {
+      return invalid_argument("safetensors writer: tensor '" + name + "': shape " + shape_string(shape) +
+                              " has a negative dim");
+    }
+    if (__builtin_mul_overflow(n, d, &n)) {
+      return invalid_argument("safetensors writer: tensor '" + name + "': shape " + shape_string(shape) +
+                              " overflows 64-bit byte counts");
+    }
+  }
+  *nbytes = n;
+  return Status::ok();
+}
+
+Status Writer::add(const std::string& name, DType dtype, std::vector<int64_t> shape, std::span<const uint8_t> bytes) {
+  int64_t nbytes = 0;
+  K3_RETURN_IF_ERROR(check_new(name, dtype, shape, &nbytes));
+  if (static_cast<int64_t>(bytes.size()) != nbytes) {
+    return invalid_argument("safetensors writer: tensor '" + name + "': shape " + shape_string(shape) + " x " +
+                            dtype_name(dtype) + " needs " + std::to_string(nbytes) + " bytes, got " +
+                            std::to_string(bytes.size()));
+  }
+  entries_.push_back({name, dtype, std::move(shape), nbytes, std::vector<uint8_t>(bytes.begin(), bytes.end()), {}});
+  names_.insert(name);
+  return Status::ok();
+}
+
+Status Writer::add_deferred(const std::string& name, DType dtype, std::vector<int64_t> shape, Fill fill) {
+  int64_t nbytes = 0;
+  K3_RETURN_IF_ERROR(check_new(name, dtype, shape, &nbytes));
+  if (!fill) return invalid_argument("safetensors writer: tensor '" + name + "': empty fill function");
+  entries_.push_back({name, dtype, std::move(shape), nbytes, {}, std::move(fill)});
+  names_.insert(name);
+  return Status::ok();
+}
+
+int64_t Writer::data_bytes() const {
+  int64_t total = 0;
+  for (const auto& e : entries_) total += e.nbytes;
+  return total;
+}
+
+Status Writer::write(const std::string& path) const {
+  // Header: keys in insertion order (ordered_json), "__metadata__" first when present.
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata_.empty()) header["__metadata__"] = metadata_;
+  int64_t offset = 0;
+  for (const auto& e : entries_) {
+    header[e.name] = {{"dtype", dtype_name(e.dtype)}, {"shape", e.shape}, {"data_offsets", {offset, offset + e.nbytes}}};
+    offset += e.nbytes;
+  }
+  std::string text = header.dump();
+  text.append((8 - (8 + text.size()) % 8) % 8, ' ');  // data section starts 8-byte aligned
+  uint8_t len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
+
+  const std::string tmp = path + ".tmp";
+  std::unique_ptr<std::FILE, FileCloser> f(std::fopen(tmp.c_str(), "wb"));
+  if (!f) return io_error(tmp + ": cannot create: " + std::strerror(errno));
+  auto fail = [&](const std::string& what) {
+    const std::string msg = tmp + ": " + what + ": " + std::strerror(errno);
+    f.reset();
+    std::error_code ec;
+    std::filesystem::remove(tmp, ec);
+    return io_error(msg);
+  };
+  if (std::fwrite(len, 1, 8, f.get()) != 8 || std::fwrite(text.data(), 1, text.size(), f.get()) != text.size()) {
+    return fail("write of the header failed");
+  }
+  std::vector<uint8_t> chunk;
+  for (const auto& e : entries_) {
+    if (!e.fill) {
+      if (std::fwrite(e.bytes.data(), 1, e.bytes.size(), f.get()) != e.bytes.size()) {
+        return fail("write of tensor '" + e.name + "' failed");
+      }
+      continue;
+    }
+    if (e.nbytes > kChunkCap) {
+      return invalid_argument("safetensors writer: deferred tensor '" + e.name + "' of " + std::to_string(e.nbytes) +
+                              " bytes exceeds the " + std::to_string(kChunkCap) + "-byte limit of one fill");
+    }
+    chunk.assign(static_cast<size_t>(e.nbytes), 0);
+    if (Status s = e.fill(chunk); !s.is_ok()) {
+      f.reset();
+      std::error_code ec;
+      std::filesystem::remove(tmp, ec);
+      return s;
+    }
+    if (std::fwrite(chunk.data(), 1, chunk.size(), f.get()) != chunk.size()) {
+      return fail("write of tensor '" + e.name + "' failed");
+    }
+  }
+  if (std::fflush(f.get()) != 0) return fail("flush failed");
+  if (std::fclose(f.release()) != 0) {
+    std::error_code ec;
+    std::filesystem::remove(tmp, ec);
+    return io_error(tmp + ": close failed: " + std::strerror(errno));
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::filesystem::remove(tmp, ec);
+    return io_error(path + ": cannot rename from " + tmp + ": " + ec.message());
+  }
+  return Status::ok();
+}
+
+}  // namespace k3::st

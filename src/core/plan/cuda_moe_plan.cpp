@@ -1,0 +1,112 @@
+// Host-side planning of the CUDA fused-MoE backend: shape and capability checks, tile choice and
+// workspace layout. Pure C++ (no CUDA), so every decision is unit-tested without a GPU.
+#include <algorithm>
+#include <sstream>
+#include <string>
+
+#include "k3/cuda_moe.hpp"
+#include "k3/mx.hpp"
+
+namespace k3::cuda {
+
+const char* moe_path_name(MoePath p) { return p == MoePath::kDecode ? "decode" : "prefill"; }
+
+namespace {
+
+int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
+
+std::string arch_list(const std::vector<int>& archs) {
+  std::string s;
+  for (int a : archs) s += (s.empty() ? "sm_" : ", sm_") + std::to_string(a);
+  return s.empty() ? "none" : s;
+}
+
+}  // namespace
+
+std::string MoePlan::to_string() const {
+  std::ostringstream os;
+  os << "cuda moe plan: " << recipe_name(problem.recipe) << " " << activation_name(problem.activation.kind) << " -> "
+     << out_dtype_name(problem.out_dtype) << ", K " << problem.shape.hidden << ", N " << problem.shape.intermediate
+     << ", E_local " << problem.shape.local_experts() << " of " << problem.shape.num_experts << ", top-"
+     << problem.shape.top_k << "\n"
+     << "  path " << moe_path_name(path) << (sm120_native ? " (sm_120 native block-scaled MMA, UNVERIFIED)" : "") << ": tile " << block_m << "x" << block_n << "x" << block_k << ", max_m "
+     << max_m << ", max_slots " << max_slots << ", max_tiles " << max_tiles << ", smem " << smem_bytes << " B\n"
+     << "  workspace " << workspace_bytes << " B (act " << (ws_y - ws_act) << " B, y "
+     << (ws_status - ws_y) << " B)";
+  return os.str();
+}
+
+Result<MoePlan> plan_moe(const MoeProblem& problem, int64_t max_m, const DeviceCaps& caps,
+                         const MoePlanOptions& options) {
+  K3_RETURN_IF_ERROR(validate_moe_shape(problem.shape));
+  if (max_m < 1 || max_m > 65536) {
+    return invalid_argument("max_m = " + std::to_string(max_m) + " must be in [1, 65536]");
+  }
+  const int arch = caps.cc_major * 10 + caps.cc_minor;
+  if (std::find(caps.compiled_archs.begin(), caps.compiled_archs.end(), arch) == caps.compiled_archs.end()) {
+    return unsupported("CUDA device '" + caps.name + "' is sm_" + std::to_string(arch) +
+                       ", but this build contains kernels for " + arch_list(caps.compiled_archs) +
+                       " only; rebuild with -DK3_CUDA_ARCHS including " + std::to_string(arch) +
+                       "a, or run the layer with --backend cpu");
+  }
+  if (options.sm120_native_w4a8) {
+    if (arch != 120) {
+      return unsupported("the native block-scaled W4A8 path (sm120_native_w4a8) needs an sm_120 device; '" +
+                         caps.name + "' is sm_" + std::to_string(arch));
+    }
+    if (problem.recipe != Recipe::kW4A8) {
+      return unsupported(std::string("the native block-scaled path (sm120_native_w4a8) runs the w4a8 recipe only, not ") +
+                         recipe_name(problem.recipe));
+    }
+  }
+  const int64_t k = problem.shape.hidden, n = problem.shape.intermediate;
+  const int e_local = problem.shape.local_experts();
+  MoePlan plan;
+  plan.problem = problem;
+  plan.max_m = max_m;
+  plan.max_slots = max_m * problem.shape.top_k;
+  // Average rows per local expert when every slot is local: the decode path wins while tiles of
+  // 64 rows would mostly hold padding.
+  const int64_t rows_per_expert = (plan.max_slots + e_local - 1) / e_local;
+  plan.path = rows_per_expert <= 16 ? MoePath::kDecode : MoePath::kPrefill;
+  plan.block_m = plan.path == MoePath::kDecode ? 16 : 64;
+  // block_n must divide N (FC1 output columns per half) and K (FC2 output columns).
+  plan.block_n = (n % 64 == 0 && k % 64 == 0) ? 64 : 32;
+  plan.block_k = kMxBlock;
+  plan.max_tiles = (plan.max_slots + static_cast<int64_t>(e_local) * (plan.block_m - 1) + plan.block_m - 1) / plan.block_m;
+  // Shared memory: the A tile [block_m, block_k + 8] BF16 (rows padded by 16 bytes against bank conflicts).
+  plan.smem_bytes = int64_t{plan.block_m} * (plan.block_k + 8) * 2;
+  if (plan.smem_bytes > caps.smem_per_block_optin) {
+    return unsupported("the " + std::string(moe_path_name(plan.path)) + " kernel needs " +
+                       std::to_string(plan.smem_bytes) + " B of shared memory per block, device '" + caps.name +
+                       "' offers " + std::to_string(caps.smem_per_block_optin) + " B; use --backend cpu");
+  }
+  const int64_t rows = plan.max_tiles * plan.block_m;
+  const int64_t chunks = (plan.max_slots + plan.sort_chunk - 1) / plan.sort_chunk;
+  int64_t off = 0;
+  auto take = [&off](int64_t bytes) {
+    const int64_t at = off;
+    off += align256(bytes);
+    return at;
+  };
+  plan.ws_x_bf16 = take(max_m * k * 2);
+  plan.ws_slot_row = take(plan.max_slots * 4);
+  plan.ws_row_token = take(rows * 4);
+  plan.ws_tile_expert = take(plan.max_tiles * 4);
+  plan.ws_counts = take(2 * int64_t{e_local} * 4);
+  plan.ws_chunk_hist = take(int64_t{e_local} * chunks * 4);
+  plan.ws_act = take(rows * n * 2);
+  plan.ws_y = take(rows * k * 4);
+  plan.ws_status = take(4);
+  if (options.sm120_native_w4a8) {
+    plan.sm120_native = true;
+    plan.ws_x_codes = take(max_m * k);
+    plan.ws_x_scales = take(max_m * k / kMxBlock);
+    plan.ws_act_codes = take(rows * n);
+    plan.ws_act_scales = take(rows * n / kMxBlock);
+  }
+  plan.workspace_bytes = off;
+  return plan;
+}
+
+}  // namespace k3::cuda

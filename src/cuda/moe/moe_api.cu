@@ -1,0 +1,213 @@
+// Host side of the CUDA fused-MoE backend: device capabilities, prepack, run, run_host.
+// NOT YET RUN ON A GPU (compiled for sm_90a / sm_120a only).
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "cuda/moe/moe_kernels.cuh"
+#include "k3/cuda.hpp"
+#include "k3/cuda_moe.hpp"
+#include "k3/mx.hpp"
+
+namespace k3::cuda {
+
+struct DeviceWeights::Impl {
+  detail::DeviceBuffer<uint8_t> fc1_q, fc1_scale, fc2_q, fc2_scale;
+  detail::DeviceBuffer<float> situ_beta, situ_linear_beta;
+};
+
+DeviceWeights::DeviceWeights() = default;
+DeviceWeights::DeviceWeights(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+DeviceWeights::~DeviceWeights() = default;
+DeviceWeights::DeviceWeights(DeviceWeights&&) noexcept = default;
+DeviceWeights& DeviceWeights::operator=(DeviceWeights&&) noexcept = default;
+
+namespace {
+
+std::vector<int> compiled_arch_numbers() {
+  std::vector<int> out;
+  const std::string s = compiled_archs();
+  size_t pos = 0;
+  while (pos < s.size()) {
+    const size_t next = s.find(',', pos);
+    out.push_back(std::atoi(s.substr(pos, next - pos).c_str()));
+    if (next == std::string::npos) break;
+    pos = next + 1;
+  }
+  return out;
+}
+
+template <typename T>
+Status upload(detail::DeviceBuffer<T>& dst, std::span<const T> src, const char* what) {
+  K3_RETURN_IF_ERROR(dst.allocate(src.size()));
+  return detail::from_cuda(cudaMemcpy(dst.get(), src.data(), src.size_bytes(), cudaMemcpyHostToDevice), what);
+}
+
+// Every nonzero weight must dequantize to a normal BF16 for the register dequantization to be exact.
+Status check_exact(std::span<const uint8_t> q, std::span<const uint8_t> s, int64_t rows, int64_t cols, const char* what) {
+  if (auto bad = mx_find_bf16_inexact_block(q, s, rows, cols, MxElement::kE2M1)) {
+    return {StatusCode::kInexact, std::string(what) + ": " + bad->to_string() +
+                                      " leaves BF16's normal range; the CUDA path dequantizes to BF16 and would round. "
+                                      "Use --backend cpu"};
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<DeviceCaps> device_caps(int device) {
+  auto devs = devices();
+  if (!devs.is_ok()) return devs.status();
+  if (device < 0 || device >= static_cast<int>(devs.value().size())) {
+    return invalid_argument("device = " + std::to_string(device) + " must be in [0, " +
+                            std::to_string(devs.value().size()) + ")");
+  }
+  const auto& info = devs.value()[device];
+  DeviceCaps caps;
+  caps.name = info.name;
+  caps.cc_major = info.cc_major;
+  caps.cc_minor = info.cc_minor;
+  caps.sm_count = info.sm_count;
+  int smem = 0;
+  K3_CUDA_TRY(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");
+  caps.smem_per_block_optin = smem;
+  caps.compiled_archs = compiled_arch_numbers();
+  return caps;
+}
+
+Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w) {
+  const auto& sh = plan.problem.shape;
+  const int64_t e = sh.local_experts(), k = sh.hidden, n = sh.intermediate;
+  MoeInputsView none;
+  K3_RETURN_IF_ERROR(validate_moe_buffers(plan.problem, w, none));
+  K3_RETURN_IF_ERROR(check_exact(w.fc1_q, w.fc1_scale, e * 2 * n, k, "fc1"));
+  K3_RETURN_IF_ERROR(check_exact(w.fc2_q, w.fc2_scale, e * k, n, "fc2"));
+  auto impl = std::make_unique<DeviceWeights::Impl>();
+  K3_RETURN_IF_ERROR(upload(impl->fc1_q, w.fc1_q, "copy fc1_q"));
+  K3_RETURN_IF_ERROR(upload(impl->fc1_scale, w.fc1_scale, "copy fc1_scale"));
+  K3_RETURN_IF_ERROR(upload(impl->fc2_q, w.fc2_q, "copy fc2_q"));
+  K3_RETURN_IF_ERROR(upload(impl->fc2_scale, w.fc2_scale, "copy fc2_scale"));
+  std::vector<float> b(e, plan.problem.activation.situ_beta), lb(e, plan.problem.activation.situ_linear_beta);
+  if (!w.situ_beta.empty()) b.assign(w.situ_beta.begin(), w.situ_beta.end());
+  if (!w.situ_linear_beta.empty()) lb.assign(w.situ_linear_beta.begin(), w.situ_linear_beta.end());
+  K3_RETURN_IF_ERROR(upload(impl->situ_beta, std::span<const float>(b), "copy situ_beta"));
+  K3_RETURN_IF_ERROR(upload(impl->situ_linear_beta, std::span<const float>(lb), "copy situ_linear_beta"));
+  return DeviceWeights(std::move(impl));
+}
+
+namespace {
+
+moe_detail::Dims dims_of(const MoePlan& plan) {
+  const auto& sh = plan.problem.shape;
+  moe_detail::Dims d{};
+  d.k = sh.hidden;
+  d.n = sh.intermediate;
+  d.top_k = sh.top_k;
+  d.e_local = sh.local_experts();
+  d.first_local = sh.first_local_expert();
+  d.block_m = plan.block_m;
+  d.max_m = plan.max_m;
+  d.max_slots = plan.max_slots;
+  d.max_tiles = plan.max_tiles;
+  d.chunk = plan.sort_chunk;
+  d.chunks = static_cast<int>((plan.max_slots + plan.sort_chunk - 1) / plan.sort_chunk);
+  return d;
+}
+
+template <typename T>
+T* at(void* ws, int64_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(ws) + offset);
+}
+
+}  // namespace
+
+Status run(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, void* workspace, void* stream) {
+  if (w.impl() == nullptr) return invalid_argument("run: weights were not prepacked");
+  if (workspace == nullptr || in.m_device == nullptr || in.x == nullptr || in.topk_ids == nullptr ||
+      in.topk_weights == nullptr || in.out == nullptr) {
+    return invalid_argument("run: workspace, m_device, x, topk_ids, topk_weights and out must all be device pointers");
+  }
+  auto s = static_cast<cudaStream_t>(stream);
+  const auto d = dims_of(plan);
+  const auto& p = plan.problem;
+  auto* x_bf16 = at<uint16_t>(workspace, plan.ws_x_bf16);
+  auto* slot_row = at<int32_t>(workspace, plan.ws_slot_row);
+  auto* row_token = at<int32_t>(workspace, plan.ws_row_token);
+  auto* tile_expert = at<int32_t>(workspace, plan.ws_tile_expert);
+  auto* counts = at<int32_t>(workspace, plan.ws_counts);
+  auto* chunk_hist = at<int32_t>(workspace, plan.ws_chunk_hist);
+  auto* act = at<uint16_t>(workspace, plan.ws_act);
+  auto* y = at<float>(workspace, plan.ws_y);
+  int* status = at<int>(workspace, plan.ws_status);
+  const auto* wi = w.impl();
+  K3_CUDA_TRY(cudaMemsetAsync(status, 0, sizeof(int), s), "clear status");
+  const moe_detail::ActParams act_params{p.activation.kind,        p.activation.swiglu_alpha,
+                                         p.activation.swiglu_beta, p.activation.swiglu_limit,
+                                         wi->situ_beta.get(),      wi->situ_linear_beta.get()};
+  moe_detail::launch_sort(d, in.m_device, in.topk_ids, chunk_hist, counts, tile_expert, row_token, slot_row, s);
+  if (plan.sm120_native) {
+    auto* x_codes = at<uint8_t>(workspace, plan.ws_x_codes);
+    auto* x_scales = at<uint8_t>(workspace, plan.ws_x_scales);
+    auto* act_codes = at<uint8_t>(workspace, plan.ws_act_codes);
+    auto* act_scales = at<uint8_t>(workspace, plan.ws_act_scales);
+    moe_detail::launch_prep_x_mx(d, in.m_device, in.x, x_codes, x_scales, s);
+    moe_detail::launch_fc1_sm120(d, plan.block_n, act_params, x_codes, x_scales, row_token, tile_expert,
+                                 wi->fc1_q.get(), wi->fc1_scale.get(), act_codes, act_scales, s);
+    moe_detail::launch_fc2_sm120(d, plan.block_n, act_codes, act_scales, tile_expert, wi->fc2_q.get(),
+                                 wi->fc2_scale.get(), y, s);
+    moe_detail::launch_finalize(d, p.out_dtype, in.m_device, slot_row, in.topk_weights, y, in.out, s);
+    return detail::from_cuda(cudaGetLastError(), "moe kernel launch (sm_120 native)");
+  }
+  moe_detail::launch_prep_x(d, p.recipe, in.m_device, in.x, x_bf16, status, s);
+  moe_detail::launch_fc1(d, plan.block_n, p.recipe, act_params, x_bf16, row_token, tile_expert, wi->fc1_q.get(),
+                         wi->fc1_scale.get(), act, s);
+  moe_detail::launch_fc2(d, plan.block_n, act, tile_expert, wi->fc2_q.get(), wi->fc2_scale.get(), y, s);
+  moe_detail::launch_finalize(d, p.out_dtype, in.m_device, slot_row, in.topk_weights, y, in.out, s);
+  return detail::from_cuda(cudaGetLastError(), "moe kernel launch");
+}
+
+Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out) {
+  K3_RETURN_IF_ERROR(validate_moe_buffers(p, w, in));
+  const int64_t k = p.shape.hidden;
+  if (static_cast<int64_t>(out.size()) != in.m * k * out_dtype_size(p.out_dtype)) {
+    return invalid_argument("out has " + std::to_string(out.size()) + " bytes, expected M * K * " +
+                            std::to_string(out_dtype_size(p.out_dtype)));
+  }
+  if (in.m == 0) return Status::ok();
+  auto caps = device_caps(0);
+  if (!caps.is_ok()) return caps.status();
+  MoePlanOptions options;
+  const char* native = std::getenv("K3_CUDA_SM120_NATIVE");
+  options.sm120_native_w4a8 = native != nullptr && std::string(native) == "1";
+  auto plan = plan_moe(p, in.m, caps.value(), options);
+  if (!plan.is_ok()) return plan.status();
+  auto weights = prepack(plan.value(), w);
+  if (!weights.is_ok()) return weights.status();
+  detail::DeviceBuffer<uint8_t> ws, dout;
+  detail::DeviceBuffer<uint16_t> dx;
+  detail::DeviceBuffer<int32_t> dids, dm;
+  detail::DeviceBuffer<float> dw;
+  K3_RETURN_IF_ERROR(ws.allocate(plan->workspace_bytes));
+  K3_CUDA_TRY(cudaMemset(ws.get(), 0, plan->workspace_bytes), "clear workspace");
+  K3_RETURN_IF_ERROR(upload(dx, in.x, "copy x"));
+  K3_RETURN_IF_ERROR(upload(dids, in.topk_ids, "copy topk_ids"));
+  K3_RETURN_IF_ERROR(upload(dw, in.topk_weights, "copy topk_weights"));
+  const int32_t m32 = static_cast<int32_t>(in.m);
+  K3_RETURN_IF_ERROR(upload(dm, std::span<const int32_t>(&m32, 1), "copy m"));
+  K3_RETURN_IF_ERROR(dout.allocate(out.size()));
+  DeviceInputs din{dm.get(), dx.get(), dids.get(), dw.get(), dout.get()};
+  K3_RETURN_IF_ERROR(run(plan.value(), weights.value(), din, ws.get(), nullptr));
+  K3_CUDA_TRY(cudaDeviceSynchronize(), "moe run");
+  int status = 0;
+  K3_CUDA_TRY(cudaMemcpy(&status, at<int>(ws.get(), plan->ws_status), sizeof(int), cudaMemcpyDeviceToHost), "status");
+  if (status & moe_detail::kStatusInexactX) {
+    return {StatusCode::kInexact, "x holds an MXFP8 block whose values leave BF16's normal range (|x| < ~1e-35); "
+                                  "the CUDA path would round it. Use --backend cpu"};
+  }
+  K3_CUDA_TRY(cudaMemcpy(out.data(), dout.get(), out.size(), cudaMemcpyDeviceToHost), "copy out");
+  return Status::ok();
+}
+
+}  // namespace k3::cuda

@@ -1,0 +1,154 @@
+// Device timing helpers (k3/cuda_bench.hpp). NOT YET RUN ON A GPU.
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "k3/cuda_bench.hpp"
+#include "k3/cuda_moe.hpp"
+
+namespace k3::cuda {
+namespace {
+
+// RAII CUDA events / stream for timing.
+struct Events {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  ~Events() {
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+  }
+};
+
+template <typename Fn>
+Result<DeviceTiming> time_events(Fn&& fn, int warmup, int iters) {
+  Events ev;
+  K3_CUDA_TRY(cudaEventCreate(&ev.start), "cudaEventCreate");
+  K3_CUDA_TRY(cudaEventCreate(&ev.stop), "cudaEventCreate");
+  for (int i = 0; i < warmup; ++i) K3_RETURN_IF_ERROR(fn(i));
+  K3_CUDA_TRY(cudaDeviceSynchronize(), "warm-up");
+  std::vector<double> t;
+  for (int i = 0; i < iters; ++i) {
+    K3_CUDA_TRY(cudaEventRecord(ev.start), "cudaEventRecord");
+    K3_RETURN_IF_ERROR(fn(warmup + i));
+    K3_CUDA_TRY(cudaEventRecord(ev.stop), "cudaEventRecord");
+    K3_CUDA_TRY(cudaEventSynchronize(ev.stop), "cudaEventSynchronize");
+    float ms = 0;
+    K3_CUDA_TRY(cudaEventElapsedTime(&ms, ev.start, ev.stop), "cudaEventElapsedTime");
+    t.push_back(ms * 1e-3);
+  }
+  std::sort(t.begin(), t.end());
+  return DeviceTiming{t[t.size() / 2], t.front(), t.back(), iters};
+}
+
+Status from_cublas(cublasStatus_t st, const char* what) {
+  if (st == CUBLAS_STATUS_SUCCESS) return Status::ok();
+  return unavailable(std::string(what) + ": cuBLAS status " + std::to_string(static_cast<int>(st)));
+}
+
+}  // namespace
+
+Result<DeviceTiming> time_device_copy(int64_t bytes, int warmup, int iters) {
+  detail::DeviceBuffer<uint8_t> a, b;
+  K3_RETURN_IF_ERROR(a.allocate(bytes));
+  K3_RETURN_IF_ERROR(b.allocate(bytes));
+  K3_CUDA_TRY(cudaMemset(a.get(), 1, bytes), "cudaMemset");
+  auto r = time_events(
+      [&](int) { return detail::from_cuda(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice), "copy"); },
+      warmup, iters);
+  return r;
+}
+
+Result<DeviceTiming> time_moe(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, int warmup,
+                              int iters, int weight_copies) {
+  K3_RETURN_IF_ERROR(validate_moe_buffers(p, w, in));
+  auto caps = device_caps(0);
+  if (!caps.is_ok()) return caps.status();
+  auto plan = plan_moe(p, std::max<int64_t>(in.m, 1), caps.value());
+  if (!plan.is_ok()) return plan.status();
+  std::vector<DeviceWeights> copies;
+  for (int c = 0; c < std::max(weight_copies, 1); ++c) {
+    auto wt = prepack(plan.value(), w);
+    if (!wt.is_ok()) return wt.status();
+    copies.push_back(std::move(wt.value()));
+  }
+  detail::DeviceBuffer<uint8_t> ws, out;
+  detail::DeviceBuffer<uint16_t> x;
+  detail::DeviceBuffer<int32_t> ids, m;
+  detail::DeviceBuffer<float> wts;
+  K3_RETURN_IF_ERROR(ws.allocate(plan->workspace_bytes));
+  K3_RETURN_IF_ERROR(x.allocate(in.x.size()));
+  K3_RETURN_IF_ERROR(ids.allocate(in.topk_ids.size()));
+  K3_RETURN_IF_ERROR(wts.allocate(in.topk_weights.size()));
+  K3_RETURN_IF_ERROR(m.allocate(1));
+  K3_RETURN_IF_ERROR(out.allocate(in.m * p.shape.hidden * out_dtype_size(p.out_dtype)));
+  const int32_t m32 = static_cast<int32_t>(in.m);
+  K3_CUDA_TRY(cudaMemcpy(x.get(), in.x.data(), in.x.size_bytes(), cudaMemcpyHostToDevice), "copy x");
+  K3_CUDA_TRY(cudaMemcpy(ids.get(), in.topk_ids.data(), in.topk_ids.size_bytes(), cudaMemcpyHostToDevice), "copy ids");
+  K3_CUDA_TRY(cudaMemcpy(wts.get(), in.topk_weights.data(), in.topk_weights.size_bytes(), cudaMemcpyHostToDevice),
+              "copy weights");
+  K3_CUDA_TRY(cudaMemcpy(m.get(), &m32, 4, cudaMemcpyHostToDevice), "copy m");
+  const DeviceInputs din{m.get(), x.get(), ids.get(), wts.get(), out.get()};
+  return time_events([&](int i) { return run(plan.value(), copies[i % copies.size()], din, ws.get(), nullptr); },
+                     warmup, iters);
+}
+
+Result<DeviceTiming> time_cublas_baseline(const MoeProblem& p, std::span<const int64_t> rows_per_expert, int warmup,
+                                          int iters) {
+  K3_RETURN_IF_ERROR(validate_moe_shape(p.shape));
+  const int64_t k = p.shape.hidden, n = p.shape.intermediate, e = p.shape.local_experts();
+  if (static_cast<int64_t>(rows_per_expert.size()) != e) {
+    return invalid_argument("rows_per_expert has " + std::to_string(rows_per_expert.size()) +
+                            " entries, expected E_local = " + std::to_string(e));
+  }
+  int64_t max_rows = 1;
+  for (int64_t r : rows_per_expert) max_rows = std::max(max_rows, r);
+  // Random BF16 operands (not zeros: zeros run faster than real data).
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> bits(0x3C00, 0x3F7F);  // |v| in [2^-7, 1)
+  auto random_bf16 = [&](int64_t count) {
+    std::vector<uint16_t> v(count);
+    for (auto& x : v) x = static_cast<uint16_t>(bits(rng) | ((rng() & 1u) << 15));
+    return v;
+  };
+  detail::DeviceBuffer<uint16_t> w1, w2, a, h;
+  detail::DeviceBuffer<float> c1, c2;
+  const auto hw1 = random_bf16(e * 2 * n * k), hw2 = random_bf16(e * k * n), ha = random_bf16(max_rows * k);
+  K3_RETURN_IF_ERROR(w1.allocate(hw1.size()));
+  K3_RETURN_IF_ERROR(w2.allocate(hw2.size()));
+  K3_RETURN_IF_ERROR(a.allocate(ha.size()));
+  K3_RETURN_IF_ERROR(h.allocate(max_rows * n));
+  K3_RETURN_IF_ERROR(c1.allocate(max_rows * 2 * n));
+  K3_RETURN_IF_ERROR(c2.allocate(max_rows * k));
+  K3_CUDA_TRY(cudaMemcpy(w1.get(), hw1.data(), hw1.size() * 2, cudaMemcpyHostToDevice), "copy w1");
+  K3_CUDA_TRY(cudaMemcpy(w2.get(), hw2.data(), hw2.size() * 2, cudaMemcpyHostToDevice), "copy w2");
+  K3_CUDA_TRY(cudaMemcpy(a.get(), ha.data(), ha.size() * 2, cudaMemcpyHostToDevice), "copy a");
+  K3_CUDA_TRY(cudaMemset(h.get(), 0x3C, max_rows * n * 2), "init h");
+  cublasHandle_t handle;
+  K3_RETURN_IF_ERROR(from_cublas(cublasCreate(&handle), "cublasCreate"));
+  const float one = 1.0f, zero = 0.0f;
+  // Column-major view: C^T [cols, rows] = W [cols, red] (row-major = col-major transposed) x A^T.
+  auto gemm = [&](const uint16_t* w, const uint16_t* act, float* c, int64_t rows, int64_t cols, int64_t red) {
+    return from_cublas(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(cols), static_cast<int>(rows),
+                                    static_cast<int>(red), &one, w, CUDA_R_16BF, static_cast<int>(red), act,
+                                    CUDA_R_16BF, static_cast<int>(red), &zero, c, CUDA_R_32F, static_cast<int>(cols),
+                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                       "cublasGemmEx");
+  };
+  auto result = time_events(
+      [&](int) -> Status {
+        for (int64_t ex = 0; ex < e; ++ex) {
+          const int64_t rows = rows_per_expert[ex];
+          if (rows == 0) continue;
+          K3_RETURN_IF_ERROR(gemm(w1.get() + ex * 2 * n * k, a.get(), c1.get(), rows, 2 * n, k));
+          K3_RETURN_IF_ERROR(gemm(w2.get() + ex * k * n, h.get(), c2.get(), rows, k, n));
+        }
+        return Status::ok();
+      },
+      warmup, iters);
+  cublasDestroy(handle);
+  return result;
+}
+
+}  // namespace k3::cuda

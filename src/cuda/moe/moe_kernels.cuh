@@ -1,0 +1,77 @@
+// Kernels of the CUDA fused-MoE backend (declarations shared by the .cu files).
+//
+// NOT YET RUN ON A GPU: compiled for sm_90a and sm_120a; correctness is unverified on hardware
+// until scripts/device-check.sh passes on a device.
+//
+// Pipeline (every launch has a fixed grid derived from the plan; the real M is read from device
+// memory, so a captured graph replays for any M <= max_m):
+//   prep_x        x -> BF16 operand (W4A8: MXFP8 quantize + exact dequantize; W4A16: copy)
+//   slot_hist     per-chunk histogram of token-slots over local experts
+//   slot_scan     per-expert counts, padding to block_m, expert offsets, tile -> expert map
+//   slot_scatter  stable counting sort: (token, slot) -> permuted row; row -> token
+//   moe_gemm<FC1> gathered x rows x [gate; up] MXFP4 -> activation -> MXFP8/BF16 act rows
+//   moe_gemm<FC2> act rows x FC2 MXFP4 -> FP32 y rows
+//   finalize      out[t] = sum_k w[t,k] * y[row(t,k)] in slot order, FP32, one rounding
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "k3/moe.hpp"
+
+namespace k3::cuda::moe_detail {
+
+// Bit 0 of the status word: an MXFP8 block of x has a scale outside the range where its values
+// are exact BF16 (docs/formats.md); the result would not be exact.
+inline constexpr int kStatusInexactX = 1;
+
+struct Dims {
+  int64_t k;         // hidden (GEMM1 reduction, GEMM2 output columns)
+  int64_t n;         // intermediate
+  int top_k;
+  int e_local;
+  int first_local;   // global id of local expert 0
+  int block_m;
+  int64_t max_m;
+  int64_t max_slots;
+  int64_t max_tiles;
+  int chunks;        // sort chunks
+  int chunk;         // token-slots per chunk
+};
+
+struct ActParams {
+  ActivationKind kind;
+  float swiglu_alpha, swiglu_beta, swiglu_limit;
+  const float* situ_beta;         // [E_local] device
+  const float* situ_linear_beta;  // [E_local] device
+};
+
+void launch_prep_x(const Dims& d, Recipe recipe, const int32_t* m, const uint16_t* x, uint16_t* x_bf16, int* status,
+                   cudaStream_t s);
+void launch_sort(const Dims& d, const int32_t* m, const int32_t* topk_ids, int32_t* chunk_hist, int32_t* counts,
+                 int32_t* tile_expert, int32_t* row_token, int32_t* slot_row, cudaStream_t s);
+void launch_fc1(const Dims& d, int block_n, Recipe recipe, const ActParams& act, const uint16_t* x_bf16,
+                const int32_t* row_token, const int32_t* tile_expert, const uint8_t* fc1_q, const uint8_t* fc1_scale,
+                uint16_t* act_out, cudaStream_t s);
+void launch_fc2(const Dims& d, int block_n, const uint16_t* act_in, const int32_t* tile_expert, const uint8_t* fc2_q,
+                const uint8_t* fc2_scale, float* y, cudaStream_t s);
+void launch_finalize(const Dims& d, OutDType dtype, const int32_t* m, const int32_t* slot_row,
+                     const float* topk_weights, const float* y, void* out, cudaStream_t s);
+
+}  // namespace k3::cuda::moe_detail
+
+namespace k3::cuda::moe_detail {
+
+// sm_120a native block-scaled W4A8 path (moe_gemm_sm120.cu). NEVER RUN ON HARDWARE.
+void launch_prep_x_mx(const Dims& d, const int32_t* m, const uint16_t* x, uint8_t* codes, uint8_t* scales,
+                      cudaStream_t s);
+void launch_fc1_sm120(const Dims& d, int block_n, const ActParams& act, const uint8_t* x_codes,
+                      const uint8_t* x_scales, const int32_t* row_token, const int32_t* tile_expert,
+                      const uint8_t* fc1_q, const uint8_t* fc1_scale, uint8_t* act_codes, uint8_t* act_scales,
+                      cudaStream_t s);
+void launch_fc2_sm120(const Dims& d, int block_n, const uint8_t* act_codes, const uint8_t* act_scales,
+                      const int32_t* tile_expert, const uint8_t* fc2_q, const uint8_t* fc2_scale, float* y,
+                      cudaStream_t s);
+
+}  // namespace k3::cuda::moe_detail

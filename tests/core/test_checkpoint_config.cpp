@@ -1,0 +1,173 @@
+// config.json parsing: the Kimi-K3 spelling (text_config), the DeepSeek-V3 spelling, and an error
+// naming every missing or mistyped key.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "core/st_test_util.hpp"
+#include "k3/checkpoint.hpp"
+
+namespace k3 {
+namespace {
+
+#define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << "message: " << (msg)
+
+// The Kimi-K3 config facts of spec/moe.md, written out by hand.
+nlohmann::json kimi_config() {
+  return nlohmann::json::parse(R"({
+    "architectures": ["KimiK3ForConditionalGeneration"],
+    "model_type": "kimi_k3",
+    "text_config": {
+      "model_type": "kimi_linear", "hidden_size": 7168, "num_hidden_layers": 93, "num_experts": 896,
+      "num_experts_per_token": 16, "moe_intermediate_size": 3072, "routed_expert_hidden_size": 3584,
+      "num_shared_experts": 2, "first_k_dense_replace": 1, "moe_router_activation_func": "sigmoid",
+      "num_expert_group": 1, "topk_group": 1, "moe_renormalize": true, "routed_scaling_factor": 1.0,
+      "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0, "rms_norm_eps": 1e-5,
+      "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+        "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 32}}},
+        "ignore": ["lm_head"]}
+    }
+  })");
+}
+
+// DeepSeek-V3's public config facts (top level, DeepSeek spelling).
+nlohmann::json deepseek_config() {
+  return nlohmann::json::parse(R"({
+    "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "n_routed_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "n_group": 8,
+    "topk_group": 4, "norm_topk_prob": true, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "hidden_act": "silu"
+  })");
+}
+
+TEST(ModelConfig, KimiSpellingUnderTextConfig) {
+  auto r = parse_model_config(kimi_config().dump(), "kimi/config.json");
+  ASSERT_TRUE(r) << r.status().to_string();
+  const auto& c = r.value();
+  EXPECT_EQ(c.model_type, "kimi_k3");
+  EXPECT_EQ(c.hidden_size, 7168);
+  EXPECT_EQ(c.expert_hidden, 3584);
+  EXPECT_EQ(c.intermediate, 3072);
+  EXPECT_EQ(c.num_experts, 896);
+  EXPECT_EQ(c.top_k, 16);
+  EXPECT_EQ(c.n_group, 1);
+  EXPECT_EQ(c.topk_group, 1);
+  EXPECT_TRUE(c.renormalize);
+  EXPECT_EQ(c.routed_scaling_factor, 1.0f);
+  EXPECT_EQ(c.scoring_func, "sigmoid");
+  EXPECT_EQ(c.hidden_act, "situ");
+  EXPECT_EQ(c.situ_beta, 4.0f);
+  EXPECT_EQ(c.situ_linear_beta, 25.0f);
+  EXPECT_EQ(c.num_hidden_layers, 93);
+  EXPECT_EQ(c.first_k_dense_replace, 1);
+  EXPECT_EQ(c.quant_method, "compressed-tensors");
+  EXPECT_EQ(c.quant_format, "mxfp4-pack-quantized");
+  EXPECT_EQ(c.quant_group_size, 32);
+  EXPECT_EQ(c.source, "kimi/config.json");
+
+  auto shape = moe_shape_from_config(c, 32, 7);
+  ASSERT_TRUE(shape) << shape.status().to_string();
+  EXPECT_EQ(shape->local_experts(), 28);
+  EXPECT_EQ(shape->first_local_expert(), 196);
+  auto bad = moe_shape_from_config(c, 3, 0);
+  ASSERT_FALSE(bad);
+  EXPECT_HAS(bad.status().message(), "kimi/config.json: ep_size = 3 must be >= 1 and divide num_experts = 896");
+}
+
+TEST(ModelConfig, DeepSeekSpellingAtTopLevel) {
+  auto r = parse_model_config(deepseek_config().dump(), "ds/config.json");
+  ASSERT_TRUE(r) << r.status().to_string();
+  const auto& c = r.value();
+  EXPECT_EQ(c.model_type, "deepseek_v3");
+  EXPECT_EQ(c.expert_hidden, 7168);  // no latent MoE: experts run on hidden_size
+  EXPECT_EQ(c.intermediate, 2048);
+  EXPECT_EQ(c.num_experts, 256);
+  EXPECT_EQ(c.top_k, 8);
+  EXPECT_EQ(c.n_group, 8);
+  EXPECT_EQ(c.topk_group, 4);
+  EXPECT_EQ(c.routed_scaling_factor, 2.5f);
+  EXPECT_EQ(c.hidden_act, "silu");
+  EXPECT_EQ(c.first_k_dense_replace, 3);
+  EXPECT_TRUE(c.quant_format.empty());
+}
+
+TEST(ModelConfig, EveryMissingKeyIsNamedWithTheFile) {
+  const char* kimi_keys[] = {"hidden_size",         "moe_intermediate_size",   "routed_expert_hidden_size",
+                             "num_experts",         "num_experts_per_token",   "num_expert_group",
+                             "topk_group",          "moe_renormalize",         "routed_scaling_factor",
+                             "moe_router_activation_func", "hidden_act",       "activation_situ_beta",
+                             "activation_situ_linear_beta", "num_hidden_layers", "first_k_dense_replace"};
+  for (const char* key : kimi_keys) {
+    auto j = kimi_config();
+    ASSERT_EQ(j["text_config"].erase(key), 1u) << key;
+    auto r = parse_model_config(j.dump(), "/ckpt/config.json");
+    ASSERT_FALSE(r) << key;
+    EXPECT_HAS(r.status().message(), "/ckpt/config.json: text_config lacks \"" + std::string(key) + "\"");
+  }
+  const char* ds_keys[][2] = {{"n_routed_experts", "num_experts"}, {"num_experts_per_tok", "num_experts_per_token"},
+                              {"n_group", "num_expert_group"},     {"norm_topk_prob", "moe_renormalize"},
+                              {"scoring_func", "moe_router_activation_func"}};
+  for (const auto& [key, kimi_name] : ds_keys) {
+    auto j = deepseek_config();
+    ASSERT_EQ(j.erase(key), 1u) << key;
+    auto r = parse_model_config(j.dump(), "/ds/config.json");
+    ASSERT_FALSE(r) << key;
+    // Both spellings are named so a user knows what either family calls it.
+    EXPECT_HAS(r.status().message(), "/ds/config.json lacks \"" + std::string(kimi_name) + "\" (or \"" + key + "\")");
+  }
+  auto j = kimi_config();
+  j.erase("model_type");
+  EXPECT_HAS(parse_model_config(j.dump(), "c.json").status().message(), "c.json lacks \"model_type\"");
+}
+
+TEST(ModelConfig, MistypedAndInconsistentValues) {
+  auto j = kimi_config();
+  j["text_config"]["num_experts"] = "896";
+  EXPECT_HAS(parse_model_config(j.dump(), "c.json").status().message(),
+             "c.json: text_config: \"num_experts\" = \"896\" must be an integer");
+  j = kimi_config();
+  j["text_config"]["moe_intermediate_size"] = -5;
+  EXPECT_HAS(parse_model_config(j.dump(), "c.json").status().message(), "\"moe_intermediate_size\" = -5 must be");
+  j = kimi_config();
+  j["text_config"]["moe_renormalize"] = 1;
+  EXPECT_HAS(parse_model_config(j.dump(), "c.json").status().message(), "\"moe_renormalize\" = 1 must be true or false");
+  j = kimi_config();
+  j["text_config"]["num_experts_per_token"] = 900;
+  EXPECT_HAS(parse_model_config(j.dump(), "c.json").status().message(), "top-k = 900 exceeds the 896 experts");
+  j = kimi_config();
+  j["text_config"]["num_expert_group"] = 5;
+  EXPECT_HAS(parse_model_config(j.dump(), "c.json").status().message(), "n_group = 5, topk_group = 1 must satisfy");
+  j = kimi_config();
+  j["text_config"]["moe_router_activation_func"] = "tanh";
+  EXPECT_HAS(parse_model_config(j.dump(), "c.json").status().message(), "scoring function 'tanh' is not supported");
+  j = kimi_config();
+  j["text_config"] = 3;
+  EXPECT_HAS(parse_model_config(j.dump(), "c.json").status().message(), "\"text_config\" must be an object");
+  EXPECT_HAS(parse_model_config("{", "c.json").status().message(), "c.json: not valid JSON");
+  EXPECT_HAS(parse_model_config("[]", "c.json").status().message(), "must be a JSON object");
+}
+
+TEST(ModelConfig, LoadFromDirectoryOrFile) {
+  test::TempDir dir("cfg_load");
+  auto r = load_model_config(dir.str());
+  ASSERT_FALSE(r);
+  EXPECT_HAS(r.status().message(), dir.file("config.json") + ": cannot read");
+  test::write_text(dir.file("config.json"), kimi_config().dump());
+  r = load_model_config(dir.str());
+  ASSERT_TRUE(r) << r.status().to_string();
+  EXPECT_EQ(r->num_experts, 896);
+  test::write_text(dir.file("model.safetensors"), "x");
+  r = load_model_config(dir.file("model.safetensors"));  // the config next to the file
+  ASSERT_TRUE(r) << r.status().to_string();
+  EXPECT_EQ(r->source, dir.file("config.json"));
+}
+
+TEST(ModelConfig, IdRanges) {
+  EXPECT_EQ(format_id_ranges({}), "");
+  EXPECT_EQ(format_id_ranges({3}), "3");
+  EXPECT_EQ(format_id_ranges({3, 7, 8, 9, 12}), "3, 7-9, 12");
+  EXPECT_EQ(format_id_ranges({1, 3, 5, 7, 9}, 2), "1, 3, ... (3 more)");
+}
+
+}  // namespace
+}  // namespace k3
