@@ -123,7 +123,7 @@ K3_TARGET_BF16 void panel_rows(const TileGemm& a, int64_t b0, int64_t b1, const 
     __m512 acc[MR][G];
     for (int m = 0; m < MR; ++m)
       for (int g = 0; g < G; ++g) acc[m][g] = _mm512_setzero_ps();
-#pragma GCC unroll 16
+#pragma GCC unroll 4
     for (int kp = 0; kp < kPairs; ++kp) {
       __m512i w[G];
       for (int g = 0; g < G; ++g) w[g] = _mm512_loadu_si512(pw + (kp * G + g) * 32);
@@ -170,9 +170,13 @@ K3_TARGET_BF16 void tile_gemm(const TileGemm& a) {
   for (int64_t b0 = 0; b0 < a.blocks; b0 += kPanelBlocks) {
     const int64_t b1 = b0 + kPanelBlocks < a.blocks ? b0 + kPanelBlocks : a.blocks;
     fill_panel<G>(a, b0, b1, panel);
-    for (int64_t m0 = 0; m0 < a.num_rows; m0 += kPanelMr<G>) {
-      const int64_t mr = a.num_rows - m0 < kPanelMr<G> ? a.num_rows - m0 : kPanelMr<G>;
+    // Near-equal register tiles (37 rows: 7 tiles of 5 or 6 rows, not 6 x 6 + 1), so that no
+    // tile streams the whole panel for one or two rows of work.
+    const int64_t tiles = (a.num_rows + kPanelMr<G> - 1) / kPanelMr<G>;
+    for (int64_t i = 0, m0 = 0; i < tiles; ++i) {
+      const int64_t mr = (a.num_rows - m0) / (tiles - i);
       panel_dispatch<G>(a, mr, b0, b1, panel, rows + m0, a.totals + m0 * width);
+      m0 += mr;
     }
   }
 }
