@@ -33,6 +33,7 @@ struct MoeBenchArgs {
   int64_t k = 3584, n = 3072;
   int experts = 896, ep_size = 32, ep_rank = 7, top_k = 16;
   int iters = 0, warmup = 1, input_sets = 4;
+  int64_t bandwidth_mib = 1024;
   bool full = false;
   uint64_t seed = 20261129;
 };
@@ -125,6 +126,7 @@ int run_moe_bench(const MoeBenchArgs& a) {
   const int threads = a.threads > 0 ? a.threads : default_thread_count();
   const int64_t max_m = *std::max_element(ms.begin(), ms.end());
 
+  if (auto probe = make_routing(spec.value(), shape, 1, a.seed); !probe.is_ok()) return fail(probe.status());
   if (!a.save_routing.empty()) {
     auto r = make_routing(spec.value(), shape, max_m, a.seed);
     if (!r.is_ok()) return fail(r.status());
@@ -133,7 +135,7 @@ int run_moe_bench(const MoeBenchArgs& a) {
   }
 
   std::fprintf(stderr, "measuring machine limits (%d thread(s)) ...\n", threads);
-  const MeasuredRate bw = measure_read_bandwidth(threads);
+  const MeasuredRate bw = measure_read_bandwidth(threads, a.bandwidth_mib << 20);
   const MeasuredRate peak = measure_dot_peak(threads);
 
   std::fprintf(stderr, "preparing weights: E_local %d, K %lld, N %lld ...\n", shape.local_experts(),
@@ -288,6 +290,9 @@ const BenchRegistration kMoe("moe", [](CLI::App& bench) -> std::function<int()> 
   cmd->add_option("--iters", a->iters, "Timed iterations per M (default: 15 for M <= 16 down to 1 for M >= 2048)");
   cmd->add_option("--warmup", a->warmup, "Untimed iterations per M")->capture_default_str();
   cmd->add_option("--input-sets", a->input_sets, "Input / routing sets rotated across iterations")->capture_default_str();
+  cmd->add_option("--bandwidth-mib", a->bandwidth_mib, "Buffer of the read-bandwidth probe (far above the LLC)")
+      ->check(CLI::Range(64, 65536))
+      ->capture_default_str();
   cmd->add_option("--seed", a->seed, "Seed of weights, inputs and routing")->capture_default_str();
   cmd->add_option("--save-routing", a->save_routing, "Write the routing ids of the largest M to FILE (replay format)");
   cmd->add_option("--output", a->output, "Write JSON records to this file");

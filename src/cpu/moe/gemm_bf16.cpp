@@ -165,7 +165,8 @@ K3_TARGET_BF16 void panel_dispatch(const TileGemm& a, int64_t rows, int64_t b0, 
 
 template <int G>
 K3_TARGET_BF16 void tile_gemm(const TileGemm& a) {
-  const auto* const* rows = reinterpret_cast<const uint16_t* const*>(a.rows);
+  const uint16_t* rows[kRowGroup];  // [num_rows] BF16 operand rows
+  for (int64_t i = 0; i < a.num_rows; ++i) rows[i] = static_cast<const uint16_t*>(a.rows[i]);
   const int64_t width = G * kLanes;
   std::memset(a.totals, 0, static_cast<size_t>(a.num_rows * width) * sizeof(float));
   if (a.num_rows <= kDirectMaxRows) {

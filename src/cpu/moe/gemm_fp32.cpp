@@ -22,7 +22,6 @@ inline __attribute__((always_inline)) void tile_gemm_body(const TileGemm& a) {
   alignas(64) float w[kBlock][kWidth];  // [32 k, G*16 lanes] unscaled E2M1 values of one block
   alignas(64) float scale[kWidth];
   alignas(64) float partial[kWidth];
-  const auto* const* rows = reinterpret_cast<const float* const*>(a.rows);
   std::memset(a.totals, 0, static_cast<size_t>(a.num_rows * kWidth) * sizeof(float));
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* r = a.records + b * record_bytes(G);
@@ -37,7 +36,7 @@ inline __attribute__((always_inline)) void tile_gemm_body(const TileGemm& a) {
       }
     }
     for (int64_t m = 0; m < a.num_rows; ++m) {
-      const float* x = rows[m] + b * kBlock;
+      const float* x = static_cast<const float*>(a.rows[m]) + b * kBlock;
       for (int l = 0; l < kWidth; ++l) partial[l] = 0.f;
       for (int kp = 0; kp < kPairs; ++kp) {
         const float x_odd = x[2 * kp + 1], x_even = x[2 * kp];
