@@ -66,7 +66,7 @@ TEST(CliBenchMoe, BadOptionsFailWithTheReason) {
   r = run_cli(kTiny + "--routing replay:/nonexistent/ids.bin");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("cannot open"), std::string::npos) << r.out;
-  r = run_cli(kTiny + "--hidden 70");
+  r = run_cli("bench moe --hidden 70 --intermediate 96 --experts 16 --bandwidth-mib 64");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("hidden (K) = 70"), std::string::npos) << r.out;
   r = run_cli(kBase + "--routing uniform --ep-size 8 --top-k 4");  // 4 local slots > E_local 2
