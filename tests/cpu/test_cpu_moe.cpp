@@ -13,6 +13,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <thread>
 
 #include "moe_test_util.hpp"
 
@@ -156,6 +157,43 @@ TEST(CpuMoe, BitIdenticalAcrossThreadsRunsChunksAndBatchComposition) {
     auto alone = test::run_cpu(one, o);
     ASSERT_TRUE(alone.is_ok());
     EXPECT_TRUE(std::equal(alone->begin(), alone->end(), ref->begin() + 7 * 96 * 2)) << "token 7 alone";
+  }
+}
+
+TEST(CpuMoe, ConcurrentCallsWithDistinctWorkspacesAgree) {
+  // From std::threads and from inside a caller's OpenMP region (where omp_get_thread_num() of the
+  // caller exceeds the plan's thread count).
+  auto c = test::random_moe_case(96, 160, 5, 3, 9, 1, 0, 19);
+  cpu::MoeOptions o;
+  o.threads = 2;
+  auto plan = cpu::plan(c.p, o);
+  ASSERT_TRUE(plan.is_ok());
+  auto packed = cpu::prepack(plan.value(), c.wv());
+  ASSERT_TRUE(packed.is_ok());
+  const size_t out_bytes = static_cast<size_t>(c.m * 96 * 2);
+  auto one = [&](std::vector<uint8_t>& out) {
+    std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));
+    out.assign(out_bytes, 0);
+    return cpu::run(plan.value(), packed.value(), c.iv(), ws, out);
+  };
+  std::vector<uint8_t> ref;
+  ASSERT_TRUE(one(ref).is_ok());
+  std::vector<std::vector<uint8_t>> outs(4);
+  std::vector<Status> st(4);
+  std::vector<std::thread> pool;
+  for (int i = 0; i < 4; ++i) pool.emplace_back([&, i] { st[static_cast<size_t>(i)] = one(outs[static_cast<size_t>(i)]); });
+  for (auto& t : pool) t.join();
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(st[static_cast<size_t>(i)].is_ok()) << st[static_cast<size_t>(i)].to_string();
+    EXPECT_EQ(outs[static_cast<size_t>(i)], ref) << "std::thread " << i;
+  }
+  std::vector<std::vector<uint8_t>> omp_outs(3);
+  std::vector<Status> omp_st(3);
+#pragma omp parallel for num_threads(3)
+  for (int i = 0; i < 3; ++i) omp_st[static_cast<size_t>(i)] = one(omp_outs[static_cast<size_t>(i)]);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(omp_st[static_cast<size_t>(i)].is_ok());
+    EXPECT_EQ(omp_outs[static_cast<size_t>(i)], ref) << "OpenMP thread " << i;
   }
 }
 

@@ -26,6 +26,8 @@ namespace {
 
 using namespace detail;
 
+constexpr int64_t kParallelMinElements = int64_t{1} << 16;
+
 struct Pass {
   const MoePlan& plan;
   const PackedWeights& w;
@@ -259,7 +261,10 @@ Status run_chunk(Pass& p) {
   const int64_t rows_total = offset[p.e_local];
   const char* recipe = recipe_name(p.plan.problem.recipe);
 
-#pragma omp parallel for num_threads(threads) schedule(static)
+  // Element-wise steps run on one thread when small (decode): waking the team costs more than
+  // the work, and far more on an oversubscribed machine. (Which thread runs a step never
+  // changes a bit.)
+#pragma omp parallel for num_threads(threads) schedule(static) if (p.tokens * p.k >= kParallelMinElements)
   for (int64_t t = 0; t < p.tokens; ++t) prepare_x(p, t);
   if (p.bf16) {
     const auto* x_shift = p.region<int32_t>(p.lay.x_shift);
@@ -275,7 +280,7 @@ Status run_chunk(Pass& p) {
     if (offset[e + 1] > offset[e]) gemm1_task(p, e, task % tiles1);
   }
 
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows_total * p.n >= kParallelMinElements)
   for (int64_t r = 0; r < rows_total; ++r) prepare_h(p, r);
   if (p.bf16) {
     const auto* h_shift = p.region<int32_t>(p.lay.h_shift);
@@ -284,16 +289,15 @@ Status run_chunk(Pass& p) {
     }
   }
 
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < p.e_local * tiles2; ++task) {
-      const int64_t e = task / tiles2;
-      if (offset[e + 1] > offset[e]) gemm2_task(p, e, task % tiles2);
-    }
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < p.tokens; ++t) finalize_token(p, t);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t task = 0; task < p.e_local * tiles2; ++task) {
+    const int64_t e = task / tiles2;
+    if (offset[e + 1] > offset[e]) gemm2_task(p, e, task % tiles2);
   }
+  // An inactive region (if false) still numbers its one thread 0, even when run() is called from
+  // inside a caller's parallel region: per-thread scratch indices stay below plan.threads.
+#pragma omp parallel for num_threads(threads) schedule(static) if (p.tokens * p.k >= kParallelMinElements)
+  for (int64_t t = 0; t < p.tokens; ++t) finalize_token(p, t);
   return Status::ok();
 }
 
