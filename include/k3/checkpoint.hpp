@@ -41,6 +41,7 @@ struct MoeModelConfig {
   std::string quant_format;
   int quant_group_size = 0;
   std::string source;                // the config.json path the facts came from
+  bool synthetic = false;            // written by `k3 checkpoint synth` (has a "k3_synthetic" object)
 };
 
 // Parses config.json text. `source` names the file in errors. A missing or mistyped key is an

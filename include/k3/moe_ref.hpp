@@ -26,7 +26,7 @@
 // `out` is the FP64 finalize sum before the final rounding; round_output() applies that rounding
 // (once, directly from FP64, RNE) to BF16 / FP16 / FP32.
 //
-// Determinism: every output element is computed by one thread with a fixed summation order (8
+// Determinism: every output element is computed by one thread with a fixed summation order (32
 // interleaved partial sums over the reduction dimension, combined pairwise), so results are
 // bit-identical across runs and OpenMP thread counts.
 //
@@ -55,6 +55,11 @@ const char* oracle_kind_name(OracleKind k);  // "contract" / "bf16_reference"
 // activation parameters must be finite with SiTU betas > 0. OpenMP-parallel, deterministic.
 Status moe_oracle(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, OracleKind kind,
                   std::span<double> out);
+
+// Both oracles in one pass (steps 1-2 are shared, so this costs about 2/3 of two calls); each
+// output is bit-identical to its moe_oracle() result.
+Status moe_oracles(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<double> contract,
+                   std::span<double> bf16_reference);
 
 // Rounds FP64 values once (RNE, overflow to +-Inf, NaN -> the canonical 0x7FFF / 0x7FC00000) to
 // the output dtype; writes little-endian bytes, out.size() == in.size() * out_dtype_size(dtype).

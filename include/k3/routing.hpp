@@ -1,7 +1,7 @@
 // k3/routing.hpp — the Kimi-K3 / DeepSeek-V3 ("noaux_tc") router (spec/moe.md, "Routing").
 //
 // Per token, all in FP32:
-//   s      = sigmoid(logits) = 1 / (1 + exp(-logit))        per expert
+//   s      = sigmoid(logits) = 1 / (1 + exp(-logit))        per expert (k3::sigmoid_f32)
 //   choice = s + e_score_correction_bias                      the bias only ranks experts
 //   groups (n_group > 1): experts [g*E/n_group, (g+1)*E/n_group) form group g; its score is the
 //          sum of its two best choices (the best one if a group holds one expert); the topk_group
@@ -56,7 +56,14 @@ Status validate_routing_config(const RoutingConfig& cfg);
 Status route(const RoutingConfig& cfg, int64_t m, std::span<const float> logits, std::span<const float> bias,
              std::span<int32_t> ids, std::span<float> weights);
 
-// The FP32 sigmoid used by route() (1 / (1 + exp(-x))); exposed so other implementations can match it.
+// Router logits: x [M, hidden] BF16 bits, gate [E, hidden] BF16 bits -> logits [M, E] FP32.
+// Each logit is an FP64 dot product (BF16 products are exact in FP64) rounded once to FP32, so
+// the result does not depend on a summation order an FP32 engine would pick.
+Status router_logits(int64_t m, int64_t hidden, int num_experts, std::span<const uint16_t> x,
+                     std::span<const uint16_t> gate, std::span<float> logits);
+
+// The FP32 sigmoid used by route(): k3::sigmoid_f32 (k3/portable_math.hpp), 1 / (1 + exp(-x)) from
+// IEEE operations only, so CPU and CUDA routers agree bit for bit.
 float router_sigmoid(float x);
 
 }  // namespace k3

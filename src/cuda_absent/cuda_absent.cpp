@@ -2,6 +2,7 @@
 #include "k3/cuda.hpp"
 #include "k3/cuda_bench.hpp"
 #include "k3/cuda_moe.hpp"
+#include "k3/cuda_routing.hpp"
 
 namespace k3::cuda {
 namespace {
@@ -41,5 +42,13 @@ Result<DeviceTiming> time_moe(const MoeProblem&, const MoeWeightsView&, const Mo
   return not_built();
 }
 Result<DeviceTiming> time_cublas_baseline(const MoeProblem&, std::span<const int64_t>, int, int) { return not_built(); }
+
+Status route_device(const RoutingConfig&, const int32_t*, int64_t, const float*, const float*, int32_t*, float*, void*) {
+  return not_built();
+}
+Status route_host(const RoutingConfig&, int64_t, std::span<const float>, std::span<const float>, std::span<int32_t>,
+                  std::span<float>) {
+  return not_built();
+}
 
 }  // namespace k3::cuda

@@ -2,6 +2,9 @@
 // naming every missing or mistyped key.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "core/st_test_util.hpp"
@@ -144,6 +147,10 @@ TEST(ModelConfig, MistypedAndInconsistentValues) {
   j["text_config"] = 3;
   EXPECT_HAS(parse_model_config(j.dump(), "c.json").status().message(), "\"text_config\" must be an object");
   EXPECT_HAS(parse_model_config("{", "c.json").status().message(), "c.json: not valid JSON");
+  // A hostile nesting depth is refused before parsing (quoting such a value would recurse per level).
+  const std::string deep = R"({"model_type":"kimi_k3","text_config":{"hidden_size":)" + std::string(100000, '[') +
+                           std::string(100000, ']') + "}}";
+  EXPECT_HAS(parse_model_config(deep, "c.json").status().message(), "c.json: JSON nests 100002 levels deep (limit 64)");
   EXPECT_HAS(parse_model_config("[]", "c.json").status().message(), "must be a JSON object");
 }
 
@@ -160,6 +167,29 @@ TEST(ModelConfig, LoadFromDirectoryOrFile) {
   r = load_model_config(dir.file("model.safetensors"));  // the config next to the file
   ASSERT_TRUE(r) << r.status().to_string();
   EXPECT_EQ(r->source, dir.file("config.json"));
+}
+
+TEST(ModelConfigCorpus, ReplaysEveryFile) {
+  // The fuzzing seed corpus of fuzz/fuzz_model_config.cpp (and any crashers added after a run).
+  const std::filesystem::path dir = std::filesystem::path(K3_TEST_DATA_DIR) / "model_config_corpus";
+  ASSERT_TRUE(std::filesystem::is_directory(dir)) << dir;
+  int valid = 0, bad = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    std::ifstream in(entry.path(), std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string name = entry.path().filename().string();
+    auto r = parse_model_config(text, name);
+    if (name.rfind("valid_", 0) == 0) {
+      ++valid;
+      EXPECT_TRUE(r) << name << ": " << r.status().to_string();
+    } else {
+      ++bad;
+      ASSERT_FALSE(r) << name << " parsed but is malformed";
+      EXPECT_EQ(r.status().message().rfind(name, 0), 0u) << r.status().message();
+    }
+  }
+  EXPECT_GE(valid, 2);
+  EXPECT_GE(bad, 7);
 }
 
 TEST(ModelConfig, IdRanges) {

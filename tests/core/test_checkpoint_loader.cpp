@@ -229,6 +229,7 @@ TEST(MoeLayerLoader, NamesEveryMissingExpertAndWhatIsHeld) {
   EXPECT_HAS(m, "lacks 4 of the 4 experts that layer 1 needs on EP rank 1 of 2 (global experts [4, 8)): experts 4-7");
   EXPECT_HAS(m, "first missing tensor 'language_model.model.layers.1.block_sparse_moe.experts.4.w1.weight_packed'");
   EXPECT_HAS(m, "the checkpoint holds experts 0-3");
+  EXPECT_EQ(m.find("k3 checkpoint synth"), std::string::npos) << "no synth hint for a real checkpoint: " << m;
   // A layer that is absent altogether.
   auto r2 = load_moe_layer(dir.str(), 2, 1, 0);
   ASSERT_FALSE(r2);

@@ -124,9 +124,9 @@ TEST(CheckpointSynth, EpSliceAndShardsEqualTheFullCheckpoint) {
 
 TEST(CheckpointSynth, DeterministicAcrossThreadsAndSeeded) {
   SynthOptions o = small("unused");
-  o.expert_hidden = 96;
-  o.intermediate = 160;
-  std::vector<uint8_t> ref(160 * 48);
+  o.expert_hidden = 3584;  // Kimi w1: 5.5 MB, large enough for the threaded path
+  o.intermediate = 3072;
+  std::vector<uint8_t> ref(3072 * 1792);
   const int saved = omp_get_max_threads();
   for (const int threads : {1, 2, 3}) {
     omp_set_num_threads(threads);
@@ -144,7 +144,14 @@ TEST(CheckpointSynth, DeterministicAcrossThreadsAndSeeded) {
   ASSERT_TRUE(synth_expert_tensor(o, 1, 4, 1, false, other).is_ok());  // another expert
   EXPECT_NE(other, ref);
   EXPECT_FALSE(synth_expert_tensor(o, 1, 3, 4, false, other).is_ok());
-  EXPECT_HAS(synth_expert_tensor(o, 1, 3, 1, false, std::span<uint8_t>(other).subspan(1)).message(), "expected 7680");
+  EXPECT_HAS(synth_expert_tensor(o, 1, 3, 1, false, std::span<uint8_t>(other).subspan(1)).message(), "expected 5505024");
+  // Odd shapes (K 96, N 160) generate the same bytes twice.
+  o.expert_hidden = 96;
+  o.intermediate = 160;
+  std::vector<uint8_t> odd1(160 * 3), odd2(160 * 3);
+  ASSERT_TRUE(synth_expert_tensor(o, 2, 1, 3, true, odd1).is_ok());
+  ASSERT_TRUE(synth_expert_tensor(o, 2, 1, 3, true, odd2).is_ok());
+  EXPECT_EQ(odd1, odd2);
 }
 
 TEST(CheckpointSynth, WeightsLookTrainedAndKeepOutputsAtUnitScale) {

@@ -366,6 +366,19 @@ TEST(MoeOracle, ErrorsNameTheProblem) {
   EXPECT_NE(st.message().find("hidden (K) = 48"), std::string::npos) << st.message();
 }
 
+TEST(MoeOracle, BothOraclesInOnePassEqualSeparateCalls) {
+  Case c = random_case(96, 64, 5, 3, 21, 1, 0, 19);
+  std::vector<double> con(21 * 96), ref(21 * 96);
+  ASSERT_TRUE(moe_oracles(c.p, c.wv(), c.iv(), con, ref).is_ok());
+  const auto con1 = run_oracle(c, OracleKind::kContract), ref1 = run_oracle(c, OracleKind::kBf16Reference);
+  EXPECT_EQ(std::memcmp(con.data(), con1.data(), con.size() * 8), 0);
+  EXPECT_EQ(std::memcmp(ref.data(), ref1.data(), ref.size() * 8), 0);
+  EXPECT_NE(con, ref);
+  std::vector<double> bad(5);
+  EXPECT_NE(moe_oracles(c.p, c.wv(), c.iv(), con, bad).message().find("bf16_reference [M, K] has 5 elements"),
+            std::string::npos);
+}
+
 TEST(MoeOracle, EmptyBatchIsFine) {
   Case c = random_case(64, 32, 3, 2, 0, 1, 0, 18);
   std::vector<double> out;

@@ -36,7 +36,7 @@ Routed naive_route(const RoutingConfig& cfg, int64_t m, const std::vector<float>
   for (int64_t t = 0; t < m; ++t) {
     std::vector<float> s(e_n), c(e_n);
     for (int e = 0; e < e_n; ++e) {
-      s[e] = 1.0f / (1.0f + std::exp(-logits[t * e_n + e]));
+      s[e] = router_sigmoid(logits[t * e_n + e]);
       c[e] = s[e] + (bias.empty() ? 0.0f : bias[e]);
     }
     std::vector<bool> kept(e_n, true);
@@ -108,7 +108,7 @@ TEST(Router, Kimi896Top16MatchesNaiveWithAndWithoutBias) {
   const auto nob = run_route(cfg, m, logits, {});
   EXPECT_NE(r.ids, nob.ids);
   for (int64_t i = 0; i < m * 16; ++i) {
-    const float s = 1.0f / (1.0f + std::exp(-logits[(i / 16) * 896 + r.ids[i]]));
+    const float s = router_sigmoid(logits[(i / 16) * 896 + r.ids[i]]);
     EXPECT_GT(r.w[i], 0.f);
     EXPECT_LE(r.w[i], s / 0.5f);  // renormalized by a sum >= 0.5 (16 sigmoids, the best ones)
   }

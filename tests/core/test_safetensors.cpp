@@ -292,6 +292,32 @@ TEST(SafetensorsFile, OpenErrorsNameTheFile) {
   EXPECT_HAS(r.status().message(), dir.file("bad.safetensors") + ": tensor 'w': data_offsets [0, 4] end past");
 }
 
+TEST(SafetensorsFile, ReadsTheReferenceWritersOutput) {
+  // Written by PyPI `safetensors` 0.8.0 (scripts/make_fuzz_corpus.py): header padded with
+  // spaces, tensors ordered by alignment, a zero-size tensor and a scalar.
+  auto f = File::open(std::string(K3_TEST_DATA_DIR) + "/safetensors_corpus/valid_reference_writer.safetensors");
+  ASSERT_TRUE(f) << f.status().to_string();
+  EXPECT_EQ(f->metadata().at("format"), "np");
+  ASSERT_EQ(f->tensors().size(), 4u);
+  const auto* a = f->find("a");
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->dtype, DType::kU8);
+  EXPECT_EQ(a->shape, (std::vector<int64_t>{3, 4}));
+  const auto va = f->bytes(*a);
+  for (size_t i = 0; i < 12; ++i) EXPECT_EQ(va[i], i);
+  const auto vb = f->bytes(*f->find("b"));  // [2, 5] F32, all 1.5
+  ASSERT_EQ(vb.size(), 40u);
+  for (size_t i = 0; i < 10; ++i) {
+    float x;
+    std::memcpy(&x, vb.data() + 4 * i, 4);
+    EXPECT_EQ(x, 1.5f);
+  }
+  double s;
+  std::memcpy(&s, f->bytes(*f->find("s")).data(), 8);
+  EXPECT_EQ(s, 3.0);
+  EXPECT_EQ(f->find("c")->shape, (std::vector<int64_t>{0, 3}));
+}
+
 // ---- checkpoints ------------------------------------------------------------------------------
 
 void write_shard(const std::string& path, const std::vector<std::string>& names, uint8_t fill) {
@@ -357,6 +383,10 @@ TEST(SafetensorsCheckpoint, IndexErrors) {
   EXPECT_HAS(Checkpoint::open(dir.str()).status().message(), "\"weight_map\" must be an object");
   test::write_text(index, R"({"metadata":{}})");
   EXPECT_HAS(Checkpoint::open(dir.str()).status().message(), "missing \"weight_map\"");
+  test::write_text(index, R"({"weight_map":{"a":)" + std::string(5000, '[') + std::string(5000, ']') + "}}");
+  EXPECT_HAS(Checkpoint::open(dir.str()).status().message(), "JSON nests 5002 levels deep (limit 64)");
+  test::write_text(index, R"({"weight_map":{"a":[1,2]}})");
+  EXPECT_HAS(Checkpoint::open(dir.str()).status().message(), "tensor 'a': shard [1,2] must be a file name");
   test::write_text(index, "{nope");
   EXPECT_HAS(Checkpoint::open(dir.str()).status().message(), "model.safetensors.index.json: not valid JSON");
 

@@ -87,6 +87,12 @@ const CommandRegistration kRegistration("validate", 10, [](CLI::App& app) -> std
       ->capture_default_str();
   cmd->add_option("--require", a->opts.require, "Fail unless this capability is present (repeatable)");
   cmd->add_option("--seed", a->opts.seed, "Seed of the generated cases")->capture_default_str();
+  cmd->add_option("--recipe", a->opts.recipe, "moe: w4a8 or w4a16 (default: both)");
+  cmd->add_option("--activation", a->opts.activation, "moe: situ, swiglu or silu (default: all three)");
+  cmd->add_option("--checkpoint", a->opts.checkpoint, "moe: validate on this checkpoint's expert weights");
+  cmd->add_option("--layer", a->opts.layer, "moe: MoE layer of --checkpoint")->capture_default_str();
+  cmd->add_option("--ep-size", a->opts.ep_size, "moe: expert-parallel ranks for --checkpoint")->capture_default_str();
+  cmd->add_option("--ep-rank", a->opts.ep_rank, "moe: this rank for --checkpoint")->capture_default_str();
   cmd->add_option("--output", a->output, "Write the records as JSON to this file");
   return [a]() { return run_validate(*a); };
 });

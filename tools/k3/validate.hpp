@@ -14,6 +14,13 @@ struct ValidateOptions {
   std::string backend = "all";          // all | reference | cpu | cuda
   std::vector<std::string> require;     // capabilities that must be present
   uint64_t seed = 20261129;
+  // --op moe
+  std::string recipe;      // "" = both, or w4a8 | w4a16
+  std::string activation;  // "" = all three, or situ | swiglu | silu
+  std::string checkpoint;  // validate on this checkpoint's weights (with layer, ep_size, ep_rank)
+  int layer = 1;
+  int ep_size = 1;
+  int ep_rank = 0;
 };
 
 struct ValidateRow {

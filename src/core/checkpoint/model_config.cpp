@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/io/json_guard.hpp"
 #include "k3/checkpoint.hpp"
 
 namespace k3 {
@@ -35,7 +36,7 @@ class Keys {
     return invalid_argument(where_ + " lacks \"" + key + "\"" + (alt ? std::string(" (or \"") + alt + "\")" : ""));
   }
   Status mistyped(const char* key, const Json& v, const char* want) const {
-    return invalid_argument(where_ + ": \"" + key + "\" = " + v.dump() + " must be " + want);
+    return invalid_argument(where_ + ": \"" + key + "\" = " + detail::json_quote(v) + " must be " + want);
   }
 
   Status get_int(int64_t* out, int64_t lo, int64_t hi, const char* key, const char* alt = nullptr) const {
@@ -107,12 +108,17 @@ Status parse_quantization(const Json& q, const std::string& where, MoeModelConfi
 }
 
 Result<MoeModelConfig> parse_impl(const std::string& json_text, const std::string& source) {
+  if (const int depth = detail::json_max_nesting(json_text); depth > detail::kMaxJsonDepth) {
+    return invalid_argument(source + ": JSON nests " + std::to_string(depth) + " levels deep (limit " +
+                            std::to_string(detail::kMaxJsonDepth) + ")");
+  }
   const Json root = Json::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded()) return invalid_argument(source + ": not valid JSON");
   if (!root.is_object()) return invalid_argument(source + ": must be a JSON object");
 
   MoeModelConfig cfg;
   cfg.source = source;
+  cfg.synthetic = root.contains("k3_synthetic");
   const Keys top(root, source);
   K3_RETURN_IF_ERROR(top.get_string(&cfg.model_type, "model_type"));
   const auto tc = root.find("text_config");

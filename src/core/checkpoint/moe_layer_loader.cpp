@@ -133,8 +133,9 @@ Result<MoeLayerWeights> load_impl(const std::string& checkpoint_dir, int layer, 
         ", " + std::to_string(e0 + e_local) + ")): experts " + format_id_ranges(missing) + "; first missing tensor '" +
         first_missing + "'; the checkpoint holds " +
         (held.empty() ? std::string("no experts of this layer") : "experts " + format_id_ranges(held)) +
-        " (write them with `k3 checkpoint synth --layers " + std::to_string(layer) + " --ep-size " +
-        std::to_string(ep_size) + " --ep-rank " + std::to_string(ep_rank) + "` for a synthetic one)");
+        (c.synthetic ? " (a synthetic checkpoint: write them with `k3 checkpoint synth --layers " + std::to_string(layer) +
+                           " --ep-size " + std::to_string(ep_size) + " --ep-rank " + std::to_string(ep_rank) + "`)"
+                     : std::string()));
   }
 
   // Check dtype and shape of every tensor before copying; collect all problems.
@@ -195,8 +196,9 @@ Result<MoeLayerWeights> load_impl(const std::string& checkpoint_dir, int layer, 
   w.fc1_scale.resize(static_cast<size_t>(e_local) * fc1_s_e);  // [E_local, 2N, K/32]
   w.fc2_q.resize(static_cast<size_t>(e_local) * fc2_q_e);      // [E_local, K, N/2]
   w.fc2_scale.resize(static_cast<size_t>(e_local) * fc2_s_e);  // [E_local, K, N/32]
-  // Experts are independent; pages of the mapping fault in parallel.
-#pragma omp parallel for schedule(static)
+  // Experts are independent; pages of the mapping fault in parallel (for large layers only).
+  const bool parallel = w.fc1_q.size() >= (size_t{1} << 22);
+#pragma omp parallel for schedule(static) if (parallel)
   for (int e = 0; e < e_local; ++e) {
     const auto v = [&](int pi, int si) { return views[static_cast<size_t>(e) * 6 + static_cast<size_t>(pi) * 2 + static_cast<size_t>(si)]; };
     uint8_t* q1 = w.fc1_q.data() + static_cast<size_t>(e) * fc1_q_e;

@@ -107,7 +107,8 @@ std::vector<PlannedTensor> plan_tensors(const SynthOptions& o) {
                       int64_t{o.num_experts} * o.hidden_size * 2, [o, layer](std::span<uint8_t> out) {
                         // [E, hidden_size] BF16, uniform with RMS 1/sqrt(hidden): a = sqrt(3 / hidden)
                         const float a = static_cast<float>(std::sqrt(3.0 / static_cast<double>(o.hidden_size)));
-#pragma omp parallel for schedule(static)
+                        const bool parallel = out.size() >= (size_t{1} << 20);
+#pragma omp parallel for schedule(static) if (parallel)
                         for (int e = 0; e < o.num_experts; ++e) {
                           Stream s(o.seed, layer, e, kRouterWeightKind, 0);
                           for (int64_t i = 0; i < o.hidden_size; ++i) {
@@ -298,7 +299,8 @@ Status synth_expert_tensor(const SynthOptions& o, int layer, int expert, int pro
   const int kind = proj * 2 + (scale ? 1 : 0);
   const auto& table = code_table();
   const int s0 = base_scale_exponent(cols);
-#pragma omp parallel for schedule(static)
+  const bool parallel = out.size() >= (size_t{1} << 20);  // threads only for large tensors
+#pragma omp parallel for schedule(static) if (parallel)
   for (int64_t r = 0; r < rows; ++r) {
     Stream s(o.seed, layer, expert, kind, r);
     uint8_t* row = out.data() + r * width;

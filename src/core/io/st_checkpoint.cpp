@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/io/json_guard.hpp"
 #include "k3/safetensors.hpp"
 
 namespace k3::st {
@@ -66,6 +67,10 @@ Status load_index(const fs::path& index_path, std::map<std::string, std::string>
   std::stringstream ss;
   ss << in.rdbuf();
   const std::string text = ss.str();
+  if (const int depth = detail::json_max_nesting(text); depth > detail::kMaxJsonDepth) {
+    return io_error(ip + ": JSON nests " + std::to_string(depth) + " levels deep (limit " +
+                    std::to_string(detail::kMaxJsonDepth) + ")");
+  }
   const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return io_error(ip + ": not valid JSON");
   if (!j.is_object()) return io_error(ip + ": must be a JSON object");
@@ -74,7 +79,7 @@ Status load_index(const fs::path& index_path, std::map<std::string, std::string>
   if (!wm->is_object()) return io_error(ip + ": \"weight_map\" must be an object of tensor -> shard file");
   for (const auto& [name, file] : wm->items()) {
     if (!file.is_string() || !plain_file_name(file.get<std::string>())) {
-      return io_error(ip + ": tensor '" + name + "': shard " + file.dump() +
+      return io_error(ip + ": tensor '" + name + "': shard " + detail::json_quote(file) +
                       " must be a file name inside the checkpoint directory");
     }
     (*map)[name] = file.get<std::string>();

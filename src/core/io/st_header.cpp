@@ -8,6 +8,7 @@
 #include <optional>
 #include <set>
 
+#include "core/io/json_guard.hpp"
 #include "k3/safetensors.hpp"
 
 namespace k3::st {
@@ -47,53 +48,27 @@ std::optional<int64_t> non_negative_int(const Json& v) {
   return std::nullopt;
 }
 
-std::string short_dump(const Json& v) {
-  std::string s = v.dump(-1, ' ', false, Json::error_handler_t::replace);
-  if (s.size() > 40) s = s.substr(0, 37) + "...";
-  return s;
-}
-
-// Deepest bracket nesting outside strings. nlohmann's parser keeps its own stack, but the
-// resulting value is destroyed recursively in places; bounding the depth first keeps a hostile
-// "[[[[..." header from exhausting the call stack.
-int max_nesting(std::string_view text) {
-  int depth = 0, deepest = 0;
-  bool in_string = false, escaped = false;
-  for (const char c : text) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-      continue;
-    }
-    if (c == '"') in_string = true;
-    else if (c == '[' || c == '{') deepest = std::max(deepest, ++depth);
-    else if ((c == ']' || c == '}') && depth > 0) --depth;
-  }
-  return deepest;
-}
-
 Result<TensorInfo> parse_entry(const std::string& source, const std::string& name, const Json& v,
                                uint64_t data_size) {
   const std::string where = source + ": tensor '" + name + "': ";
-  if (!v.is_object()) return io_error(where + "entry must be a JSON object, got " + short_dump(v));
+  if (!v.is_object()) return io_error(where + "entry must be a JSON object, got " + detail::json_quote(v));
   TensorInfo t;
   t.name = name;
 
   const auto dt = v.find("dtype");
   if (dt == v.end()) return io_error(where + "missing \"dtype\"");
-  if (!dt->is_string()) return io_error(where + "\"dtype\" must be a string, got " + short_dump(*dt));
+  if (!dt->is_string()) return io_error(where + "\"dtype\" must be a string, got " + detail::json_quote(*dt));
   auto parsed = parse_dtype(dt->get<std::string>());
   if (!parsed) return io_error(where + parsed.status().message());
   t.dtype = parsed.value();
 
   const auto sh = v.find("shape");
   if (sh == v.end()) return io_error(where + "missing \"shape\"");
-  if (!sh->is_array()) return io_error(where + "\"shape\" must be an array, got " + short_dump(*sh));
+  if (!sh->is_array()) return io_error(where + "\"shape\" must be an array, got " + detail::json_quote(*sh));
   for (size_t i = 0; i < sh->size(); ++i) {
     const auto d = non_negative_int((*sh)[i]);
     if (!d) {
-      return io_error(where + "shape[" + num(static_cast<uint64_t>(i)) + "] = " + short_dump((*sh)[i]) +
+      return io_error(where + "shape[" + num(static_cast<uint64_t>(i)) + "] = " + detail::json_quote((*sh)[i]) +
                       " must be a non-negative integer");
     }
     t.shape.push_back(*d);
@@ -113,11 +88,11 @@ Result<TensorInfo> parse_entry(const std::string& source, const std::string& nam
   const auto off = v.find("data_offsets");
   if (off == v.end()) return io_error(where + "missing \"data_offsets\"");
   if (!off->is_array() || off->size() != 2) {
-    return io_error(where + "\"data_offsets\" must be an array [begin, end], got " + short_dump(*off));
+    return io_error(where + "\"data_offsets\" must be an array [begin, end], got " + detail::json_quote(*off));
   }
   const auto b = non_negative_int((*off)[0]);
   const auto e = non_negative_int((*off)[1]);
-  if (!b || !e) return io_error(where + "data_offsets " + short_dump(*off) + " must be non-negative integers");
+  if (!b || !e) return io_error(where + "data_offsets " + detail::json_quote(*off) + " must be non-negative integers");
   if (*b > *e) {
     return io_error(where + "data_offsets [" + num(*b) + ", " + num(*e) + "] have begin > end");
   }
@@ -136,10 +111,10 @@ Result<TensorInfo> parse_entry(const std::string& source, const std::string& nam
 }
 
 Status parse_metadata(const std::string& source, const Json& v, std::map<std::string, std::string>* out) {
-  if (!v.is_object()) return io_error(source + ": \"__metadata__\" must be an object, got " + short_dump(v));
+  if (!v.is_object()) return io_error(source + ": \"__metadata__\" must be an object, got " + detail::json_quote(v));
   for (const auto& [k, val] : v.items()) {
     if (!val.is_string()) {
-      return io_error(source + ": \"__metadata__\" entry '" + k + "' must be a string, got " + short_dump(val));
+      return io_error(source + ": \"__metadata__\" entry '" + k + "' must be a string, got " + detail::json_quote(val));
     }
     (*out)[k] = val.get<std::string>();
   }
@@ -168,7 +143,7 @@ Result<std::vector<TensorInfo>> parse_header_impl(std::span<const uint8_t> image
   const std::string_view text(text_begin, static_cast<size_t>(header_len));
   const uint64_t data_size = file_size - 8 - header_len;
 
-  if (const int depth = max_nesting(text); depth > kMaxJsonDepth) {
+  if (const int depth = detail::json_max_nesting(text); depth > kMaxJsonDepth) {
     return io_error(source + ": header JSON nests " + std::to_string(depth) + " levels deep (limit " +
                     std::to_string(kMaxJsonDepth) + ")");
   }

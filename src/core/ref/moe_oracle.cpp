@@ -49,22 +49,34 @@ void dequant_fp4(const uint8_t* q, const uint8_t* s, int64_t rows, int64_t cols,
   }
 }
 
-// FP64 dot product with a fixed order: 8 interleaved partial sums, combined pairwise. n % 8 == 0
-// (n is K or N, multiples of 32). Products of the operands used here (MXFP8 / BF16 / FP32 values
-// times FP4 values) are exact in FP64; only the additions round.
+// FP64 dot product with a fixed order: 32 interleaved partial sums (partial j adds elements
+// j, j+32, ...), then combined as a balanced pairwise tree. n % 32 == 0 (n is K or N). 32
+// independent chains keep the adders busy (a single chain is bound by the add latency). Products
+// of the operands used here (MXFP8 / BF16 / FP32 values times FP4 values) are exact in FP64; only
+// the additions round.
+// On x86-64 with GCC the function is also built for AVX2 and AVX-512 (chosen at load time); each
+// partial sum sees the same additions in the same order whatever the vector width, so every
+// variant returns the same bits.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
 double dot(const double* a, const float* b, int64_t n) {
-  std::array<double, 8> acc{};
-  for (int64_t i = 0; i < n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * static_cast<double>(b[i + j]);
+  constexpr int kLanes = 32;
+  std::array<double, kLanes> acc{};
+  for (int64_t i = 0; i < n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * static_cast<double>(b[i + j]);
   }
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
+    for (int j = 0; j < width; ++j) acc[j] = acc[2 * j] + acc[2 * j + 1];
+  }
+  return acc[0];
 }
 
 // C[p, r] = dot(A[p, :], W[r, :]) for p < np, r < rows. A: [np, cols] FP64, W: [rows, cols] FP32,
 // C: [np, rows] FP64. Split over blocks of weight rows; each C element is written by one thread.
 void gemm_nt(const double* a, int64_t np, const float* w, int64_t rows, int64_t cols, double* c) {
   const int64_t nblocks = (rows + kRowBlock - 1) / kRowBlock;
-#pragma omp parallel for schedule(static) if (np * rows * cols >= 4 * kParallelMin)
+#pragma omp parallel for schedule(dynamic) if (np * rows * cols >= 4 * kParallelMin)
   for (int64_t rb = 0; rb < nblocks; ++rb) {
     const int64_t r0 = rb * kRowBlock, r1 = std::min(rows, r0 + kRowBlock);
     for (int64_t p = 0; p < np; ++p) {
@@ -106,19 +118,24 @@ void activation_row(const double* h, int64_t n, const Activation& act, double b,
   }
 }
 
-Status oracle_impl(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, OracleKind kind,
-                   std::span<double> out) {
+// The oracles. out[0] = contract, out[1] = BF16 reference; a null pointer skips that oracle.
+// Steps 1-2 (input rounding, GEMM1) are shared: they are the same for both.
+Status oracle_impl(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in,
+                   const std::array<double*, 2>& out) {
   const int64_t m = in.m, k = p.shape.hidden, n = p.shape.intermediate;
   const int top_k = p.shape.top_k;
   const int e_local = p.shape.local_experts();
   const int first = p.shape.first_local_expert();
-  std::fill(out.begin(), out.end(), 0.0);
+  constexpr std::array<OracleKind, 2> kKinds = {OracleKind::kContract, OracleKind::kBf16Reference};
+  for (double* o : out) {
+    if (o != nullptr) std::fill(o, o + m * k, 0.0);
+  }
 
   std::vector<float> w1;                // [2N, K] FP32, one expert's FC1 dequantized
   std::vector<float> w2;                // [K, N]  FP32, one expert's FC2 dequantized
   std::vector<double> xq(kTokenChunk * k);  // [C, K] the chunk's GEMM1 operands
-  std::vector<double> y;                // [local slots of the chunk, K] expert outputs
-  std::vector<double> xs, h, a;         // [P, K], [P, 2N], [P, N] per expert
+  std::array<std::vector<double>, 2> y;     // per oracle: [local slots of the chunk, K] expert outputs
+  std::vector<double> xs, h, a, ye;     // [P, K], [P, 2N], [P, N], [P, K] per expert
   std::vector<std::vector<int64_t>> slots(e_local);  // per local expert: chunk slot indices (t*top_k + s)
   std::vector<int64_t> y_row(kTokenChunk * top_k);     // chunk slot -> row of y, -1 if not local
 
@@ -135,7 +152,9 @@ Status oracle_impl(const MoeProblem& p, const MoeWeightsView& w, const MoeInputs
     if (n_local == 0) continue;  // every row of the chunk stays +0.0
 #pragma omp parallel for schedule(static) if (tc * k >= kParallelMin)
     for (int64_t t = 0; t < tc; ++t) input_row(in.x.data() + (t0 + t) * k, k, p.recipe, xq.data() + t * k);
-    y.resize(n_local * k);
+    for (int o = 0; o < 2; ++o) {
+      if (out[o] != nullptr) y[o].resize(n_local * k);
+    }
 
     for (int e = 0; e < e_local; ++e) {
       const auto& sl = slots[e];
@@ -149,65 +168,95 @@ Status oracle_impl(const MoeProblem& p, const MoeWeightsView& w, const MoeInputs
       xs.resize(np * k);
       h.resize(np * 2 * n);
       a.resize(np * n);
+      ye.resize(np * k);
       for (int64_t s = 0; s < np; ++s) {
         std::copy_n(xq.data() + (sl[s] / top_k) * k, k, xs.data() + s * k);
       }
       gemm_nt(xs.data(), np, w1.data(), 2 * n, k, h.data());  // h [P, 2N]
       const double b = w.situ_beta.empty() ? p.activation.situ_beta : w.situ_beta[e];
       const double lb = w.situ_linear_beta.empty() ? p.activation.situ_linear_beta : w.situ_linear_beta[e];
+      for (int o = 0; o < 2; ++o) {
+        if (out[o] == nullptr) continue;
 #pragma omp parallel for schedule(static) if (np * n >= kParallelMin / 4)
-      for (int64_t s = 0; s < np; ++s) {
-        activation_row(h.data() + s * 2 * n, n, p.activation, b, lb, p.recipe, kind, a.data() + s * n);
+        for (int64_t s = 0; s < np; ++s) {
+          activation_row(h.data() + s * 2 * n, n, p.activation, b, lb, p.recipe, kKinds[o], a.data() + s * n);
+        }
+        gemm_nt(a.data(), np, w2.data(), k, n, ye.data());  // y_e [P, K]
+        for (int64_t s = 0; s < np; ++s) std::copy_n(ye.data() + s * k, k, y[o].data() + y_row[sl[s]] * k);
       }
-      gemm_nt(a.data(), np, w2.data(), k, n, h.data());  // y_e [P, K], reusing h's storage
-      for (int64_t s = 0; s < np; ++s) std::copy_n(h.data() + s * k, k, y.data() + y_row[sl[s]] * k);
     }
 
     // Finalize in slot order, one token per thread.
+    for (int o = 0; o < 2; ++o) {
+      if (out[o] == nullptr) continue;
 #pragma omp parallel for schedule(static) if (n_local * k >= kParallelMin)
-    for (int64_t t = 0; t < tc; ++t) {
-      double* o = out.data() + (t0 + t) * k;
-      for (int s = 0; s < top_k; ++s) {
-        const int64_t row = y_row[t * top_k + s];
-        if (row < 0) continue;
-        const double wt = in.topk_weights[(t0 + t) * top_k + s];
-        const double* yr = y.data() + row * k;
-        for (int64_t c = 0; c < k; ++c) o[c] += wt * yr[c];
+      for (int64_t t = 0; t < tc; ++t) {
+        double* dst = out[o] + (t0 + t) * k;
+        for (int s = 0; s < top_k; ++s) {
+          const int64_t row = y_row[t * top_k + s];
+          if (row < 0) continue;
+          const double wt = in.topk_weights[(t0 + t) * top_k + s];
+          const double* yr = y[o].data() + row * k;
+          for (int64_t c = 0; c < k; ++c) dst[c] += wt * yr[c];
+        }
       }
     }
   }
   return Status::ok();
 }
 
-}  // namespace
-
-Status moe_oracle(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, OracleKind kind,
-                  std::span<double> out) {
+Status check_oracle_args(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in) {
   K3_RETURN_IF_ERROR(validate_moe_buffers(p, w, in));
   K3_RETURN_IF_ERROR(validate_activation(p.activation));
   if (p.activation.kind == ActivationKind::kSiTU) {
     for (size_t e = 0; e < w.situ_beta.size() || e < w.situ_linear_beta.size(); ++e) {
-      const float b = e < w.situ_beta.size() ? w.situ_beta[e] : p.activation.situ_beta;
-      const float lb = e < w.situ_linear_beta.size() ? w.situ_linear_beta[e] : p.activation.situ_linear_beta;
       Activation one = p.activation;
-      one.situ_beta = b;
-      one.situ_linear_beta = lb;
+      if (e < w.situ_beta.size()) one.situ_beta = w.situ_beta[e];
+      if (e < w.situ_linear_beta.size()) one.situ_linear_beta = w.situ_linear_beta[e];
       const Status st = validate_activation(one);
       if (!st.is_ok()) return invalid_argument("local expert " + std::to_string(e) + ": " + st.message());
     }
   }
+  return Status::ok();
+}
+
+Status check_out(const char* name, const MoeProblem& p, const MoeInputsView& in, std::span<double> out) {
   const int64_t want = in.m * p.shape.hidden;
   if (static_cast<int64_t>(out.size()) != want) {
-    return invalid_argument("moe_oracle: out [M, K] has " + std::to_string(out.size()) + " elements, expected " +
+    return invalid_argument(std::string(name) + " [M, K] has " + std::to_string(out.size()) + " elements, expected " +
                             std::to_string(want));
   }
+  return Status::ok();
+}
+
+Status run_guarded(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in,
+                   const std::array<double*, 2>& out) {
   try {
-    return oracle_impl(p, w, in, kind, out);
+    return oracle_impl(p, w, in, out);
   } catch (const std::bad_alloc&) {
     return unavailable("moe_oracle: out of memory for the FP64 buffers (M = " + std::to_string(in.m) +
                        ", K = " + std::to_string(p.shape.hidden) + ", N = " + std::to_string(p.shape.intermediate) +
                        ")");
   }
+}
+
+}  // namespace
+
+Status moe_oracle(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, OracleKind kind,
+                  std::span<double> out) {
+  K3_RETURN_IF_ERROR(check_oracle_args(p, w, in));
+  K3_RETURN_IF_ERROR(check_out("moe_oracle: out", p, in, out));
+  std::array<double*, 2> outs = {nullptr, nullptr};
+  outs[kind == OracleKind::kContract ? 0 : 1] = out.data();
+  return run_guarded(p, w, in, outs);
+}
+
+Status moe_oracles(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<double> contract,
+                   std::span<double> bf16_reference) {
+  K3_RETURN_IF_ERROR(check_oracle_args(p, w, in));
+  K3_RETURN_IF_ERROR(check_out("moe_oracles: contract", p, in, contract));
+  K3_RETURN_IF_ERROR(check_out("moe_oracles: bf16_reference", p, in, bf16_reference));
+  return run_guarded(p, w, in, {contract.data(), bf16_reference.data()});
 }
 
 }  // namespace k3

@@ -6,11 +6,14 @@
 #include <string>
 #include <vector>
 
+#include "k3/formats.hpp"
+#include "k3/portable_math.hpp"
 #include "k3/routing.hpp"
 
 namespace k3 {
 
-float router_sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+// Built from IEEE operations only (k3/portable_math.hpp), so the CUDA router matches it bit for bit.
+float router_sigmoid(float x) { return sigmoid_f32(x); }
 
 namespace {
 
@@ -140,6 +143,36 @@ Status route(const RoutingConfig& cfg, int64_t m, std::span<const float> logits,
     for (int64_t t = 0; t < m; ++t) {
       route_token(cfg, logits.data() + t * e, bias, ids.data() + t * k, weights.data() + t * k, s, choice, cand,
                   gscore, gorder);
+    }
+  }
+  return Status::ok();
+}
+
+Status router_logits(int64_t m, int64_t hidden, int num_experts, std::span<const uint16_t> x,
+                     std::span<const uint16_t> gate, std::span<float> logits) {
+  if (m < 0 || hidden <= 0 || num_experts < 1) {
+    return invalid_argument("router_logits: m = " + num(m) + ", hidden = " + num(hidden) + ", num_experts = " +
+                            num(num_experts) + " must be >= 0, > 0, >= 1");
+  }
+  const int64_t e = num_experts;
+  if (static_cast<int64_t>(x.size()) != m * hidden || static_cast<int64_t>(gate.size()) != e * hidden ||
+      static_cast<int64_t>(logits.size()) != m * e) {
+    return invalid_argument("router_logits: x has " + num(static_cast<int64_t>(x.size())) + " (expected M*hidden = " +
+                            num(m * hidden) + "), gate " + num(static_cast<int64_t>(gate.size())) +
+                            " (expected E*hidden = " + num(e * hidden) + "), logits " +
+                            num(static_cast<int64_t>(logits.size())) + " (expected M*E = " + num(m * e) + ") elements");
+  }
+#pragma omp parallel for schedule(static) if (m * e * hidden >= (1 << 22))
+  for (int64_t t = 0; t < m; ++t) {
+    for (int64_t j = 0; j < e; ++j) {
+      double acc = 0;
+      for (int64_t i = 0; i < hidden; ++i) {
+        acc += static_cast<double>(bf16_to_f32(x[t * hidden + i])) * bf16_to_f32(gate[j * hidden + i]);
+      }
+      // A double at or beyond FLT_MAX + half an ulp rounds to Inf; the C++ conversion of such a
+      // value to float is undefined, so it is done here.
+      constexpr double kOverflow = 0x1.FFFFFFp127;
+      logits[t * e + j] = acc >= kOverflow ? INFINITY : (acc <= -kOverflow ? -INFINITY : static_cast<float>(acc));
     }
   }
   return Status::ok();

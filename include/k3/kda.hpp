@@ -1,0 +1,177 @@
+// k3/kda.hpp — Kimi Delta Attention (KDA) core: references and the CPU backend (spec/kda.md).
+//
+// Per head (key dim K, value dim V, FP32 state S [K, V]) and token t:
+//   S <- Diag(exp(g_t)) S;  v' = beta_t (v_t - S^T k_t);  S <- S + k_t v'^T;  o_t = S^T (scale q_t)
+// with q, k L2-normalized per head (x / sqrt(sum x^2 + 1e-6)) and scale = K^-0.5 by default.
+//
+// Every type here is a plain value or a non-owning view; tensors are token-major and dense.
+// A backend is used in two steps: a plan (checks the configuration once, fixes the thread count,
+// SIMD level and workspace size) and run calls on caller-owned buffers. The CPU prefill does not
+// allocate when given a workspace (decode / verify allocate only the slot list they check for
+// duplicates); a CUDA backend can offer the same calls with device spans.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "k3/status.hpp"
+#include "k3/system.hpp"
+
+namespace k3::kda {
+
+// How the gate input tensor `g` of KdaInputs is turned into the log-space decay g_t (<= 0).
+enum class GateMode : uint8_t {
+  kLogDecay,  // g is already the log-space decay (used as is)
+  kSafe,      // Kimi-K3: g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias[h, :])), lb = gate_lower_bound
+  kSoftplus,  // Kimi-Linear: g = -exp(A_log[h]) * softplus(f + dt_bias[h, :]) (softplus(x) = x for x > 20)
+};
+
+// Layout of every state tensor (initial, final, pool slots).
+enum class StateLayout : uint8_t {
+  kKFirst,  // [.., H, K, V] (fla default)
+  kVFirst,  // [.., H, V, K] (FlashKDA)
+};
+
+enum class Algorithm : uint8_t {
+  kAuto,       // chunked for sequences of at least CpuOptions::chunk_min_tokens tokens, else recurrent
+  kRecurrent,  // token by token
+  kChunked,    // chunks of kChunk tokens (docs/kda.md)
+};
+
+const char* gate_mode_name(GateMode m);        // "log_decay", "safe", "softplus"
+const char* state_layout_name(StateLayout l);  // "k_first", "v_first"
+const char* algorithm_name(Algorithm a);       // "auto", "recurrent", "chunked"
+Result<GateMode> parse_gate_mode(const std::string& s);
+Result<StateLayout> parse_state_layout(const std::string& s);
+Result<Algorithm> parse_algorithm(const std::string& s);
+
+// Limits of the configuration (checked by validate_config).
+inline constexpr int64_t kMaxHeads = 1024;
+inline constexpr int64_t kMaxHeadDim = 512;
+// Log-space decays below this are clamped to it: exp() of it is 0 in FP32 and FP64 alike, and
+// the clamp keeps differences of cumulative sums finite (no -inf - -inf).
+inline constexpr float kMinLogDecay = -1.0e4f;
+// Tokens per chunk of the chunked CPU prefill.
+inline constexpr int64_t kChunk = 16;
+
+struct KdaConfig {
+  int64_t num_heads = 96;  // H
+  int64_t head_k = 128;    // K
+  int64_t head_v = 128;    // V
+  GateMode gate = GateMode::kSafe;
+  float gate_lower_bound = -5.0f;  // lb of the safe gate (< 0)
+  bool beta_logits = true;         // beta holds logits b (beta = sigmoid(b)); else beta itself
+  bool l2norm_qk = true;           // L2-normalize q and k inside (false: used as given)
+  float scale = 0.0f;              // output scale; 0 selects K^-0.5
+  StateLayout layout = StateLayout::kKFirst;
+  float effective_scale() const;
+};
+
+// Checks 1 <= H <= kMaxHeads, 1 <= K, V <= kMaxHeadDim, lb < 0 and finite, scale >= 0 and finite.
+Status validate_config(const KdaConfig& cfg);
+
+// A read-only activation tensor, BF16 (bit patterns) or FP32: set exactly one of the spans.
+// Both empty means an empty tensor (T = 0).
+struct ActSpan {
+  std::span<const uint16_t> bf16;
+  std::span<const float> f32;
+  static ActSpan of(std::span<const uint16_t> s) { return {s, {}}; }
+  static ActSpan of(std::span<const float> s) { return {{}, s}; }
+  bool is_bf16() const { return !bf16.empty(); }
+  int64_t size() const { return static_cast<int64_t>(bf16.empty() ? f32.size() : bf16.size()); }
+};
+
+// Inputs of a prefill (T tokens of N sequences flattened; sequence n owns tokens
+// [cu_seqlens[n], cu_seqlens[n+1])). Decode and verify use the same struct with cu_seqlens and
+// initial_state empty.
+struct KdaInputs {
+  ActSpan q;                             // [T, H, K]
+  ActSpan k;                             // [T, H, K]
+  ActSpan v;                             // [T, H, V]
+  std::span<const float> g;              // [T, H, K] log-space decay (kLogDecay) or gate input f
+  std::span<const float> beta;           // [T, H] logits (beta_logits) or beta
+  std::span<const float> a_log;          // [>= H] (kSafe, kSoftplus; first H used), else empty
+  std::span<const float> dt_bias;        // [H, K] (kSafe, kSoftplus; empty = zeros), else empty
+  std::span<const int64_t> cu_seqlens;   // [N + 1]: 0 = c[0] <= c[1] <= ... <= c[N] = T; empty: N = 1
+  std::span<const float> initial_state;  // [N, H, K, V] or [N, H, V, K] FP32; empty: zeros
+};
+
+struct KdaOutputs {
+  std::span<float> o;            // [T, H, V] FP32
+  std::span<float> final_state;  // [N, H, K, V] or [N, H, V, K] FP32; empty: not returned
+};
+
+// Shape facts of a checked prefill call.
+struct PrefillShape {
+  int64_t num_tokens = 0;  // T
+  int64_t num_seqs = 0;    // N
+};
+// Checks every span against the configuration; the message names the tensor, the expected and
+// the actual size (or the offending cu_seqlens entry).
+Result<PrefillShape> validate_prefill(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out);
+
+// ---- references (token-recurrent, exactly the recurrence above) ----------------------------
+// FP64: every input widened exactly, all arithmetic in double.
+Status reference_fp64(const KdaConfig& cfg, const KdaInputs& in, std::span<double> o /* [T, H, V] */,
+                      std::span<double> final_state /* like KdaOutputs::final_state; may be empty */);
+// FP32: all arithmetic in float, in the order of the recurrence.
+Status reference_fp32(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out);
+
+// ---- CPU backend ---------------------------------------------------------------------------
+inline constexpr int64_t kDefaultChunkMinTokens = 8;  // measured crossover, docs/kda.md
+
+struct CpuOptions {
+  int threads = 0;                  // 0: default_thread_count()
+  Algorithm algorithm = Algorithm::kAuto;
+  int64_t chunk_min_tokens = kDefaultChunkMinTokens;  // kAuto: sequences this long run chunked
+  bool use_isa_override = false;    // true: use `isa` instead of active_isa_level() (K3_ISA)
+  IsaLevel isa = IsaLevel::kScalar;
+};
+
+struct CpuPlan {
+  KdaConfig cfg;
+  IsaLevel isa = IsaLevel::kScalar;
+  int threads = 1;
+  Algorithm algorithm = Algorithm::kAuto;
+  int64_t chunk_min_tokens = kDefaultChunkMinTokens;
+  int64_t workspace_floats = 0;  // size of the workspace every run call needs
+};
+
+// Checks the configuration and options; resolves threads and the SIMD level (an invalid K3_ISA
+// or a level above the CPU's is an error).
+Result<CpuPlan> make_cpu_plan(const KdaConfig& cfg, const CpuOptions& opt = {});
+
+// Prefill: threads over (sequence, head); results are bit-identical for any thread count.
+Status prefill(const CpuPlan& plan, const KdaInputs& in, const KdaOutputs& out, std::span<float> workspace);
+
+// Decode, one token per sequence, state pool updated in place. Slots not named are not touched.
+struct DecodeArgs {
+  KdaInputs in;                            // N tokens ([N, H, K] ...); cu_seqlens, initial_state empty
+  std::span<float> state_pool;             // [slots, H, K, V] or [slots, H, V, K] FP32
+  std::span<const int32_t> state_indices;  // [N] distinct slots; < 0: padding row (skipped, o row = 0)
+  std::span<float> o;                      // [N, H, V]
+};
+Status decode(const CpuPlan& plan, const DecodeArgs& args, std::span<float> workspace);
+
+// Speculative verify: T draft tokens per sequence (sequence n owns tokens [n T, (n + 1) T)).
+// Reads the state of slot state_indices[n, num_accepted[n] - 1], runs the T tokens and writes
+// the state after token t to slot state_indices[n, t] (< 0: not stored). A sequence whose read
+// slot is < 0 is skipped (its o rows are 0). Written slots must be distinct over the batch (the
+// read slot is one of the sequence's own, so it is read before it is overwritten).
+struct VerifyArgs {
+  KdaInputs in;                            // [N * T, H, *]; cu_seqlens, initial_state empty
+  int64_t draft_tokens = 0;                // T >= 1
+  std::span<float> state_pool;             // [slots, H, K, V] or [slots, H, V, K] FP32
+  std::span<const int32_t> state_indices;  // [N, T]
+  std::span<const int32_t> num_accepted;   // [N], each in [1, T]
+  std::span<float> o;                      // [N * T, H, V]
+};
+Status verify(const CpuPlan& plan, const VerifyArgs& args, std::span<float> workspace);
+
+// Conveniences that allocate the workspace.
+Status prefill(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out, const CpuOptions& opt = {});
+Status decode(const KdaConfig& cfg, const DecodeArgs& args, const CpuOptions& opt = {});
+Status verify(const KdaConfig& cfg, const VerifyArgs& args, const CpuOptions& opt = {});
+
+}  // namespace k3::kda

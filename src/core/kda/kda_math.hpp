@@ -1,0 +1,46 @@
+// Scalar pieces of the KDA math shared by the references and the CPU backend (internal).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "k3/formats.hpp"
+#include "k3/kda.hpp"
+
+namespace k3::kda::detail {
+
+// validate_prefill on output sizes instead of spans (o and final_state element counts; a
+// final_state size of 0 means "not returned").
+Result<PrefillShape> validate_prefill_sizes(const KdaConfig& c, const KdaInputs& in, int64_t o_size,
+                                            int64_t final_state_size);
+
+// Element i of an activation tensor, widened exactly to FP32.
+inline float act_at(const ActSpan& a, int64_t i) {
+  return a.is_bf16() ? bf16_to_f32(a.bf16[static_cast<size_t>(i)]) : a.f32[static_cast<size_t>(i)];
+}
+
+template <typename T>
+T sigmoid(T x) {
+  return T(1) / (T(1) + std::exp(-x));
+}
+
+// softplus(x) = log(1 + exp(x)), with the x > 20 shortcut of the Kimi-Linear / fla code.
+template <typename T>
+T softplus(T x) {
+  return x > T(20) ? x : std::log1p(std::exp(x));
+}
+
+// Log-space decay of one channel from the gate input f (see GateMode), clamped below at
+// kMinLogDecay. `a` is exp(A_log[h]) and `bias` dt_bias[h, d] (0 when absent).
+template <typename T>
+T log_decay(GateMode mode, T f, T a, T bias, T lower_bound) {
+  T g;
+  switch (mode) {
+    case GateMode::kSafe: g = lower_bound * sigmoid(a * (f + bias)); break;
+    case GateMode::kSoftplus: g = -a * softplus(f + bias); break;
+    default: g = f; break;
+  }
+  return g < T(kMinLogDecay) ? T(kMinLogDecay) : g;
+}
+
+}  // namespace k3::kda::detail

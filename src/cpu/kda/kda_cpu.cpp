@@ -1,0 +1,369 @@
+// KDA CPU backend: plans, prefill, decode and speculative verify. Threads over (sequence, head);
+// each pair runs start to end on one thread with its own scratch, so the result does not depend
+// on the thread count or the schedule.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/kda/kda_math.hpp"
+#include "cpu/kda/kernels.hpp"
+#include "k3/kda.hpp"
+
+namespace k3::kda {
+namespace cpu {
+
+ScratchLayout scratch_layout(int64_t head_k, int64_t head_v) {
+  ScratchLayout l;
+  l.kp = round_up_pad(head_k);
+  l.vp = round_up_pad(head_v);
+  const int64_t big = std::max(l.kp, l.vp), c = kChunk;
+  int64_t off = 0;
+  auto take = [&off](int64_t n) {
+    const int64_t at = off;
+    off += round_up_pad(n);
+    return at;
+  };
+  l.q = take(l.kp), l.k = take(l.kp), l.v = take(l.vp), l.g = take(l.kp), l.alpha = take(big), l.ak = take(big);
+  l.vnew = take(l.vp), l.out = take(l.vp), l.bias = take(l.kp), l.tmp = take(big);
+  l.cq = take(c * l.kp), l.ck = take(c * l.kp), l.cg = take(c * l.kp), l.cqg = take(c * l.kp);
+  l.ckg = take(c * l.kp), l.cki = take(c * l.kp), l.ckl = take(c * l.kp);
+  l.cv = take(c * l.vp), l.cp1 = take(c * l.vp), l.cp2 = take(c * l.vp), l.co = take(c * l.vp);
+  l.cl = take(c * c), l.caqk = take(c * c), l.beta = take(c);
+  l.state = take(l.kp * l.vp);
+  l.total = off;
+  return l;
+}
+
+}  // namespace cpu
+
+namespace {
+
+std::string num(int64_t v) { return std::to_string(v); }
+
+const cpu::KernelTable& kernels_for(IsaLevel l) {
+  switch (l) {
+    case IsaLevel::kAvx512:
+    case IsaLevel::kAvx512Bf16: return cpu::kernels_avx512();
+    case IsaLevel::kAvx2: return cpu::kernels_avx2();
+    default: return cpu::kernels_scalar();
+  }
+}
+
+cpu::HeadCtx head_ctx(const CpuPlan& p, const KdaInputs& in, float* o, int64_t h) {
+  const KdaConfig& c = p.cfg;
+  cpu::HeadCtx x;
+  x.q16 = in.q.is_bf16() ? in.q.bf16.data() : nullptr;
+  x.q32 = in.q.is_bf16() ? nullptr : in.q.f32.data();
+  x.k16 = in.k.is_bf16() ? in.k.bf16.data() : nullptr;
+  x.k32 = in.k.is_bf16() ? nullptr : in.k.f32.data();
+  x.v16 = in.v.is_bf16() ? in.v.bf16.data() : nullptr;
+  x.v32 = in.v.is_bf16() ? nullptr : in.v.f32.data();
+  x.g = in.g.data();
+  x.beta = in.beta.data();
+  const bool gated = c.gate != GateMode::kLogDecay;
+  x.dt_bias = gated && !in.dt_bias.empty() ? in.dt_bias.data() + h * c.head_k : nullptr;
+  x.o = o;
+  x.num_heads = c.num_heads;
+  x.head = h;
+  x.head_k = c.head_k;
+  x.head_v = c.head_v;
+  x.gate = c.gate;
+  x.a = gated ? std::exp(in.a_log[h]) : 0.0f;
+  x.lower_bound = c.gate_lower_bound;
+  x.scale = c.effective_scale();
+  x.beta_logits = c.beta_logits;
+  x.l2norm = c.l2norm_qk;
+  x.lay = cpu::scratch_layout(c.head_k, c.head_v);
+  return x;
+}
+
+// One head's state block (K * V floats in the configured layout) <-> the local K-first state
+// [K, lds] whose columns from V to lds are zero.
+void load_state(const KdaConfig& c, const float* src, float* s, int64_t lds) {
+  const int64_t K = c.head_k, V = c.head_v;
+  for (int64_t d = 0; d < K; ++d) {
+    float* row = s + d * lds;
+    if (src == nullptr) {
+      std::fill(row, row + lds, 0.0f);
+      continue;
+    }
+    if (c.layout == StateLayout::kKFirst) {
+      std::copy(src + d * V, src + d * V + V, row);
+    } else {
+      for (int64_t j = 0; j < V; ++j) row[j] = src[j * K + d];
+    }
+    std::fill(row + V, row + lds, 0.0f);
+  }
+}
+
+void store_state(const KdaConfig& c, const float* s, int64_t lds, float* dst) {
+  const int64_t K = c.head_k, V = c.head_v;
+  for (int64_t d = 0; d < K; ++d) {
+    const float* row = s + d * lds;
+    if (c.layout == StateLayout::kKFirst) {
+      std::copy(row, row + V, dst + d * V);
+    } else {
+      for (int64_t j = 0; j < V; ++j) dst[j * K + d] = row[j];
+    }
+  }
+}
+
+Status check_workspace(const CpuPlan& p, std::span<float> ws) {
+  if (static_cast<int64_t>(ws.size()) < p.workspace_floats) {
+    return invalid_argument("workspace has " + num(static_cast<int64_t>(ws.size())) + " floats, the plan needs " +
+                            num(p.workspace_floats));
+  }
+  return Status::ok();
+}
+
+Status check_plan(const CpuPlan& p) {
+  K3_RETURN_IF_ERROR(validate_config(p.cfg));
+  if (p.threads < 1) return invalid_argument("plan.threads = " + std::to_string(p.threads) + " must be >= 1");
+  if (static_cast<int>(p.isa) > static_cast<int>(best_isa_level())) {
+    return unsupported(std::string("plan.isa = ") + isa_level_name(p.isa) + " is above this CPU's best level " +
+                       isa_level_name(best_isa_level()));
+  }
+  const int64_t need = cpu::scratch_layout(p.cfg.head_k, p.cfg.head_v).total * p.threads;
+  if (p.workspace_floats < need) {
+    return invalid_argument("plan.workspace_floats = " + num(p.workspace_floats) + " is below " + num(need) +
+                            " (use make_cpu_plan)");
+  }
+  return Status::ok();
+}
+
+// Checks of the token inputs shared by decode and verify: returns the token count.
+Result<int64_t> check_pool_inputs(const KdaConfig& c, const KdaInputs& in, std::span<float> o, const char* what) {
+  if (!in.cu_seqlens.empty() || !in.initial_state.empty()) {
+    return invalid_argument(std::string(what) + ": cu_seqlens and initial_state must be empty (the state pool holds the states)");
+  }
+  auto s = detail::validate_prefill_sizes(c, in, static_cast<int64_t>(o.size()), 0);
+  if (!s.is_ok()) return s.status();
+  return s.value().num_tokens;
+}
+
+Result<int64_t> pool_slots(const KdaConfig& c, std::span<float> pool) {
+  const int64_t per_slot = c.num_heads * c.head_k * c.head_v;
+  if (pool.empty() || static_cast<int64_t>(pool.size()) % per_slot != 0) {
+    return invalid_argument("state_pool has " + num(static_cast<int64_t>(pool.size())) +
+                            " floats, expected a positive multiple of H * K * V = " + num(per_slot) +
+                            " ([slots, H, K, V] or [slots, H, V, K])");
+  }
+  return static_cast<int64_t>(pool.size()) / per_slot;
+}
+
+// (slot, owner) pairs of the written slots must be distinct. (A sequence's read slot is one of
+// its own write slots, so no other sequence can write it.)
+Status check_distinct_writes(std::vector<std::pair<int64_t, int64_t>> writes) {
+  std::sort(writes.begin(), writes.end());
+  for (size_t i = 1; i < writes.size(); ++i) {
+    if (writes[i].first == writes[i - 1].first) {
+      return invalid_argument("state slot " + num(writes[i].first) + " is written twice (sequences " +
+                              num(writes[i - 1].second) + " and " + num(writes[i].second) + ")");
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<CpuPlan> make_cpu_plan(const KdaConfig& cfg, const CpuOptions& opt) {
+  K3_RETURN_IF_ERROR(validate_config(cfg));
+  if (opt.threads < 0 || opt.threads > 4096) {
+    return invalid_argument("threads = " + std::to_string(opt.threads) + " must be in [0, 4096] (0: default)");
+  }
+  if (opt.chunk_min_tokens < 1) {
+    return invalid_argument("chunk_min_tokens = " + num(opt.chunk_min_tokens) + " must be >= 1");
+  }
+  CpuPlan p;
+  p.cfg = cfg;
+  if (opt.use_isa_override) {
+    if (static_cast<int>(opt.isa) > static_cast<int>(best_isa_level())) {
+      return unsupported(std::string("isa = ") + isa_level_name(opt.isa) + " is not supported by this CPU (best: " +
+                         isa_level_name(best_isa_level()) + ")");
+    }
+    p.isa = opt.isa;
+  } else {
+    auto isa = active_isa_level();
+    if (!isa.is_ok()) return isa.status();
+    p.isa = isa.value();
+  }
+  p.threads = opt.threads > 0 ? opt.threads : std::max(1, default_thread_count());
+  p.algorithm = opt.algorithm;
+  p.chunk_min_tokens = opt.chunk_min_tokens;
+  p.workspace_floats = cpu::scratch_layout(cfg.head_k, cfg.head_v).total * p.threads;
+  return p;
+}
+
+Status prefill(const CpuPlan& p, const KdaInputs& in, const KdaOutputs& out, std::span<float> ws) {
+  K3_RETURN_IF_ERROR(check_plan(p));
+  auto shape = validate_prefill(p.cfg, in, out);
+  if (!shape.is_ok()) return shape.status();
+  K3_RETURN_IF_ERROR(check_workspace(p, ws));
+  const KdaConfig& c = p.cfg;
+  const int64_t H = c.num_heads, N = shape.value().num_seqs, T = shape.value().num_tokens;
+  const int64_t block = c.head_k * c.head_v;
+  const cpu::KernelTable& kt = kernels_for(p.isa);
+  const int64_t per_thread = cpu::scratch_layout(c.head_k, c.head_v).total;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p.threads)
+  for (int64_t u = 0; u < N * H; ++u) {
+    const int64_t n = u / H, h = u % H;
+    float* scratch = ws.data() + omp_get_thread_num() * per_thread;
+    const cpu::HeadCtx x = head_ctx(p, in, out.o.data(), h);
+    float* s = scratch + x.lay.state;
+    const int64_t t0 = in.cu_seqlens.empty() ? 0 : in.cu_seqlens[n];
+    const int64_t t1 = in.cu_seqlens.empty() ? T : in.cu_seqlens[n + 1];
+    load_state(c, in.initial_state.empty() ? nullptr : in.initial_state.data() + u * block, s, x.lay.vp);
+    const bool chunked = p.algorithm == Algorithm::kChunked ||
+                         (p.algorithm == Algorithm::kAuto && t1 - t0 >= p.chunk_min_tokens);
+    if (chunked) {
+      kt.chunked(x, t0, t1, s, scratch);
+    } else {
+      kt.recurrent(x, t0, t1, s, x.lay.vp, x.lay.vp, scratch);
+    }
+    if (!out.final_state.empty()) store_state(c, s, x.lay.vp, out.final_state.data() + u * block);
+  }
+  return Status::ok();
+}
+
+Status decode(const CpuPlan& p, const DecodeArgs& a, std::span<float> ws) {
+  K3_RETURN_IF_ERROR(check_plan(p));
+  const KdaConfig& c = p.cfg;
+  auto tokens = check_pool_inputs(c, a.in, a.o, "decode");
+  if (!tokens.is_ok()) return tokens.status();
+  auto slots = pool_slots(c, a.state_pool);
+  if (!slots.is_ok()) return slots.status();
+  const int64_t N = tokens.value(), H = c.num_heads, block = c.head_k * c.head_v;
+  if (static_cast<int64_t>(a.state_indices.size()) != N) {
+    return invalid_argument("state_indices has " + num(static_cast<int64_t>(a.state_indices.size())) +
+                            " entries, expected N = " + num(N) + " ([N])");
+  }
+  std::vector<std::pair<int64_t, int64_t>> writes;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t slot = a.state_indices[n];
+    if (slot >= slots.value()) {
+      return out_of_range("state_indices[" + num(n) + "] = " + num(slot) + " is past the pool's " +
+                          num(slots.value()) + " slots");
+    }
+    if (slot >= 0) writes.emplace_back(slot, n);
+  }
+  K3_RETURN_IF_ERROR(check_distinct_writes(std::move(writes)));
+  K3_RETURN_IF_ERROR(check_workspace(p, ws));
+  const cpu::KernelTable& kt = kernels_for(p.isa);
+  const int64_t per_thread = cpu::scratch_layout(c.head_k, c.head_v).total;
+  // K-first states whose rows are whole SIMD vectors are updated in place in the pool.
+  const bool direct = c.layout == StateLayout::kKFirst && c.head_v % cpu::kPad == 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p.threads)
+  for (int64_t u = 0; u < N * H; ++u) {
+    const int64_t n = u / H, h = u % H;
+    const int64_t slot = a.state_indices[n];
+    if (slot < 0) {
+      std::fill(a.o.begin() + u * c.head_v, a.o.begin() + (u + 1) * c.head_v, 0.0f);
+      continue;
+    }
+    float* scratch = ws.data() + omp_get_thread_num() * per_thread;
+    const cpu::HeadCtx x = head_ctx(p, a.in, a.o.data(), h);
+    float* state = a.state_pool.data() + (slot * H + h) * block;
+    if (direct) {
+      kt.recurrent(x, n, n + 1, state, c.head_v, c.head_v, scratch);
+    } else {
+      float* s = scratch + x.lay.state;
+      load_state(c, state, s, x.lay.vp);
+      kt.recurrent(x, n, n + 1, s, x.lay.vp, x.lay.vp, scratch);
+      store_state(c, s, x.lay.vp, state);
+    }
+  }
+  return Status::ok();
+}
+
+Status verify(const CpuPlan& p, const VerifyArgs& a, std::span<float> ws) {
+  K3_RETURN_IF_ERROR(check_plan(p));
+  const KdaConfig& c = p.cfg;
+  auto tokens = check_pool_inputs(c, a.in, a.o, "verify");
+  if (!tokens.is_ok()) return tokens.status();
+  auto slots = pool_slots(c, a.state_pool);
+  if (!slots.is_ok()) return slots.status();
+  const int64_t T = a.draft_tokens;
+  if (T < 1 || tokens.value() % T != 0) {
+    return invalid_argument("draft_tokens = " + num(T) + " must be >= 1 and divide the token count " +
+                            num(tokens.value()));
+  }
+  const int64_t N = tokens.value() / T, H = c.num_heads, block = c.head_k * c.head_v;
+  if (static_cast<int64_t>(a.state_indices.size()) != N * T) {
+    return invalid_argument("state_indices has " + num(static_cast<int64_t>(a.state_indices.size())) +
+                            " entries, expected N * T = " + num(N * T) + " ([N, T])");
+  }
+  if (static_cast<int64_t>(a.num_accepted.size()) != N) {
+    return invalid_argument("num_accepted has " + num(static_cast<int64_t>(a.num_accepted.size())) +
+                            " entries, expected N = " + num(N) + " ([N])");
+  }
+  std::vector<std::pair<int64_t, int64_t>> writes;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t acc = a.num_accepted[n];
+    if (acc < 1 || acc > T) {
+      return invalid_argument("num_accepted[" + num(n) + "] = " + num(acc) + " must be in [1, T = " + num(T) + "]");
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = a.state_indices[n * T + t];
+      if (slot >= slots.value()) {
+        return out_of_range("state_indices[" + num(n) + ", " + num(t) + "] = " + num(slot) + " is past the pool's " +
+                            num(slots.value()) + " slots");
+      }
+      if (slot >= 0) writes.emplace_back(slot, n);
+    }
+  }
+  K3_RETURN_IF_ERROR(check_distinct_writes(std::move(writes)));
+  K3_RETURN_IF_ERROR(check_workspace(p, ws));
+  const cpu::KernelTable& kt = kernels_for(p.isa);
+  const int64_t per_thread = cpu::scratch_layout(c.head_k, c.head_v).total;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p.threads)
+  for (int64_t u = 0; u < N * H; ++u) {
+    const int64_t n = u / H, h = u % H;
+    const int64_t read = a.state_indices[n * T + a.num_accepted[n] - 1];
+    if (read < 0) {
+      for (int64_t t = 0; t < T; ++t) {
+        float* row = a.o.data() + ((n * T + t) * H + h) * c.head_v;
+        std::fill(row, row + c.head_v, 0.0f);
+      }
+      continue;
+    }
+    float* scratch = ws.data() + omp_get_thread_num() * per_thread;
+    const cpu::HeadCtx x = head_ctx(p, a.in, a.o.data(), h);
+    float* s = scratch + x.lay.state;
+    // The read slot may also be one of this sequence's write slots: it is copied first.
+    load_state(c, a.state_pool.data() + (read * H + h) * block, s, x.lay.vp);
+    for (int64_t t = 0; t < T; ++t) {
+      kt.recurrent(x, n * T + t, n * T + t + 1, s, x.lay.vp, x.lay.vp, scratch);
+      const int64_t slot = a.state_indices[n * T + t];
+      if (slot >= 0) store_state(c, s, x.lay.vp, a.state_pool.data() + (slot * H + h) * block);
+    }
+  }
+  return Status::ok();
+}
+
+Status prefill(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out, const CpuOptions& opt) {
+  auto plan = make_cpu_plan(cfg, opt);
+  if (!plan.is_ok()) return plan.status();
+  std::vector<float> ws(static_cast<size_t>(plan.value().workspace_floats));
+  return prefill(plan.value(), in, out, ws);
+}
+
+Status decode(const KdaConfig& cfg, const DecodeArgs& args, const CpuOptions& opt) {
+  auto plan = make_cpu_plan(cfg, opt);
+  if (!plan.is_ok()) return plan.status();
+  std::vector<float> ws(static_cast<size_t>(plan.value().workspace_floats));
+  return decode(plan.value(), args, ws);
+}
+
+
+Status verify(const KdaConfig& cfg, const VerifyArgs& args, const CpuOptions& opt) {
+  auto plan = make_cpu_plan(cfg, opt);
+  if (!plan.is_ok()) return plan.status();
+  std::vector<float> ws(static_cast<size_t>(plan.value().workspace_floats));
+  return verify(plan.value(), args, ws);
+}
+
+}  // namespace k3::kda

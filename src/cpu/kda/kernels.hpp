@@ -1,0 +1,65 @@
+// Interface between the KDA CPU driver (kda_cpu.cpp) and the per-ISA kernels
+// (kernels_<isa>.cpp, all generated from kernels_impl.hpp). Internal to k3_cpu.
+#pragma once
+
+#include <cstdint>
+
+#include "k3/kda.hpp"
+
+namespace k3::kda::cpu {
+
+// Every buffer of the kernels is padded to a multiple of 16 floats (one AVX-512 vector) with
+// zeros, so no SIMD loop needs a tail; padding lanes carry k = q = 0 and stay 0.
+inline constexpr int64_t kPad = 16;
+inline int64_t round_up_pad(int64_t n) { return (n + kPad - 1) / kPad * kPad; }
+
+// Per-thread scratch, offsets in floats (each a multiple of kPad). C = kChunk.
+struct ScratchLayout {
+  int64_t kp = 0, vp = 0;  // padded K and V
+  // token vectors (recurrent path; the chunked path uses them as temporaries)
+  int64_t q = 0, k = 0, v = 0, g = 0, alpha = 0, ak = 0, vnew = 0, out = 0, bias = 0, tmp = 0;
+  // chunk tiles
+  int64_t cq = 0, ck = 0, cg = 0, cqg = 0, ckg = 0, cki = 0, ckl = 0;  // [C, kp]
+  int64_t cv = 0, cp1 = 0, cp2 = 0, co = 0;                              // [C, vp]
+  int64_t cl = 0, caqk = 0;                                              // [C, C]
+  int64_t beta = 0;                                                      // [C]
+  int64_t state = 0;                                                     // [kp, vp] local state
+  int64_t total = 0;
+};
+ScratchLayout scratch_layout(int64_t head_k, int64_t head_v);
+
+// One head of one sequence: where its inputs are and how to turn them into q, k, v, g, beta.
+struct HeadCtx {
+  const uint16_t* q16 = nullptr;  // [T, H, K] BF16, or q32
+  const float* q32 = nullptr;
+  const uint16_t* k16 = nullptr;
+  const float* k32 = nullptr;
+  const uint16_t* v16 = nullptr;  // [T, H, V]
+  const float* v32 = nullptr;
+  const float* g = nullptr;        // [T, H, K]
+  const float* beta = nullptr;     // [T, H]
+  const float* dt_bias = nullptr;  // [K] row of this head, or nullptr (zeros)
+  float* o = nullptr;              // [T, H, V]
+  int64_t num_heads = 0, head = 0, head_k = 0, head_v = 0;
+  GateMode gate = GateMode::kLogDecay;
+  float a = 0.0f;  // exp(A_log[head])
+  float lower_bound = -5.0f;
+  float scale = 1.0f;
+  bool beta_logits = true;
+  bool l2norm = true;
+  ScratchLayout lay;
+};
+
+struct KernelTable {
+  // Tokens [t0, t1) one by one on the state s (K rows of `lds` floats, K-first; columns up to
+  // `vw`, a multiple of kPad with zeros from head_v on, are processed). Writes o rows.
+  void (*recurrent)(const HeadCtx& x, int64_t t0, int64_t t1, float* s, int64_t lds, int64_t vw, float* scratch);
+  // Tokens [t0, t1) in chunks of kChunk on the local padded state s ([kp, vp]).
+  void (*chunked)(const HeadCtx& x, int64_t t0, int64_t t1, float* s, float* scratch);
+};
+
+const KernelTable& kernels_scalar();
+const KernelTable& kernels_avx2();
+const KernelTable& kernels_avx512();
+
+}  // namespace k3::kda::cpu

@@ -1,0 +1,331 @@
+// KDA CPU kernels, written once against a SIMD abstraction `VF` and compiled per ISA.
+// No include guard on purpose: kernels_<isa>.cpp includes this file inside its own namespace,
+// after `#pragma GCC target(...)` and after defining VF with:
+//   V, W (lanes), MR / NR (GEMM register tile: rows x vectors), zero, set1, load, store, add,
+//   sub, mul, fmadd(a, b, c) = a*b + c, max, reduce_add, exp.
+// Only k3::kda::cpu types and plain functions are used here; std headers come from the includer.
+
+using Vec = typename VF::V;
+constexpr int64_t kW = VF::W;
+
+// Span of the cumulative log decay inside a chunk above which the factorized form
+// (q e^{gc}) . (k e^{-gc}) could overflow: e^60 ~ 1e26 keeps every factor and every 128-term
+// dot product far from FLT_MAX (3.4e38) and e^-60 far above the smallest normal (1.2e-38).
+constexpr float kFactorizedSpanMax = 60.0f;
+
+inline void load_row(const uint16_t* b, const float* f, int64_t off, int64_t n, int64_t np, float* dst) {
+  if (b != nullptr) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = k3::bf16_to_f32(b[off + i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = f[off + i];
+  }
+  for (int64_t i = n; i < np; ++i) dst[i] = 0.0f;
+}
+
+inline float dot(const float* a, const float* b, int64_t np) {
+  Vec acc0 = VF::zero(), acc1 = VF::zero();
+  int64_t i = 0;
+  for (; i + 2 * kW <= np; i += 2 * kW) {
+    acc0 = VF::fmadd(VF::load(a + i), VF::load(b + i), acc0);
+    acc1 = VF::fmadd(VF::load(a + i + kW), VF::load(b + i + kW), acc1);
+  }
+  if (i < np) acc0 = VF::fmadd(VF::load(a + i), VF::load(b + i), acc0);
+  return VF::reduce_add(VF::add(acc0, acc1));
+}
+
+// sum_d a[d] b[d] e[d]
+inline float dot3(const float* a, const float* b, const float* e, int64_t np) {
+  Vec acc = VF::zero();
+  for (int64_t i = 0; i < np; i += kW) acc = VF::fmadd(VF::mul(VF::load(a + i), VF::load(b + i)), VF::load(e + i), acc);
+  return VF::reduce_add(acc);
+}
+
+inline void scale_row(float* x, float s, int64_t np) {
+  const Vec sv = VF::set1(s);
+  for (int64_t i = 0; i < np; i += kW) VF::store(x + i, VF::mul(VF::load(x + i), sv));
+}
+
+inline void exp_row(const float* x, float* y, int64_t np) {
+  for (int64_t i = 0; i < np; i += kW) VF::store(y + i, VF::exp(VF::load(x + i)));
+}
+
+// y = a * b (elementwise)
+inline void mul_rows(const float* a, const float* b, float* y, int64_t np) {
+  for (int64_t i = 0; i < np; i += kW) VF::store(y + i, VF::mul(VF::load(a + i), VF::load(b + i)));
+}
+
+// y -= s * x
+inline void axpy_neg(float s, const float* x, float* y, int64_t np) {
+  const Vec sv = VF::set1(-s);
+  for (int64_t i = 0; i < np; i += kW) VF::store(y + i, VF::fmadd(sv, VF::load(x + i), VF::load(y + i)));
+}
+
+inline void fill_bias(const HeadCtx& x, float* bias) {
+  const int64_t kp = x.lay.kp;
+  for (int64_t d = 0; d < kp; ++d) bias[d] = (x.dt_bias != nullptr && d < x.head_k) ? x.dt_bias[d] : 0.0f;
+}
+
+// q (L2-normalized, scaled), k (L2-normalized), v, the log decay g and beta of token t; rows
+// padded with zeros. `bias` is the padded dt_bias row.
+inline float prep_token(const HeadCtx& x, int64_t t, const float* bias, float* q, float* k, float* v, float* g) {
+  const int64_t K = x.head_k, V = x.head_v, kp = x.lay.kp, vp = x.lay.vp;
+  const int64_t qk_off = (t * x.num_heads + x.head) * K;
+  load_row(x.q16, x.q32, qk_off, K, kp, q);
+  load_row(x.k16, x.k32, qk_off, K, kp, k);
+  load_row(x.v16, x.v32, (t * x.num_heads + x.head) * V, V, vp, v);
+  if (x.l2norm) {
+    // eps inside the square root, as fla's l2norm
+    scale_row(q, x.scale / std::sqrt(dot(q, q, kp) + 1e-6f), kp);
+    scale_row(k, 1.0f / std::sqrt(dot(k, k, kp) + 1e-6f), kp);
+  } else {
+    scale_row(q, x.scale, kp);
+  }
+  const float* f = x.g + qk_off;
+  switch (x.gate) {
+    case GateMode::kLogDecay:
+      for (int64_t d = 0; d < K; ++d) g[d] = f[d] < kMinLogDecay ? kMinLogDecay : f[d];
+      break;
+    case GateMode::kSafe: {
+      // lb * sigmoid(a (f + bias)), vectorized; the padding is reset below.
+      for (int64_t d = 0; d < K; ++d) g[d] = f[d];
+      for (int64_t d = K; d < kp; ++d) g[d] = 0.0f;
+      const Vec av = VF::set1(-x.a), one = VF::set1(1.0f), lb = VF::set1(x.lower_bound);
+      const Vec gmin = VF::set1(kMinLogDecay);
+      for (int64_t d = 0; d < kp; d += kW) {
+        const Vec e = VF::exp(VF::mul(av, VF::add(VF::load(g + d), VF::load(bias + d))));
+        VF::store(g + d, VF::max(VF::div(lb, VF::add(one, e)), gmin));
+      }
+      break;
+    }
+    case GateMode::kSoftplus:
+      for (int64_t d = 0; d < K; ++d) g[d] = detail::log_decay<float>(x.gate, f[d], x.a, bias[d], x.lower_bound);
+      break;
+  }
+  for (int64_t d = K; d < kp; ++d) g[d] = 0.0f;
+  const float b = x.beta[t * x.num_heads + x.head];
+  return x.beta_logits ? 1.0f / (1.0f + std::exp(-b)) : b;
+}
+
+inline void store_out(const HeadCtx& x, int64_t t, const float* row) {
+  float* dst = x.o + (t * x.num_heads + x.head) * x.head_v;
+  for (int64_t j = 0; j < x.head_v; ++j) dst[j] = row[j];
+}
+
+// ---- recurrent path ----------------------------------------------------------------------
+// acc[0..NB) = sum_{d<K} ak[d] s[d, j0 ..]; vnew = beta (v - acc)
+template <int NB>
+inline void rec_pass1(const float* s, int64_t lds, int64_t K, int64_t j0, const float* ak, const float* v, float beta,
+                      float* vnew) {
+  Vec acc[NB];
+  for (int i = 0; i < NB; ++i) acc[i] = VF::zero();
+  for (int64_t d = 0; d < K; ++d) {
+    const Vec a = VF::set1(ak[d]);
+    const float* row = s + d * lds + j0;
+    for (int i = 0; i < NB; ++i) acc[i] = VF::fmadd(a, VF::load(row + i * kW), acc[i]);
+  }
+  const Vec bv = VF::set1(beta);
+  for (int i = 0; i < NB; ++i) {
+    VF::store(vnew + j0 + i * kW, VF::mul(bv, VF::sub(VF::load(v + j0 + i * kW), acc[i])));
+  }
+}
+
+// s[d, j0 ..] = alpha[d] s + k[d] vnew; out[j0 ..] = sum_d q[d] s[d, j0 ..]
+template <int NB>
+inline void rec_pass2(float* s, int64_t lds, int64_t K, int64_t j0, const float* alpha, const float* k,
+                      const float* q, const float* vnew, float* out) {
+  Vec vn[NB], acc[NB];
+  for (int i = 0; i < NB; ++i) {
+    vn[i] = VF::load(vnew + j0 + i * kW);
+    acc[i] = VF::zero();
+  }
+  for (int64_t d = 0; d < K; ++d) {
+    const Vec a = VF::set1(alpha[d]), kd = VF::set1(k[d]), qd = VF::set1(q[d]);
+    float* row = s + d * lds + j0;
+    for (int i = 0; i < NB; ++i) {
+      const Vec sv = VF::fmadd(kd, vn[i], VF::mul(a, VF::load(row + i * kW)));
+      VF::store(row + i * kW, sv);
+      acc[i] = VF::fmadd(qd, sv, acc[i]);
+    }
+  }
+  for (int i = 0; i < NB; ++i) VF::store(out + j0 + i * kW, acc[i]);
+}
+
+inline void recurrent_impl(const HeadCtx& x, int64_t t0, int64_t t1, float* s, int64_t lds, int64_t vw,
+                           float* scratch) {
+  const ScratchLayout& L = x.lay;
+  float *q = scratch + L.q, *k = scratch + L.k, *v = scratch + L.v, *g = scratch + L.g;
+  float *alpha = scratch + L.alpha, *ak = scratch + L.ak, *vnew = scratch + L.vnew, *out = scratch + L.out;
+  float* bias = scratch + L.bias;
+  const int64_t K = x.head_k, kp = L.kp;
+  constexpr int64_t kBlock = 4 * kW;
+  fill_bias(x, bias);
+  for (int64_t t = t0; t < t1; ++t) {
+    const float beta = prep_token(x, t, bias, q, k, v, g);
+    exp_row(g, alpha, kp);
+    mul_rows(alpha, k, ak, kp);
+    int64_t j = 0;
+    for (; j + kBlock <= vw; j += kBlock) rec_pass1<4>(s, lds, K, j, ak, v, beta, vnew);
+    for (; j < vw; j += kW) rec_pass1<1>(s, lds, K, j, ak, v, beta, vnew);
+    j = 0;
+    for (; j + kBlock <= vw; j += kBlock) rec_pass2<4>(s, lds, K, j, alpha, k, q, vnew, out);
+    for (; j < vw; j += kW) rec_pass2<1>(s, lds, K, j, alpha, k, q, vnew, out);
+    store_out(x, t, out);
+  }
+}
+
+// ---- chunked path --------------------------------------------------------------------------
+// C[r, 0..vw) = (Cin ? rs[r] * Cin[r, ..] : 0) + sum_{p<P} A(r, p) B[p, ..],
+// A(r, p) = A[r * ars + p * aps]; rs == nullptr means 1.
+template <int MR, int NR>
+inline void gemm_tile(int64_t P, const float* A, int64_t ars, int64_t aps, const float* B, int64_t ldb,
+                      const float* cin, int64_t ldcin, const float* rs, float* C, int64_t ldc) {
+  Vec acc[MR][NR];
+  for (int r = 0; r < MR; ++r) {
+    const Vec f = VF::set1(rs != nullptr ? rs[r] : 1.0f);
+    for (int i = 0; i < NR; ++i) {
+      acc[r][i] = cin != nullptr ? VF::mul(f, VF::load(cin + r * ldcin + i * kW)) : VF::zero();
+    }
+  }
+  for (int64_t p = 0; p < P; ++p) {
+    Vec b[NR];
+    for (int i = 0; i < NR; ++i) b[i] = VF::load(B + p * ldb + i * kW);
+    for (int r = 0; r < MR; ++r) {
+      const Vec a = VF::set1(A[r * ars + p * aps]);
+      for (int i = 0; i < NR; ++i) acc[r][i] = VF::fmadd(a, b[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int i = 0; i < NR; ++i) VF::store(C + r * ldc + i * kW, acc[r][i]);
+  }
+}
+
+template <int MR>
+inline void gemm_rows(int64_t vw, int64_t P, const float* A, int64_t ars, int64_t aps, const float* B, int64_t ldb,
+                      const float* cin, int64_t ldcin, const float* rs, float* C, int64_t ldc) {
+  constexpr int64_t kBlock = VF::NR * kW;
+  int64_t j = 0;
+  for (; j + kBlock <= vw; j += kBlock) {
+    gemm_tile<MR, VF::NR>(P, A, ars, aps, B + j, ldb, cin != nullptr ? cin + j : nullptr, ldcin, rs, C + j, ldc);
+  }
+  for (; j < vw; j += kW) {
+    gemm_tile<MR, 1>(P, A, ars, aps, B + j, ldb, cin != nullptr ? cin + j : nullptr, ldcin, rs, C + j, ldc);
+  }
+}
+
+inline void gemm(int64_t M, int64_t vw, int64_t P, const float* A, int64_t ars, int64_t aps, const float* B,
+                 int64_t ldb, const float* cin, int64_t ldcin, const float* rs, float* C, int64_t ldc) {
+  int64_t r = 0;
+  for (; r + VF::MR <= M; r += VF::MR) {
+    gemm_rows<VF::MR>(vw, P, A + r * ars, ars, aps, B, ldb, cin != nullptr ? cin + r * ldcin : nullptr, ldcin,
+                      rs != nullptr ? rs + r : nullptr, C + r * ldc, ldc);
+  }
+  for (; r < M; ++r) {
+    gemm_rows<1>(vw, P, A + r * ars, ars, aps, B, ldb, cin != nullptr ? cin + r * ldcin : nullptr, ldcin,
+                 rs != nullptr ? rs + r : nullptr, C + r * ldc, ldc);
+  }
+}
+
+// One chunk of c <= kChunk tokens starting at t0 (derivation in docs/kda.md).
+inline void chunk_step(const HeadCtx& x, int64_t t0, int64_t c, float* s, float* scratch) {
+  const ScratchLayout& L = x.lay;
+  const int64_t K = x.head_k, kp = L.kp, vp = L.vp;
+  constexpr int64_t C = kChunk;
+  float *cq = scratch + L.cq, *ck = scratch + L.ck, *cg = scratch + L.cg, *cqg = scratch + L.cqg;
+  float *ckg = scratch + L.ckg, *cki = scratch + L.cki, *ckl = scratch + L.ckl, *cv = scratch + L.cv;
+  float *cp1 = scratch + L.cp1, *cp2 = scratch + L.cp2, *co = scratch + L.co, *cl = scratch + L.cl;
+  float *caqk = scratch + L.caqk, *beta = scratch + L.beta, *bias = scratch + L.bias;
+  float *eg_last = scratch + L.alpha, *e = scratch + L.tmp, *ie = scratch + L.ak;
+
+  // Inputs; gc = inclusive cumulative sum of g inside the chunk; the raw g rows are kept in
+  // cki for the exact path (overwritten by the factorized path).
+  for (int64_t i = 0; i < c; ++i) {
+    float* gi = cg + i * kp;
+    beta[i] = prep_token(x, t0 + i, bias, cq + i * kp, ck + i * kp, cv + i * vp, gi);
+    for (int64_t d = 0; d < kp; d += kW) VF::store(cki + i * kp + d, VF::load(gi + d));
+    if (i > 0) {
+      for (int64_t d = 0; d < kp; d += kW) VF::store(gi + d, VF::add(VF::load(gi + d), VF::load(gi - kp + d)));
+    }
+  }
+  const float* glast = cg + (c - 1) * kp;
+  float span = 0.0f;
+  for (int64_t d = 0; d < K; ++d) span = -glast[d] > span ? -glast[d] : span;
+  exp_row(glast, eg_last, kp);
+  for (int64_t i = 0; i < C * C; ++i) cl[i] = caqk[i] = 0.0f;
+
+  if (span <= kFactorizedSpanMax) {
+    // Gamma_i / Gamma_j factorized: (x_i e^{gc_i}) . (k_j e^{-gc_j}); all factors within e^+-60.
+    for (int64_t i = 0; i < c; ++i) {
+      exp_row(cg + i * kp, e, kp);
+      mul_rows(cq + i * kp, e, cqg + i * kp, kp);
+      mul_rows(ck + i * kp, e, ckg + i * kp, kp);
+      for (int64_t d = 0; d < kp; d += kW) VF::store(ie + d, VF::div(VF::set1(1.0f), VF::load(e + d)));
+      mul_rows(ck + i * kp, ie, cki + i * kp, kp);
+      mul_rows(cki + i * kp, eg_last, ckl + i * kp, kp);
+    }
+    for (int64_t i = 0; i < c; ++i) {
+      for (int64_t j = 0; j <= i; ++j) {
+        if (j < i) cl[i * C + j] = beta[i] * dot(ckg + i * kp, cki + j * kp, kp);
+        caqk[i * C + j] = dot(cqg + i * kp, cki + j * kp, kp);
+      }
+    }
+  } else {
+    // A hard reset or a very strong decay inside the chunk: every ratio Gamma_i / Gamma_j is
+    // exp(sum of g over (j, i]) <= 1, summed from the raw g rows (not as gc_i - gc_j, which
+    // would lose the small terms next to a -1e4 reset to FP32 rounding).
+    const float* graw = cki;
+    for (int64_t i = 0; i < c; ++i) {
+      exp_row(cg + i * kp, e, kp);
+      mul_rows(cq + i * kp, e, cqg + i * kp, kp);
+      mul_rows(ck + i * kp, e, ckg + i * kp, kp);
+    }
+    float* r = ie;  // running sum of g over (i, c - 1]
+    for (int64_t d = 0; d < kp; ++d) r[d] = 0.0f;
+    for (int64_t i = c - 1; i >= 0; --i) {
+      exp_row(r, e, kp);
+      mul_rows(ck + i * kp, e, ckl + i * kp, kp);
+      for (int64_t d = 0; d < kp; d += kW) VF::store(r + d, VF::add(VF::load(r + d), VF::load(graw + i * kp + d)));
+    }
+    for (int64_t j = 0; j < c; ++j) {
+      for (int64_t d = 0; d < kp; ++d) r[d] = 0.0f;  // running sum of g over (j, i]
+      for (int64_t i = j; i < c; ++i) {
+        if (i > j) {
+          for (int64_t d = 0; d < kp; d += kW) VF::store(r + d, VF::add(VF::load(r + d), VF::load(graw + i * kp + d)));
+        }
+        exp_row(r, e, kp);
+        if (j < i) cl[i * C + j] = beta[i] * dot3(ck + i * kp, ck + j * kp, e, kp);
+        caqk[i * C + j] = dot3(cq + i * kp, ck + j * kp, e, kp);
+      }
+    }
+  }
+
+  // (I + L) W = beta k Gamma and (I + L) U = beta v by forward substitution, in place.
+  for (int64_t i = 0; i < c; ++i) {
+    float* wi = ckg + i * kp;
+    float* ui = cv + i * vp;
+    scale_row(wi, beta[i], kp);
+    scale_row(ui, beta[i], vp);
+    for (int64_t j = 0; j < i; ++j) {
+      const float lij = cl[i * C + j];
+      axpy_neg(lij, ckg + j * kp, wi, kp);
+      axpy_neg(lij, cv + j * vp, ui, vp);
+    }
+  }
+  // P1 = W S, P2 = (q Gamma) S; v_new = U - P1 (in place of U); o = P2 + Aqk v_new.
+  gemm(c, vp, K, ckg, kp, 1, s, vp, nullptr, 0, nullptr, cp1, vp);
+  gemm(c, vp, K, cqg, kp, 1, s, vp, nullptr, 0, nullptr, cp2, vp);
+  for (int64_t i = 0; i < c * vp; i += kW) VF::store(cv + i, VF::sub(VF::load(cv + i), VF::load(cp1 + i)));
+  gemm(c, vp, c, caqk, C, 1, cv, vp, cp2, vp, nullptr, co, vp);
+  // S = Diag(Gamma_last) S + (k Gamma_last / Gamma)^T v_new
+  gemm(K, vp, c, ckl, 1, kp, cv, vp, s, vp, eg_last, s, vp);
+  for (int64_t i = 0; i < c; ++i) store_out(x, t0 + i, co + i * vp);
+}
+
+inline void chunked_impl(const HeadCtx& x, int64_t t0, int64_t t1, float* s, float* scratch) {
+  fill_bias(x, scratch + x.lay.bias);
+  for (int64_t t = t0; t < t1; t += kChunk) chunk_step(x, t, t1 - t < kChunk ? t1 - t : kChunk, s, scratch);
+}
+
+inline const KernelTable& table() {
+  static const KernelTable kTable{recurrent_impl, chunked_impl};
+  return kTable;
+}

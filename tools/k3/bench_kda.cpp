@@ -1,0 +1,242 @@
+// `k3 bench kda`: prefill T sweep (chunked vs recurrent, FLOP/s against the measured FP32 FMA
+// peak) and decode batch sweep (state bytes read + written per second against the measured read
+// bandwidth). Medians with min / max; A/B interleaved per round so that drift cancels.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench.hpp"
+#include "core/kda/kda_case.hpp"
+#include "k3/kda.hpp"
+#include "k3/system.hpp"
+
+namespace k3::tool {
+namespace {
+
+struct Args {
+  int threads = 0;
+  int64_t heads = 96, head_dim = 128;
+  std::vector<int64_t> prefill_t = {8, 16, 32, 48, 64, 96, 128, 256, 1024, 8192};
+  std::vector<int64_t> decode_n = {1, 2, 4, 8, 16, 32, 64};
+  int iters = 5;
+  int64_t pool_mib = 256;  // decode rotates over at least this much state (8x a 32 MiB L3)
+  int64_t bw_mib = 512;    // buffer of the read-bandwidth probe
+  std::string output;
+};
+
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+Timing summarize(std::vector<double> t) {
+  std::sort(t.begin(), t.end());
+  return {t[t.size() / 2], t.front(), t.back(), static_cast<int>(t.size())};
+}
+
+// FLOP per token and head of each path (multiply-add = 2). Recurrent: decay K V, S^T k, k v'^T,
+// S^T q. Chunked (C = 16, per token at full chunks): L and Aqk dots, forward substitution of
+// W and U, W S and (q Gamma) S, Aqk v_new, the rank-C state update and its decay.
+double flop_recurrent(double K, double V) { return 7 * K * V; }
+double flop_chunked(double K, double V) {
+  const double C = static_cast<double>(kda::kChunk);
+  const double dots = (C * (C - 1) / 2 + C * (C + 1) / 2) * 2 * K;
+  const double subst = C * (C - 1) / 2 * 2 * (K + V);
+  const double gemms = 2 * C * 2 * K * V + C * C * 2 * V + C * 2 * K * V + K * V;
+  return (dots + subst + gemms) / C;
+}
+
+int run(const Args& a) {
+  const int threads = a.threads > 0 ? a.threads : default_thread_count();
+  auto isa = active_isa_level();
+  if (!isa.is_ok()) {
+    std::fprintf(stderr, "k3 bench kda: %s\n", isa.status().to_string().c_str());
+    return 2;
+  }
+  kda::KdaConfig cfg;
+  cfg.num_heads = a.heads;
+  cfg.head_k = cfg.head_v = a.head_dim;
+  cfg.gate = kda::GateMode::kSafe;
+  if (Status st = kda::validate_config(cfg); !st.is_ok()) {
+    std::fprintf(stderr, "k3 bench kda: %s\n", st.to_string().c_str());
+    return 2;
+  }
+  const int total = static_cast<int>(a.prefill_t.size() + a.decode_n.size()) + 1;
+  int done = 0;
+  progress(done, total, "measuring FP32 FMA peak and read bandwidth");
+  const MeasuredRate peak = measure_fp32_fma_peak(threads);
+  const MeasuredRate bw = measure_read_bandwidth(threads, a.bw_mib << 20);
+  progress(++done, total, "limits measured");
+  nlohmann::json records = nlohmann::json::array();
+  const double K = static_cast<double>(cfg.head_k), V = static_cast<double>(cfg.head_v);
+
+  struct PrefillRow { int64_t t; Timing rec, chk; double ratio; };
+  std::vector<PrefillRow> prows;
+  for (int64_t T : a.prefill_t) {
+    progress(done, total, "prefill T=" + std::to_string(T));
+    kda::CaseSpec spec;
+    spec.cfg = cfg;
+    spec.seqlens = {T};
+    const kda::KdaCase c = kda::make_case(spec);
+    kda::CpuOptions o;
+    o.threads = threads;
+    o.algorithm = kda::Algorithm::kRecurrent;
+    auto prec = kda::make_cpu_plan(cfg, o);
+    o.algorithm = kda::Algorithm::kChunked;
+    auto pchk = kda::make_cpu_plan(cfg, o);
+    if (!prec.is_ok() || !pchk.is_ok()) {
+      std::fprintf(stderr, "k3 bench kda: %s\n", (prec.is_ok() ? pchk.status() : prec.status()).to_string().c_str());
+      return 2;
+    }
+    std::vector<float> ws(static_cast<size_t>(prec->workspace_floats)), out(c.o_size()), fin(c.state_size());
+    const kda::KdaInputs in = c.inputs();
+    auto once = [&](const kda::CpuPlan& p) {
+      const double t0 = now_s();
+      const Status st = kda::prefill(p, in, {out, fin}, ws);
+      const double dt = now_s() - t0;
+      return st.is_ok() ? dt : -1.0;
+    };
+    once(prec.value());  // warm-up of both
+    once(pchk.value());
+    const int iters = T >= 4096 ? std::max(2, a.iters / 2) : a.iters;
+    std::vector<double> tr, tc, ratio;
+    for (int i = 0; i < iters; ++i) {  // A B, B A, ...
+      double r, k;
+      if (i % 2 == 0) {
+        r = once(prec.value());
+        k = once(pchk.value());
+      } else {
+        k = once(pchk.value());
+        r = once(prec.value());
+      }
+      if (r < 0 || k < 0) {
+        std::fprintf(stderr, "k3 bench kda: prefill failed\n");
+        return 2;
+      }
+      tr.push_back(r);
+      tc.push_back(k);
+      ratio.push_back(r / k);
+    }
+    std::sort(ratio.begin(), ratio.end());
+    PrefillRow row{T, summarize(tr), summarize(tc), ratio[ratio.size() / 2]};
+    prows.push_back(row);
+    const double units = static_cast<double>(T) * static_cast<double>(cfg.num_heads);
+    records.push_back({{"kind", "prefill"}, {"T", T}, {"H", cfg.num_heads}, {"K", cfg.head_k}, {"V", cfg.head_v},
+                       {"recurrent", to_json(row.rec)}, {"chunked", to_json(row.chk)},
+                       {"recurrent_flop", units * flop_recurrent(K, V)}, {"chunked_flop", units * flop_chunked(K, V)},
+                       {"recurrent_over_chunked_median_ratio", row.ratio}});
+    progress(++done, total, "prefill T=" + std::to_string(T));
+  }
+
+  struct DecodeRow { int64_t n; Timing t; double bytes; };
+  std::vector<DecodeRow> drows;
+  const double slot_bytes = static_cast<double>(cfg.num_heads * cfg.head_k * cfg.head_v) * 4;
+  for (int64_t N : a.decode_n) {
+    progress(done, total, "decode N=" + std::to_string(N));
+    // Enough slots that one rotation touches >= pool_mib of state: no step finds its states in cache.
+    const int64_t groups = std::max<int64_t>(2, static_cast<int64_t>((static_cast<double>(a.pool_mib) * 1048576.0) /
+                                                                    (slot_bytes * static_cast<double>(N))) + 1);
+    const int64_t slots = groups * N;
+    std::vector<float> pool(static_cast<size_t>(slots * cfg.num_heads * cfg.head_k * cfg.head_v), 0.01f);
+    kda::CaseSpec spec;
+    spec.cfg = cfg;
+    spec.seqlens = {N};
+    spec.initial_state = false;
+    const kda::KdaCase c = kda::make_case(spec);
+    kda::CpuOptions o;
+    o.threads = threads;
+    auto plan = kda::make_cpu_plan(cfg, o);
+    if (!plan.is_ok()) return 2;
+    std::vector<float> ws(static_cast<size_t>(plan->workspace_floats)), out(c.o_size());
+    std::vector<int32_t> idx(static_cast<size_t>(N));
+    std::vector<double> times;
+    const int iters = std::max<int>(a.iters * 4, static_cast<int>(groups));
+    for (int i = -1; i < iters; ++i) {  // i = -1: warm-up
+      const int64_t grp = (i + 1) % groups;
+      for (int64_t n = 0; n < N; ++n) idx[n] = static_cast<int32_t>(grp * N + n);
+      const double t0 = now_s();
+      const Status st = kda::decode(plan.value(), {c.inputs(), pool, idx, out}, ws);
+      const double dt = now_s() - t0;
+      if (!st.is_ok()) {
+        std::fprintf(stderr, "k3 bench kda: %s\n", st.to_string().c_str());
+        return 2;
+      }
+      if (i >= 0) times.push_back(dt);
+    }
+    DecodeRow row{N, summarize(times), 2.0 * slot_bytes * static_cast<double>(N)};
+    drows.push_back(row);
+    records.push_back({{"kind", "decode"}, {"N", N}, {"H", cfg.num_heads}, {"K", cfg.head_k}, {"V", cfg.head_v},
+                       {"state_bytes_read_written", row.bytes}, {"pool_slots", slots}, {"timing", to_json(row.t)}});
+    progress(++done, total, "decode N=" + std::to_string(N));
+  }
+
+  std::printf("machine: %s, %d thread(s), isa %s\n", cpu_info().model.c_str(), threads, isa_level_name(isa.value()));
+  std::printf("limits:  %s %.1f GFLOP/s; %s %.2f GB/s\n\n", peak.what.c_str(), peak.value / 1e9, bw.what.c_str(),
+              bw.value / 1e9);
+  std::printf("prefill H=%lld K=V=%lld, one sequence (median [min, max] ms; GFLOP/s and %% of FMA peak)\n",
+              static_cast<long long>(cfg.num_heads), static_cast<long long>(cfg.head_k));
+  std::printf("%7s | %28s %9s %6s | %28s %9s %6s | %9s\n", "T", "recurrent ms", "GFLOP/s", "peak", "chunked ms",
+              "GFLOP/s", "peak", "rec/chk");
+  for (const auto& r : prows) {
+    const double units = static_cast<double>(r.t) * static_cast<double>(cfg.num_heads);
+    const double fr = units * flop_recurrent(K, V) / r.rec.median, fc = units * flop_chunked(K, V) / r.chk.median;
+    std::printf("%7lld | %9.3f [%7.3f, %7.3f] %9.1f %5.1f%% | %9.3f [%7.3f, %7.3f] %9.1f %5.1f%% | %9.2f\n",
+                static_cast<long long>(r.t), r.rec.median * 1e3, r.rec.min * 1e3, r.rec.max * 1e3, fr / 1e9,
+                100 * fr / peak.value, r.chk.median * 1e3, r.chk.min * 1e3, r.chk.max * 1e3, fc / 1e9,
+                100 * fc / peak.value, r.ratio);
+  }
+  bool above_peak = false;
+  for (const auto& r : prows) {
+    const double units = static_cast<double>(r.t) * static_cast<double>(cfg.num_heads);
+    above_peak |= units * flop_recurrent(K, V) / r.rec.median > peak.value;
+  }
+  if (above_peak) {
+    std::printf("note: a rate above 100%% means the FMA-peak probe under-measured the peak on this machine "
+                "(shared or throttled cores, or a probe limited by its own loop); compare paths by rec/chk\n");
+  }
+  std::printf("\ndecode H=%lld K=V=%lld, one token per sequence (state read + written once per step)\n",
+              static_cast<long long>(cfg.num_heads), static_cast<long long>(cfg.head_k));
+  std::printf("%5s | %28s %12s %9s %10s\n", "N", "step ms", "state MB", "GB/s", "of read bw");
+  for (const auto& r : drows) {
+    const double rate = r.bytes / r.t.median;
+    std::printf("%5lld | %9.3f [%7.3f, %7.3f] %12.1f %9.2f %9.1f%%\n", static_cast<long long>(r.n), r.t.median * 1e3,
+                r.t.min * 1e3, r.t.max * 1e3, r.bytes / 1e6, rate / 1e9, 100 * rate / bw.value);
+  }
+  if (!a.output.empty()) {
+    const nlohmann::json j = {{"machine", machine_json(threads)},
+                              {"fp32_fma_peak_flops", to_json(peak)},
+                              {"read_bandwidth_Bps", to_json(bw)},
+                              {"flop_model", "recurrent 7KV, chunked (C=16) per token and head, see bench_kda.cpp"},
+                              {"records", records}};
+    std::ofstream f(a.output);
+    if (!f) {
+      std::fprintf(stderr, "k3 bench kda: --output %s: cannot open for writing\n", a.output.c_str());
+      return 2;
+    }
+    f << j.dump(2) << "\n";
+  }
+  return 0;
+}
+
+const BenchRegistration kRegistration("kda", [](CLI::App& bench) -> std::function<int()> {
+  auto* cmd = bench.add_subcommand("kda", "KDA prefill (chunked vs recurrent) and decode sweeps");
+  auto a = std::make_shared<Args>();
+  cmd->add_option("--threads", a->threads, "Threads (default: K3_NUM_THREADS or all CPUs)");
+  cmd->add_option("--heads", a->heads, "Heads H")->capture_default_str()->check(CLI::Range(1, 1024));
+  cmd->add_option("--head-dim", a->head_dim, "K = V")->capture_default_str()->check(CLI::Range(1, 512));
+  cmd->add_option("--prefill-t", a->prefill_t, "Prefill lengths T")->capture_default_str();
+  cmd->add_option("--decode-n", a->decode_n, "Decode batch sizes N")->capture_default_str();
+  cmd->add_option("--iters", a->iters, "Timed iterations per case")->capture_default_str()->check(CLI::Range(1, 1000));
+  cmd->add_option("--pool-mib", a->pool_mib, "Decode: state MiB rotated over (defeats the cache)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536));
+  cmd->add_option("--bw-mib", a->bw_mib, "Buffer of the read-bandwidth probe in MiB")
+      ->capture_default_str()
+      ->check(CLI::Range(16, 65536));
+  cmd->add_option("--output", a->output, "Write JSON records to this file");
+  return [a]() { return run(*a); };
+});
+
+}  // namespace
+}  // namespace k3::tool

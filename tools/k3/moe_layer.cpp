@@ -1,0 +1,48 @@
+#include "moe_layer.hpp"
+
+#include <string>
+
+namespace k3::tool {
+
+Result<Activation> activation_from_config(const MoeModelConfig& c) {
+  auto kind = parse_activation(c.hidden_act);
+  if (!kind.is_ok()) {
+    return unsupported(c.source + ": hidden_act '" + c.hidden_act +
+                       "' is not a fused-MoE activation of k3 (situ, swiglu, silu)");
+  }
+  Activation a;
+  a.kind = kind.value();
+  a.situ_beta = c.situ_beta;
+  a.situ_linear_beta = c.situ_linear_beta;
+  return a;
+}
+
+Result<RoutingConfig> routing_from_config(const MoeModelConfig& c) {
+  if (c.scoring_func != "sigmoid") {
+    return unsupported(c.source + ": scoring_func '" + c.scoring_func + "' is not supported (k3 routes with sigmoid)");
+  }
+  RoutingConfig r;
+  r.num_experts = c.num_experts;
+  r.top_k = c.top_k;
+  r.n_group = c.n_group;
+  r.topk_group = c.topk_group;
+  r.renormalize = c.renormalize;
+  r.routed_scaling_factor = c.routed_scaling_factor;
+  const Status st = validate_routing_config(r);
+  if (!st.is_ok()) return invalid_argument(c.source + ": " + st.message());
+  return r;
+}
+
+Result<MoeProblem> problem_from_layer(const MoeLayerWeights& l, Recipe recipe, OutDType out_dtype) {
+  auto act = activation_from_config(l.config);
+  if (!act.is_ok()) return act.status();
+  MoeProblem p;
+  p.shape = l.shape;
+  p.recipe = recipe;
+  p.activation = act.value();
+  p.out_dtype = out_dtype;
+  K3_RETURN_IF_ERROR(validate_moe_shape(p.shape));
+  return p;
+}
+
+}  // namespace k3::tool

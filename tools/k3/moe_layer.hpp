@@ -1,0 +1,20 @@
+// A checkpoint's MoE layer as the fused-MoE problem the backends take: shape from the loaded
+// layer, activation and routing from its config.json (never from flags).
+#pragma once
+
+#include "k3/checkpoint.hpp"
+#include "k3/moe.hpp"
+#include "k3/routing.hpp"
+#include "k3/status.hpp"
+
+namespace k3::tool {
+
+// Activation from hidden_act ("situ" with the config's betas, "swiglu", "silu"); anything else is
+// an error naming the value and the config file.
+Result<Activation> activation_from_config(const MoeModelConfig& c);
+// The routing facts; scoring_func must be "sigmoid" (k3's router).
+Result<RoutingConfig> routing_from_config(const MoeModelConfig& c);
+// The problem of a loaded layer under a recipe and output dtype.
+Result<MoeProblem> problem_from_layer(const MoeLayerWeights& l, Recipe recipe, OutDType out_dtype);
+
+}  // namespace k3::tool
