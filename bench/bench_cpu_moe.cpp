@@ -1,0 +1,181 @@
+// Microbenchmarks of the CPU MoE inner kernels (one thread): dequantize + dot (the tile GEMM,
+// streaming from memory for decode and from a cache-resident tile for prefill), MXFP8
+// re-quantization, activation, finalize. The level is the machine's best (K3_ISA overrides).
+#include <benchmark/benchmark.h>
+#include <immintrin.h>
+
+#include <random>
+#include <vector>
+
+#include "cpu/moe/elementwise.hpp"
+#include "cpu/moe/layout.hpp"
+#include "k3/formats.hpp"
+#include "k3/system.hpp"
+
+namespace {
+
+using namespace k3::cpu::detail;
+
+k3::IsaLevel level() {
+  auto l = k3::active_isa_level();
+  return l.is_ok() ? l.value() : k3::IsaLevel::kScalar;
+}
+
+// Random tile records: codes uniform, scales 2^-7 (valid codes for the kernels).
+std::vector<uint8_t> random_records(int64_t tiles, int64_t blocks, int groups) {
+  std::vector<uint8_t> r(static_cast<size_t>(tiles * blocks * record_bytes(groups)));
+  std::mt19937_64 rng(7);
+  for (size_t i = 0; i < r.size(); i += 8) {
+    const uint64_t v = rng();
+    for (size_t j = 0; j < 8 && i + j < r.size(); ++j) r[i + j] = static_cast<uint8_t>(v >> (8 * j));
+  }
+  for (int64_t t = 0; t < tiles * blocks; ++t) {
+    uint8_t* s = r.data() + t * record_bytes(groups) + record_code_bytes(groups);
+    for (int i = 0; i < groups * kLanes; ++i) s[i] = 120;
+  }
+  return r;
+}
+
+struct Operands {
+  std::vector<uint16_t> bf16;
+  std::vector<float> f32;
+  std::vector<const void*> rows;
+};
+Operands random_rows(int64_t rows, int64_t len, bool bf16) {
+  Operands o;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  o.bf16.resize(static_cast<size_t>(rows * len));
+  o.f32.resize(static_cast<size_t>(rows * len));
+  for (size_t i = 0; i < o.bf16.size(); ++i) {
+    o.bf16[i] = k3::bf16_from_f32(nd(rng));
+    o.f32[i] = k3::bf16_to_f32(o.bf16[i]);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    o.rows.push_back(bf16 ? static_cast<const void*>(o.bf16.data() + r * len) : o.f32.data() + r * len);
+  }
+  return o;
+}
+
+TileGemmFn gemm_fn() { return level() == k3::IsaLevel::kAvx512Bf16 ? tile_gemm_bf16() : tile_gemm_fp32(level()); }
+
+// Decode: rows = 1..4 over FC1 tiles (K = 3584) streamed from a 256 MiB buffer (far beyond the
+// LLC). Counter: MXFP4 bytes per second.
+void BM_DequantDotStream(benchmark::State& state) {
+  const int64_t rows = state.range(0), blocks = 3584 / kBlock;
+  const int64_t tile = blocks * record_bytes(kFc1Groups);
+  const int64_t tiles = (int64_t{256} << 20) / tile;
+  const auto rec = random_records(tiles, blocks, kFc1Groups);
+  auto ops = random_rows(rows, 3584, level() == k3::IsaLevel::kAvx512Bf16);
+  std::vector<float> totals(static_cast<size_t>(kRowGroup * 64));
+  std::vector<uint8_t> panel(kPanelScratchBytes + 64);
+  const TileGemmFn fn = gemm_fn();
+  int64_t t = 0;
+  for (auto _ : state) {
+    TileGemm g{rec.data() + t * tile, blocks, kFc1Groups, ops.rows.data(), rows, totals.data(), panel.data()};
+    fn(g);
+    benchmark::DoNotOptimize(totals.data());
+    t = (t + 1) % tiles;
+  }
+  state.SetBytesProcessed(state.iterations() * tile);
+}
+BENCHMARK(BM_DequantDotStream)->Arg(1)->Arg(2)->Arg(4)->ArgNames({"rows"});
+
+// Prefill: many rows against one cache-resident tile (FC1: G = 4, K = 3584; FC2: G = 2,
+// N = 3072). Counter: FLOP per second (2 per multiply-add).
+void BM_DequantDotRows(benchmark::State& state) {
+  const int64_t rows = state.range(0);
+  const int groups = static_cast<int>(state.range(1));
+  const int64_t len = groups == kFc1Groups ? 3584 : 3072, blocks = len / kBlock;
+  const auto rec = random_records(1, blocks, groups);
+  auto ops = random_rows(rows, len, level() == k3::IsaLevel::kAvx512Bf16);
+  std::vector<float> totals(static_cast<size_t>(kRowGroup * 64));
+  alignas(64) static uint8_t panel[kPanelScratchBytes];
+  const TileGemmFn fn = gemm_fn();
+  for (auto _ : state) {
+    TileGemm g{rec.data(), blocks, groups, ops.rows.data(), rows, totals.data(), panel};
+    fn(g);
+    benchmark::DoNotOptimize(totals.data());
+  }
+  state.counters["FLOP/s"] = benchmark::Counter(static_cast<double>(state.iterations() * rows * len * groups * kLanes * 2),
+                                                benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_DequantDotRows)->Args({36, 4})->Args({48, 4})->Args({12, 4})->Args({36, 2})->Args({48, 2})
+    ->ArgNames({"rows", "groups"});
+
+// The instruction's own peak under the same (CPU-time) accounting, to read the FLOP/s above as a
+// fraction: 12 (as k3::measure_dot_peak) or 24 independent VDPBF16PS chains, 64 FLOP each.
+template <int kChains>
+__attribute__((target("avx512f,avx512bf16"))) void BM_Vdpbf16psPeak(benchmark::State& state) {
+  if (level() != k3::IsaLevel::kAvx512Bf16) {
+    state.SkipWithError("AVX512-BF16 not available (or K3_ISA below avx512bf16)");
+    return;
+  }
+  __m512 acc[kChains];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3F80), y = (__m512bh)_mm512_set1_epi16(0x3400);
+  constexpr int64_t kInner = 4096;
+  for (auto _ : state) {
+    for (int64_t i = 0; i < kInner; ++i) {
+      for (auto& a : acc) a = _mm512_dpbf16_ps(a, x, y);
+    }
+  }
+  __m512 sum = acc[0];
+  for (int i = 1; i < kChains; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  benchmark::DoNotOptimize(sum);
+  state.counters["FLOP/s"] = benchmark::Counter(static_cast<double>(state.iterations() * kInner * kChains * 64),
+                                                benchmark::Counter::kIsRate);
+}
+BENCHMARK_TEMPLATE(BM_Vdpbf16psPeak, 12);
+BENCHMARK_TEMPLATE(BM_Vdpbf16psPeak, 24);
+
+void BM_RequantizeE4M3(benchmark::State& state) {
+  std::vector<float> v(3072);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  for (auto& x : v) x = nd(rng);
+  std::vector<uint8_t> codes(v.size()), scales(v.size() / kBlock);
+  const Elementwise& ew = elementwise(level());
+  for (auto _ : state) {
+    for (size_t b = 0; b < scales.size(); ++b) scales[b] = ew.quantize_e4m3_block(&v[b * kBlock], &codes[b * kBlock]);
+    benchmark::DoNotOptimize(codes.data());
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(v.size()));
+}
+BENCHMARK(BM_RequantizeE4M3);
+
+void BM_Activation(benchmark::State& state) {
+  const auto kind = static_cast<k3::ActivationKind>(state.range(0));
+  std::vector<float> g(3072), u(3072), o(3072);
+  std::mt19937 rng(6);
+  std::normal_distribution<float> nd(0.f, 2.f);
+  for (size_t i = 0; i < g.size(); ++i) g[i] = nd(rng), u[i] = nd(rng);
+  ActParams p;
+  p.kind = kind;
+  const Elementwise& ew = elementwise(level());
+  for (auto _ : state) {
+    ew.activate(p, g.data(), u.data(), o.data(), static_cast<int64_t>(g.size()));
+    benchmark::DoNotOptimize(o.data());
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(g.size()));
+}
+BENCHMARK(BM_Activation)->Arg(0)->Arg(1)->Arg(2)->ArgNames({"situ_swiglu_silu"});
+
+// Finalize of one token: 8 local slots of K = 3584.
+void BM_Finalize(benchmark::State& state) {
+  const int slots = 8;
+  const int64_t k = 3584;
+  std::vector<float> y(static_cast<size_t>(slots * k), 0.5f), acc(static_cast<size_t>(k));
+  std::vector<const float*> rows;
+  std::vector<float> w(slots, 0.125f);
+  for (int s = 0; s < slots; ++s) rows.push_back(y.data() + s * k);
+  const Elementwise& ew = elementwise(level());
+  for (auto _ : state) {
+    ew.weighted_sum(rows.data(), w.data(), slots, k, acc.data());
+    benchmark::DoNotOptimize(acc.data());
+  }
+  state.SetItemsProcessed(state.iterations() * slots * k);
+}
+BENCHMARK(BM_Finalize);
+
+}  // namespace

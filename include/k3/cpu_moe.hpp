@@ -1,0 +1,111 @@
+// k3/cpu_moe.hpp — the CPU fused-MoE backend (spec/moe.md, "the fused-MoE contract").
+//
+// Three steps, in the style of CUTLASS's can_implement / get_workspace_size / run:
+//   plan     checks the shape, the ISA level and the thread count, chooses the blocking and
+//            sizes the workspace (host data, printable with describe()).
+//   prepack  copies the checkpoint-layout MXFP4 weights ([gate; up] FC1, FC2) into the tiled
+//            layout of docs/cpu_moe.md. It keeps 4-bit codes and E8M0 scales (decode streams
+//            4.25 bits per weight); it never re-quantizes. Scale codes that the kernels cannot
+//            handle exactly (0xFF = NaN, or code 0 = 2^-127 under nonzero elements) are rejected
+//            with an error naming the expert, the row and the block.
+//   run      computes out[M, K] for one call: no allocation, no global state; safe to call from
+//            several threads at once with distinct workspaces and outputs. Every output element
+//            is computed by one thread in a fixed order, so the bits do not depend on the thread
+//            count, on the other tokens of the batch, or on the run.
+//
+// Numerics: MXFP4 weights and MXFP8 activations are exact in BF16, so the BF16 dot products
+// (AVX512-BF16 VDPBF16PS) with FP32 accumulation compute the contract with no error beyond the
+// FP32 accumulation order (per 32-element block: an unscaled partial sum, then one FMA with the
+// block's power-of-two scale). Levels without AVX512-BF16 use FP32 FMAs on the same structure.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "k3/moe.hpp"
+#include "k3/status.hpp"
+#include "k3/system.hpp"
+
+namespace k3::cpu {
+
+struct MoeOptions {
+  int threads = 0;               // 0: default_thread_count() (K3_NUM_THREADS / OMP_NUM_THREADS / all CPUs)
+  std::optional<IsaLevel> isa;   // unset: active_isa_level() (honours K3_ISA)
+  int64_t max_tokens = 8192;     // the largest M that run() accepts with this plan
+  int64_t chunk_tokens = 256;    // tokens per pipeline pass: bounds the workspace (8..4096)
+};
+
+// Blocking of the two grouped GEMMs (see docs/cpu_moe.md).
+struct MoeBlocking {
+  int64_t gemm1_tiles = 0;        // N / 32: one tile = 32 gate + 32 up rows of FC1 (4 groups of 16 lanes)
+  int64_t gemm2_tiles = 0;        // K / 32: one tile = 32 rows of FC2 (2 groups of 16 lanes)
+  int direct_max_rows = 0;        // experts with at most this many rows read FP4 directly (decode)
+  int panel_blocks = 0;           // otherwise: 32-element blocks dequantized per panel (fits L1)
+  int row_group = 0;              // rows sharing one panel pass (totals fit L1)
+};
+
+struct MoePlan {
+  MoeProblem problem;
+  IsaLevel isa = IsaLevel::kScalar;
+  int threads = 1;
+  int64_t max_tokens = 0;
+  int64_t chunk_tokens = 0;       // tokens per pass: min(max_tokens, options.chunk_tokens)
+  MoeBlocking blocking;
+  int64_t workspace_bytes = 0;    // what run() needs (any alignment; it aligns internally)
+  std::string describe() const;   // one line: ISA, threads, chunk, tiles, workspace
+};
+
+// Checks the problem (validate_moe_shape; K and N multiples of 32), the ISA level (must be
+// supported by this CPU), threads in [1, 256], max_tokens in [1, 2^24], chunk_tokens in [8, 4096].
+Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options = {});
+
+// Weights of one EP rank in the backend's tiled layout (docs/cpu_moe.md). Movable, not copyable.
+class PackedWeights {
+ public:
+  PackedWeights() = default;
+  PackedWeights(PackedWeights&&) = default;
+  PackedWeights& operator=(PackedWeights&&) = default;
+  PackedWeights(const PackedWeights&) = delete;
+  PackedWeights& operator=(const PackedWeights&) = delete;
+
+  const MoeShape& shape() const { return shape_; }
+  int64_t bytes() const { return static_cast<int64_t>(fc1_.size() + fc2_.size()); }
+  // [E_local, N/32 tiles, K/32 blocks, 1088 bytes]: 1024 code bytes + 64 scale bytes per record
+  const uint8_t* fc1(int64_t expert) const { return fc1_.data() + expert * fc1_expert_bytes_; }
+  // [E_local, K/32 tiles, N/32 blocks, 544 bytes]: 512 code bytes + 32 scale bytes per record
+  const uint8_t* fc2(int64_t expert) const { return fc2_.data() + expert * fc2_expert_bytes_; }
+  int64_t fc1_expert_bytes() const { return fc1_expert_bytes_; }
+  int64_t fc2_expert_bytes() const { return fc2_expert_bytes_; }
+  // Per-local-expert SiTU betas (the problem's values where the view had none).
+  float situ_beta(int64_t expert) const { return situ_beta_[static_cast<size_t>(expert)]; }
+  float situ_linear_beta(int64_t expert) const { return situ_linear_beta_[static_cast<size_t>(expert)]; }
+
+ private:
+  friend Result<PackedWeights> prepack(const MoePlan& plan, const MoeWeightsView& weights);
+  MoeShape shape_;
+  int64_t fc1_expert_bytes_ = 0, fc2_expert_bytes_ = 0;
+  std::vector<uint8_t> fc1_, fc2_;
+  std::vector<float> situ_beta_, situ_linear_beta_;
+};
+
+// Checkpoint layout (k3/moe.hpp MoeWeightsView) -> tiled layout. Checks every buffer size.
+Result<PackedWeights> prepack(const MoePlan& plan, const MoeWeightsView& weights);
+
+// out: M x K elements of the plan's output dtype (little-endian bytes); workspace: at least
+// plan.workspace_bytes. Checks the inputs (validate_moe_buffers) and M <= plan.max_tokens.
+// A W4A16 BF16 row (x or intermediate) whose nonzero magnitudes span more than 2^237 cannot be
+// scaled into the range where the BF16 dot products are exact: on the avx512bf16 level run()
+// then fails with kInexact naming the row (use K3_ISA=avx512 for such data); other levels
+// compute it in FP32.
+Status run(const MoePlan& plan, const PackedWeights& weights, const MoeInputsView& inputs,
+           std::span<uint8_t> workspace, std::span<uint8_t> out);
+
+// situ_and_mul: in [rows, 2D] with row stride ld (elements; gate = first D columns, up = next D),
+// out [rows, D], row-major. FP32, SIMD where the ISA level allows (same bits on every level).
+Status situ_and_mul(std::span<const float> in, int64_t rows, int64_t d, int64_t ld, float beta, float linear_beta,
+                    std::span<float> out);
+
+}  // namespace k3::cpu

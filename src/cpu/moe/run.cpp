@@ -1,0 +1,379 @@
+// run(): the fused-MoE pipeline on the CPU, one pass per chunk of tokens:
+//   1. routing map   global ids -> local experts; rows grouped by expert in (token, slot) order
+//   2. x operand     W4A8: MXFP8 (RCEIL) then exact dequantization; W4A16: the BF16 row
+//   3. GEMM1 + act   tasks (expert, 32 columns of N): gate and up tiles together, activation in
+//                    FP32, then W4A8: MXFP8 codes per 32 along N / W4A16: BF16
+//   4. h operand     dequantization of the activation output (exact)
+//   5. GEMM2         tasks (expert, 32 columns of K): y rows in FP32
+//   6. finalize      per token, slots in order, FP32 FMAs, one rounding to the output dtype
+// Work is split by output element ranges only (tasks own whole output tiles), so each value is
+// computed by one thread with a fixed operation order: bits do not depend on the thread count.
+#include <omp.h>
+
+#include <cstring>
+#include <string>
+
+#include "cpu/moe/elementwise.hpp"
+#include "cpu/moe/layout.hpp"
+#include "cpu/moe/operand.hpp"
+#include "cpu/moe/workspace.hpp"
+#include "k3/cpu_moe.hpp"
+#include "k3/formats.hpp"
+#include "k3/mx.hpp"
+
+namespace k3::cpu {
+namespace {
+
+using namespace detail;
+
+constexpr int64_t kParallelMinElements = int64_t{1} << 16;
+
+struct Pass {
+  const MoePlan& plan;
+  const PackedWeights& w;
+  const MoeInputsView& in;
+  const WorkspaceLayout& lay;
+  uint8_t* base;      // aligned workspace
+  uint8_t* out;       // [M, K] output dtype
+  TileGemmFn gemm;
+  const Elementwise& ew;
+  bool bf16;          // operands BF16 (with row shifts) rather than FP32
+  int64_t k, n, topk, e_local, first_expert, ob;
+  int64_t t0 = 0, tokens = 0;  // this chunk: tokens [t0, t0 + tokens)
+
+  template <typename T>
+  T* region(int64_t off) const { return reinterpret_cast<T*>(base + off); }
+  uint8_t* thread_region(int64_t off) const {
+    return base + lay.per_thread + omp_get_thread_num() * lay.per_thread_bytes + off;
+  }
+};
+
+// 1. Routing map (sequential, O(tokens * top_k)).
+void build_routing(Pass& p) {
+  auto* slot_row = p.region<int32_t>(p.lay.slot_row);
+  auto* row_token = p.region<int32_t>(p.lay.row_token);
+  auto* offset = p.region<int64_t>(p.lay.expert_offset);
+  for (int64_t e = 0; e <= p.e_local; ++e) offset[e] = 0;
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    for (int64_t s = 0; s < p.topk; ++s) {
+      const int64_t e = p.in.topk_ids[static_cast<size_t>((p.t0 + t) * p.topk + s)] - p.first_expert;
+      if (e >= 0 && e < p.e_local) ++offset[e + 1];
+    }
+  }
+  for (int64_t e = 0; e < p.e_local; ++e) offset[e + 1] += offset[e];
+  // Second pass: offset[e] serves as expert e's running cursor, then is shifted back.
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    for (int64_t s = 0; s < p.topk; ++s) {
+      const int64_t e = p.in.topk_ids[static_cast<size_t>((p.t0 + t) * p.topk + s)] - p.first_expert;
+      int32_t r = -1;
+      if (e >= 0 && e < p.e_local) {
+        r = static_cast<int32_t>(offset[e]++);
+        row_token[r] = static_cast<int32_t>(t);
+      }
+      slot_row[t * p.topk + s] = r;
+    }
+  }
+  for (int64_t e = p.e_local; e > 0; --e) offset[e] = offset[e - 1];  // undo the running counters
+  offset[0] = 0;
+}
+
+// 2. x operand of one token.
+void prepare_x(const Pass& p, int64_t t) {
+  const uint16_t* x = p.in.x.data() + (p.t0 + t) * p.k;
+  uint8_t* dst = p.region<uint8_t>(p.lay.x_op) + t * p.k * p.ob;
+  int32_t& shift = p.region<int32_t>(p.lay.x_shift)[t];
+  if (p.plan.problem.recipe == Recipe::kW4A16) {
+    if (p.bf16) {
+      shift = bf16_row_to_bf16(x, p.k, reinterpret_cast<uint16_t*>(dst));
+    } else {
+      auto* d = reinterpret_cast<float*>(dst);
+      for (int64_t i = 0; i < p.k; ++i) d[i] = bf16_to_f32(x[i]);
+      shift = 0;
+    }
+    return;
+  }
+  uint8_t* codes = p.thread_region(p.lay.pt_codes);
+  uint8_t* scales = codes + p.k;
+  float* vals = reinterpret_cast<float*>(p.thread_region(p.lay.pt_acc));
+  for (int64_t b = 0; b < p.k / kBlock; ++b) {
+    for (int i = 0; i < kBlock; ++i) vals[i] = bf16_to_f32(x[b * kBlock + i]);
+    scales[b] = p.ew.quantize_e4m3_block(vals, codes + b * kBlock);
+  }
+  if (p.bf16) {
+    shift = mxfp8_row_to_bf16(codes, scales, p.k, reinterpret_cast<uint16_t*>(dst));
+  } else {
+    mxfp8_row_to_f32(codes, scales, p.k, reinterpret_cast<float*>(dst));
+    shift = 0;
+  }
+}
+
+ActParams act_params(const MoePlan& plan, const PackedWeights& w, int64_t e) {
+  const Activation& a = plan.problem.activation;
+  ActParams ap;
+  ap.kind = a.kind;
+  ap.beta = w.situ_beta(e);
+  ap.linear_beta = w.situ_linear_beta(e);
+  ap.alpha = a.swiglu_alpha;
+  ap.swiglu_beta = a.swiglu_beta;
+  ap.limit = a.swiglu_limit;
+  return ap;
+}
+
+// 3. GEMM1 + activation for expert e, columns [32j, 32j+32) of N, all rows of the expert.
+void gemm1_task(const Pass& p, int64_t e, int64_t j) {
+  const auto* offset = p.region<int64_t>(p.lay.expert_offset);
+  const auto* row_token = p.region<int32_t>(p.lay.row_token);
+  const auto* x_shift = p.region<int32_t>(p.lay.x_shift);
+  const uint8_t* x_op = p.region<uint8_t>(p.lay.x_op);
+  auto* totals = reinterpret_cast<float*>(p.thread_region(p.lay.pt_totals));
+  auto* rows = reinterpret_cast<const void**>(p.thread_region(p.lay.pt_rows));
+  float* scratch = reinterpret_cast<float*>(p.thread_region(p.lay.pt_acc));  // [3, 32]
+  const ActParams ap = act_params(p.plan, p.w, e);
+  const int64_t tile_bytes = (p.k / kBlock) * record_bytes(kFc1Groups);
+  TileGemm g;
+  g.records = p.w.fc1(e) + j * tile_bytes;
+  g.blocks = p.k / kBlock;
+  g.groups = kFc1Groups;
+  g.rows = rows;
+  g.totals = totals;
+  g.panel = p.thread_region(p.lay.pt_panel);
+  const int64_t width = kFc1Groups * kLanes;
+  for (int64_t r0 = offset[e]; r0 < offset[e + 1]; r0 += kRowGroup) {
+    const int64_t nr = offset[e + 1] - r0 < kRowGroup ? offset[e + 1] - r0 : kRowGroup;
+    for (int64_t i = 0; i < nr; ++i) rows[i] = x_op + row_token[r0 + i] * p.k * p.ob;
+    g.num_rows = nr;
+    p.gemm(g);
+    for (int64_t i = 0; i < nr; ++i) {
+      const int64_t r = r0 + i;
+      const float unshift = exp2i(-x_shift[row_token[r]]);
+      float* gate = scratch;
+      float* up = scratch + kBlock;
+      float* act = scratch + 2 * kBlock;
+      for (int c = 0; c < kBlock; ++c) {
+        gate[c] = totals[i * width + c] * unshift;
+        up[c] = totals[i * width + kBlock + c] * unshift;
+      }
+      p.ew.activate(ap, gate, up, act, kBlock);
+      if (p.plan.problem.recipe == Recipe::kW4A8) {
+        uint8_t* hq = p.region<uint8_t>(p.lay.h_q) + r * p.n + j * kBlock;
+        p.region<uint8_t>(p.lay.h_s)[r * (p.n / kBlock) + j] = p.ew.quantize_e4m3_block(act, hq);
+      } else if (p.bf16) {
+        uint16_t* h = p.region<uint16_t>(p.lay.h_op) + r * p.n + j * kBlock;
+        for (int c = 0; c < kBlock; ++c) h[c] = bf16_from_f32(act[c]);
+      } else {
+        float* h = p.region<float>(p.lay.h_op) + r * p.n + j * kBlock;
+        for (int c = 0; c < kBlock; ++c) h[c] = bf16_to_f32(bf16_from_f32(act[c]));
+      }
+    }
+  }
+}
+
+// 4. GEMM2 operand of one row.
+void prepare_h(const Pass& p, int64_t r) {
+  int32_t& shift = p.region<int32_t>(p.lay.h_shift)[r];
+  uint8_t* h_op = p.region<uint8_t>(p.lay.h_op) + r * p.n * p.ob;
+  if (p.plan.problem.recipe == Recipe::kW4A8) {
+    const uint8_t* codes = p.region<uint8_t>(p.lay.h_q) + r * p.n;
+    const uint8_t* scales = p.region<uint8_t>(p.lay.h_s) + r * (p.n / kBlock);
+    if (p.bf16) {
+      shift = mxfp8_row_to_bf16(codes, scales, p.n, reinterpret_cast<uint16_t*>(h_op));
+    } else {
+      mxfp8_row_to_f32(codes, scales, p.n, reinterpret_cast<float*>(h_op));
+      shift = 0;
+    }
+  } else if (p.bf16) {
+    auto* h = reinterpret_cast<uint16_t*>(h_op);
+    shift = bf16_row_to_bf16(h, p.n, h);
+  } else {
+    shift = 0;
+  }
+}
+
+// 5. GEMM2 for expert e, columns [32j, 32j+32) of K.
+void gemm2_task(const Pass& p, int64_t e, int64_t j) {
+  const auto* offset = p.region<int64_t>(p.lay.expert_offset);
+  const auto* h_shift = p.region<int32_t>(p.lay.h_shift);
+  const uint8_t* h_op = p.region<uint8_t>(p.lay.h_op);
+  auto* totals = reinterpret_cast<float*>(p.thread_region(p.lay.pt_totals));
+  auto* rows = reinterpret_cast<const void**>(p.thread_region(p.lay.pt_rows));
+  float* y = p.region<float>(p.lay.y);
+  const int64_t tile_bytes = (p.n / kBlock) * record_bytes(kFc2Groups);
+  TileGemm g;
+  g.records = p.w.fc2(e) + j * tile_bytes;
+  g.blocks = p.n / kBlock;
+  g.groups = kFc2Groups;
+  g.rows = rows;
+  g.totals = totals;
+  g.panel = p.thread_region(p.lay.pt_panel);
+  for (int64_t r0 = offset[e]; r0 < offset[e + 1]; r0 += kRowGroup) {
+    const int64_t nr = offset[e + 1] - r0 < kRowGroup ? offset[e + 1] - r0 : kRowGroup;
+    for (int64_t i = 0; i < nr; ++i) rows[i] = h_op + (r0 + i) * p.n * p.ob;
+    g.num_rows = nr;
+    p.gemm(g);
+    for (int64_t i = 0; i < nr; ++i) {
+      const float unshift = exp2i(-h_shift[r0 + i]);
+      float* dst = y + (r0 + i) * p.k + j * kBlock;
+      for (int c = 0; c < kBlock; ++c) dst[c] = totals[i * kFc2Groups * kLanes + c] * unshift;
+    }
+  }
+}
+
+// 6. Finalize one token.
+void finalize_token(const Pass& p, int64_t t) {
+  const auto* slot_row = p.region<int32_t>(p.lay.slot_row);
+  const float* y = p.region<float>(p.lay.y);
+  const float* rows[32];
+  float weights[32];
+  int count = 0;
+  for (int64_t s = 0; s < p.topk; ++s) {
+    const int32_t r = slot_row[t * p.topk + s];
+    if (r < 0) continue;
+    rows[count] = y + r * p.k;
+    weights[count] = p.in.topk_weights[static_cast<size_t>((p.t0 + t) * p.topk + s)];
+    ++count;
+  }
+  float* acc = reinterpret_cast<float*>(p.thread_region(p.lay.pt_acc));
+  p.ew.weighted_sum(rows, weights, count, p.k, acc);  // count = 0 gives exact zeros
+  const OutDType d = p.plan.problem.out_dtype;
+  uint8_t* o = p.out + (p.t0 + t) * p.k * out_dtype_size(d);
+  if (d == OutDType::kFP32) {
+    std::memcpy(o, acc, static_cast<size_t>(p.k) * sizeof(float));
+    return;
+  }
+  for (int64_t c = 0; c < p.k; ++c) {
+    const uint16_t v = d == OutDType::kBF16 ? bf16_from_f32(acc[c]) : fp16_from_f32(acc[c]);
+    std::memcpy(o + c * 2, &v, 2);
+  }
+}
+
+Status shift_error(const char* what, int64_t row, int64_t token, const char* recipe) {
+  return Status(StatusCode::kInexact,
+                std::string(what) + " of token " + std::to_string(token) + " (row " + std::to_string(row) +
+                    "): its nonzero magnitudes span more than 2^237, beyond what the avx512bf16 dot products "
+                    "compute exactly (" + recipe + "); run it with K3_ISA=avx512 (FP32 operands)");
+}
+
+Status run_chunk(Pass& p) {
+  build_routing(p);
+  const int threads = p.plan.threads;
+  const auto* offset = p.region<int64_t>(p.lay.expert_offset);
+  const auto* row_token = p.region<int32_t>(p.lay.row_token);
+  const int64_t rows_total = offset[p.e_local];
+  const char* recipe = recipe_name(p.plan.problem.recipe);
+
+  // Element-wise steps run on one thread when small (decode): waking the team costs more than
+  // the work, and far more on an oversubscribed machine. (Which thread runs a step never
+  // changes a bit.)
+#pragma omp parallel for num_threads(threads) schedule(static) if (p.tokens * p.k >= kParallelMinElements)
+  for (int64_t t = 0; t < p.tokens; ++t) prepare_x(p, t);
+  if (p.bf16) {
+    const auto* x_shift = p.region<int32_t>(p.lay.x_shift);
+    for (int64_t t = 0; t < p.tokens; ++t) {
+      if (x_shift[t] == kShiftFail) return shift_error("x row", t, p.t0 + t, recipe);
+    }
+  }
+
+  const int64_t tiles1 = p.n / kBlock, tiles2 = p.k / kBlock;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t task = 0; task < p.e_local * tiles1; ++task) {
+    const int64_t e = task / tiles1;
+    if (offset[e + 1] > offset[e]) gemm1_task(p, e, task % tiles1);
+  }
+
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows_total * p.n >= kParallelMinElements)
+  for (int64_t r = 0; r < rows_total; ++r) prepare_h(p, r);
+  if (p.bf16) {
+    const auto* h_shift = p.region<int32_t>(p.lay.h_shift);
+    for (int64_t r = 0; r < rows_total; ++r) {
+      if (h_shift[r] == kShiftFail) return shift_error("activation row", r, p.t0 + row_token[r], recipe);
+    }
+  }
+
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t task = 0; task < p.e_local * tiles2; ++task) {
+    const int64_t e = task / tiles2;
+    if (offset[e + 1] > offset[e]) gemm2_task(p, e, task % tiles2);
+  }
+  // An inactive region (if false) still numbers its one thread 0, even when run() is called from
+  // inside a caller's parallel region: per-thread scratch indices stay below plan.threads.
+#pragma omp parallel for num_threads(threads) schedule(static) if (p.tokens * p.k >= kParallelMinElements)
+  for (int64_t t = 0; t < p.tokens; ++t) finalize_token(p, t);
+  return Status::ok();
+}
+
+}  // namespace
+
+Status run(const MoePlan& plan, const PackedWeights& weights, const MoeInputsView& in, std::span<uint8_t> workspace,
+           std::span<uint8_t> out) {
+  const MoeProblem& pr = plan.problem;
+  const MoeShape& ws = weights.shape();
+  if (ws.hidden != pr.shape.hidden || ws.intermediate != pr.shape.intermediate ||
+      ws.num_experts != pr.shape.num_experts || ws.top_k != pr.shape.top_k || ws.ep_size != pr.shape.ep_size ||
+      ws.ep_rank != pr.shape.ep_rank) {
+    return invalid_argument("weights were prepacked for a different shape than the plan's (K " +
+                            std::to_string(ws.hidden) + " N " + std::to_string(ws.intermediate) + " E " +
+                            std::to_string(ws.num_experts) + " vs K " + std::to_string(pr.shape.hidden) + " N " +
+                            std::to_string(pr.shape.intermediate) + " E " + std::to_string(pr.shape.num_experts) + ")");
+  }
+  K3_RETURN_IF_ERROR(validate_moe_shape(pr.shape));
+  if (in.m < 0 || in.m > plan.max_tokens) {
+    return invalid_argument("m = " + std::to_string(in.m) + " must be in [0, plan.max_tokens = " +
+                            std::to_string(plan.max_tokens) + "]");
+  }
+  const int64_t k = pr.shape.hidden;
+  if (in.x.size() != static_cast<size_t>(in.m * k) || in.topk_ids.size() != static_cast<size_t>(in.m * pr.shape.top_k) ||
+      in.topk_weights.size() != static_cast<size_t>(in.m * pr.shape.top_k)) {
+    return invalid_argument("inputs: x has " + std::to_string(in.x.size()) + " elements (expected M*K = " +
+                            std::to_string(in.m * k) + "), topk_ids " + std::to_string(in.topk_ids.size()) +
+                            " and topk_weights " + std::to_string(in.topk_weights.size()) + " (expected M*top_k = " +
+                            std::to_string(in.m * pr.shape.top_k) + ")");
+  }
+  for (size_t i = 0; i < in.topk_ids.size(); ++i) {
+    const int32_t id = in.topk_ids[i];
+    if (id < -1 || id >= pr.shape.num_experts) {
+      return invalid_argument("topk_ids[" + std::to_string(i / static_cast<size_t>(pr.shape.top_k)) + ", " +
+                              std::to_string(i % static_cast<size_t>(pr.shape.top_k)) + "] = " + std::to_string(id) +
+                              " must be -1 (masked) or a global expert id in [0, " +
+                              std::to_string(pr.shape.num_experts) + ")");
+    }
+  }
+  const int64_t out_bytes = in.m * k * out_dtype_size(pr.out_dtype);
+  if (static_cast<int64_t>(out.size()) != out_bytes) {
+    return invalid_argument("out has " + std::to_string(out.size()) + " bytes, expected M*K*" +
+                            std::to_string(out_dtype_size(pr.out_dtype)) + " = " + std::to_string(out_bytes));
+  }
+  if (static_cast<int64_t>(workspace.size()) < plan.workspace_bytes) {
+    return invalid_argument("workspace has " + std::to_string(workspace.size()) +
+                            " bytes, the plan needs workspace_bytes = " + std::to_string(plan.workspace_bytes));
+  }
+  if (static_cast<int>(plan.isa) > static_cast<int>(best_isa_level())) {
+    return unsupported(std::string("plan.isa = ") + isa_level_name(plan.isa) + " is not supported by this CPU");
+  }
+  const WorkspaceLayout lay = workspace_layout(pr, plan.isa, plan.threads, plan.chunk_tokens);
+  const auto addr = reinterpret_cast<uintptr_t>(workspace.data());
+  uint8_t* base = workspace.data() + ((64 - (addr & 63)) & 63);
+  const bool bf16 = plan.isa == IsaLevel::kAvx512Bf16;
+  Pass p{plan,
+         weights,
+         in,
+         lay,
+         base,
+         out.data(),
+         bf16 ? tile_gemm_bf16() : tile_gemm_fp32(plan.isa),
+         elementwise(plan.isa),
+         bf16,
+         k,
+         pr.shape.intermediate,
+         pr.shape.top_k,
+         pr.shape.local_experts(),
+         pr.shape.first_local_expert(),
+         operand_bytes(plan.isa)};
+  for (int64_t t0 = 0; t0 < in.m; t0 += plan.chunk_tokens) {
+    p.t0 = t0;
+    p.tokens = in.m - t0 < plan.chunk_tokens ? in.m - t0 : plan.chunk_tokens;
+    K3_RETURN_IF_ERROR(run_chunk(p));
+  }
+  return Status::ok();
+}
+
+}  // namespace k3::cpu

@@ -1,0 +1,241 @@
+// Inner pieces of the CPU MoE backend: the MXFP8 block quantizer, exp / tanh, the activations and
+// situ_and_mul, the tiled weight layout and the BF16 operand scaling.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cpu/moe/elementwise.hpp"
+#include "cpu/moe/layout.hpp"
+#include "cpu/moe/operand.hpp"
+#include "k3/cpu_moe.hpp"
+#include "k3/formats.hpp"
+#include "k3/moe_ref.hpp"
+#include "k3/mx.hpp"
+
+namespace k3 {
+namespace {
+
+using namespace cpu::detail;
+
+// exp / tanh: relative error bound in FP32 ulps (2^-23 relative), over the tested range.
+constexpr double kExpUlps = 4;
+constexpr double kTanhUlps = 8;
+// situ_and_mul vs the FP64 reference rounded to FP32: relative error (a few FP32 ulps of the
+// several rounded steps of the formula).
+constexpr double kSituRel = 2e-6;
+
+std::vector<IsaLevel> levels() {
+  std::vector<IsaLevel> v;
+  for (int l = 0; l <= static_cast<int>(best_isa_level()); ++l) v.push_back(static_cast<IsaLevel>(l));
+  return v;
+}
+
+TEST(CpuMoeKernels, E4M3BlockQuantizerMatchesTheCodecBitForBit) {
+  std::mt19937_64 rng(1);
+  std::normal_distribution<float> nd;
+  std::vector<std::vector<float>> blocks;
+  for (int b = 0; b < 3000; ++b) {  // magnitudes from 2^-140 to 2^120
+    std::vector<float> v(32);
+    const int e = static_cast<int>(rng() % 260) - 140;
+    for (auto& x : v) x = std::ldexp(nd(rng), e);
+    blocks.push_back(v);
+  }
+  std::vector<float> special(32, 0.f);
+  special = {0.f, -0.f, 448.f, -448.f, 480.f, 1e-40f, -1e-45f, 0.0009765625f, 0.001953125f, 0.0029296875f,
+             17.f, 18.f, 19.f, 0.015625f, 0.0146484375f, 0.0048828125f, 240.f, 232.f, 248.f, 6.f, -2.75f, 3.25f,
+             INFINITY, 1.f, 2.f, 3.f, 5.f, 7.f, 9.f, 11.f, 13.f, 15.f};
+  blocks.push_back(special);  // Inf: scale 0xFE, saturation
+  special[22] = -INFINITY;
+  blocks.push_back(special);
+  special[5] = std::nanf("");
+  blocks.push_back(special);  // NaN: scale 0xFF, zero codes
+  std::vector<float> ties(32);
+  for (int i = 0; i < 32; ++i) ties[static_cast<size_t>(i)] = 448.f * static_cast<float>(i) / 31.f + 0.5f;  // 0.5-steps
+  blocks.push_back(ties);
+  for (IsaLevel l : levels()) {
+    const Elementwise& ew = elementwise(l);
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      uint8_t want[32], got[32];
+      const uint8_t ws = mx_quantize_block(blocks[b].data(), MxElement::kE4M3, ScaleRule::kRceil, want);
+      const uint8_t gs = ew.quantize_e4m3_block(blocks[b].data(), got);
+      ASSERT_EQ(gs, ws) << isa_level_name(l) << " block " << b;
+      for (int i = 0; i < 32; ++i) ASSERT_EQ(got[i], want[i]) << isa_level_name(l) << " block " << b << " element " << i;
+    }
+  }
+}
+
+double ulp_error(float got, double want) {
+  if (want == 0) return got == 0 ? 0 : INFINITY;
+  return std::fabs(static_cast<double>(got) - want) / std::fabs(want) * 8388608.0;
+}
+
+TEST(CpuMoeKernels, ExpAndTanhAreAccurateAndSaturate) {
+  double worst_exp = 0, worst_tanh = 0;
+  for (double x = -87.0; x <= 88.5; x += 0.0137) {
+    worst_exp = std::max(worst_exp, ulp_error(exp_f32(static_cast<float>(x)), std::exp(static_cast<double>(static_cast<float>(x)))));
+  }
+  for (double x = -12.0; x <= 12.0; x += 0.00071) {
+    const float xf = static_cast<float>(x);
+    worst_tanh = std::max(worst_tanh, ulp_error(tanh_f32(xf), std::tanh(static_cast<double>(xf))));
+  }
+  EXPECT_LE(worst_exp, kExpUlps);
+  EXPECT_LE(worst_tanh, kTanhUlps);
+  EXPECT_EQ(exp_f32(89.f), INFINITY);
+  EXPECT_EQ(exp_f32(INFINITY), INFINITY);
+  EXPECT_EQ(exp_f32(-INFINITY), 0.f);
+  EXPECT_TRUE(std::isnan(exp_f32(std::nanf(""))));
+  EXPECT_EQ(tanh_f32(100.f), 1.f);
+  EXPECT_EQ(tanh_f32(-INFINITY), -1.f);
+  EXPECT_EQ(tanh_f32(0.f), 0.f);
+  EXPECT_TRUE(std::isnan(tanh_f32(std::nanf(""))));
+  EXPECT_EQ(tanh_f32(1e-30f), 1e-30f);
+}
+
+TEST(CpuMoeKernels, ActivationsMatchTheReferenceAndEveryLevelGivesTheSameBits) {
+  std::mt19937 rng(2);
+  std::normal_distribution<float> nd(0.f, 4.f);
+  const int64_t n = 1000;
+  std::vector<float> g(n), u(n);
+  for (int64_t i = 0; i < n; ++i) g[i] = nd(rng), u[i] = nd(rng);
+  g[0] = 200.f, u[0] = -300.f;            // saturation
+  g[1] = std::nanf(""), u[2] = std::nanf("");
+  g[3] = 1e-20f, u[3] = 5e-21f;          // tiny
+  Activation a;
+  for (ActivationKind kind : {ActivationKind::kSiTU, ActivationKind::kSwiGLU, ActivationKind::kSiLU}) {
+    a.kind = kind;
+    ActParams p;
+    p.kind = kind;
+    std::vector<float> first;
+    for (IsaLevel l : levels()) {
+      std::vector<float> out(n);
+      elementwise(l).activate(p, g.data(), u.data(), out.data(), n);
+      for (int64_t i = 0; i < n; ++i) {
+        const double want = activation_ref(a, g[i], u[i], 4.0, 25.0);
+        if (std::isnan(want)) {
+          ASSERT_TRUE(std::isnan(out[i])) << activation_name(kind) << " " << i;
+        } else {
+          ASSERT_LE(std::fabs(out[i] - want), kSituRel * std::max(std::fabs(want), 1e-30) + 1e-37)
+              << activation_name(kind) << " " << i << " g " << g[i] << " u " << u[i];
+        }
+      }
+      if (first.empty()) {
+        first = out;
+      } else {
+        for (int64_t i = 0; i < n; ++i) {  // same bits (any NaN equals any NaN: payloads may differ)
+          if (std::isnan(first[i]) && std::isnan(out[i])) continue;
+          ASSERT_EQ(0, std::memcmp(&first[i], &out[i], sizeof(float))) << isa_level_name(l) << " " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuMoeKernels, SituAndMulHonoursTheRowStrideAndMatchesTheReference) {
+  const int64_t rows = 7, d = 100, ld = 230;
+  std::vector<float> in(static_cast<size_t>((rows - 1) * ld + 2 * d));
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.f, 3.f);
+  for (auto& v : in) v = nd(rng);
+  std::vector<float> got(rows * d), want(rows * d);
+  ASSERT_TRUE(cpu::situ_and_mul(in, rows, d, ld, 4.f, 25.f, got).is_ok());
+  ASSERT_TRUE(situ_and_mul_ref(in, rows, d, ld, 4.f, 25.f, want).is_ok());
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_LE(std::fabs(got[i] - want[i]), kSituRel * std::fabs(want[i]) + 1e-37) << i;
+  }
+  // Errors name the argument.
+  auto msg = [&](int64_t r, int64_t dd, int64_t l, float b, size_t in_n, size_t out_n) {
+    std::vector<float> i2(in_n), o2(out_n);
+    return cpu::situ_and_mul(i2, r, dd, l, b, 25.f, o2).message();
+  };
+  EXPECT_NE(msg(2, 10, 15, 4.f, 100, 20).find("ld = 15 must be >= 2*d = 20"), std::string::npos);
+  EXPECT_NE(msg(2, 10, 20, 4.f, 39, 20).find("in has 39 elements"), std::string::npos);
+  EXPECT_NE(msg(2, 10, 20, 4.f, 40, 21).find("out has 21 elements, expected rows*d = 20"), std::string::npos);
+  EXPECT_NE(msg(2, 10, 20, 0.f, 40, 20).find("beta = 0"), std::string::npos);
+  EXPECT_NE(msg(-1, 10, 20, 4.f, 40, 20).find("rows = -1"), std::string::npos);
+  EXPECT_NE(msg(1, 0, 20, 4.f, 40, 20).find("d = 0"), std::string::npos);
+}
+
+TEST(CpuMoeKernels, PrepackedLayoutHoldsEveryCodeAndScaleOnce) {
+  // Unpack the records with the documented offsets and compare with the checkpoint tensors.
+  MoeProblem p;
+  p.shape = {96, 64, 3, 2, 1, 0};
+  const int64_t el = 3, k = 96, n = 64;
+  std::mt19937_64 rng(4);
+  std::vector<uint8_t> f1q(el * 2 * n * k / 2), f1s(el * 2 * n * k / 32), f2q(el * k * n / 2), f2s(el * k * n / 32);
+  for (auto& b : f1q) b = static_cast<uint8_t>(rng());
+  for (auto& b : f2q) b = static_cast<uint8_t>(rng());
+  for (auto& b : f1s) b = static_cast<uint8_t>(1 + rng() % 254);
+  for (auto& b : f2s) b = static_cast<uint8_t>(1 + rng() % 254);
+  auto plan = cpu::plan(p, {});
+  ASSERT_TRUE(plan.is_ok());
+  auto packed = cpu::prepack(plan.value(), {f1q, f1s, f2q, f2s, {}, {}});
+  ASSERT_TRUE(packed.is_ok()) << packed.status().to_string();
+  EXPECT_EQ(packed->bytes(), static_cast<int64_t>(f1q.size() + f1s.size() + f2q.size() + f2s.size()));
+  auto check = [&](const uint8_t* base, int groups, int64_t tiles, int64_t red, auto row_of, const std::vector<uint8_t>& q,
+                   const std::vector<uint8_t>& s, int64_t e, int64_t rows) {
+    for (int64_t j = 0; j < tiles; ++j) {
+      for (int64_t b = 0; b < red / 32; ++b) {
+        const uint8_t* rec = base + (j * (red / 32) + b) * record_bytes(groups);
+        for (int g = 0; g < groups; ++g) {
+          for (int lane = 0; lane < 16; ++lane) {
+            const int64_t row = row_of(j, g) + lane;
+            ASSERT_EQ(rec[record_code_bytes(groups) + g * 16 + lane], s[(e * rows + row) * (red / 32) + b]);
+            for (int el2 = 0; el2 < 32; ++el2) {
+              const uint8_t byte = rec[record_code_offset(groups, g, lane, el2)];
+              const uint8_t code = record_code_high(g) ? byte >> 4 : byte & 15;
+              const int64_t col = b * 32 + el2;
+              const uint8_t src = q[(e * rows + row) * (red / 2) + col / 2];
+              ASSERT_EQ(code, col % 2 ? src >> 4 : src & 15) << "expert " << e << " row " << row << " col " << col;
+            }
+          }
+        }
+      }
+    }
+  };
+  for (int64_t e = 0; e < el; ++e) {
+    check(packed->fc1(e), kFc1Groups, n / 32, k, [n](int64_t j, int g) { return (g >= 2 ? n : 0) + j * 32 + (g & 1) * 16; },
+          f1q, f1s, e, 2 * n);
+    check(packed->fc2(e), kFc2Groups, k / 32, n, [](int64_t j, int g) { return j * 32 + g * 16; }, f2q, f2s, e, k);
+  }
+}
+
+TEST(CpuMoeKernels, OperandShiftKeepsBf16DotProductsExact) {
+  EXPECT_EQ(choose_shift(0, -1), 0);               // no nonzero value
+  EXPECT_EQ(choose_shift(-118, 119), 0);           // already in range
+  EXPECT_EQ(choose_shift(-130, 10), 12);           // tiny values scaled up
+  EXPECT_EQ(choose_shift(-10, 125), -6);           // huge values scaled down
+  EXPECT_EQ(choose_shift(-133, 105), kShiftFail);  // span > 2^237
+  // BF16 row with subnormals: values * 2^shift exactly, nonzero magnitudes >= 2^-118.
+  std::vector<uint16_t> row = {0x0001, 0x8003, 0x0040, 0x3F80, 0x0000, 0x8000, 0x7F80, 0x7FC0};
+  std::vector<uint16_t> out(row.size());
+  const int32_t s = bf16_row_to_bf16(row.data(), static_cast<int64_t>(row.size()), out.data());
+  EXPECT_EQ(s, 15);  // lowest magnitude 2^-133
+  for (size_t i = 0; i < row.size(); ++i) {
+    const float a = bf16_to_f32(row[i]), b = bf16_to_f32(out[i]);
+    if (std::isnan(a)) {
+      EXPECT_TRUE(std::isnan(b));
+    } else {
+      EXPECT_EQ(std::ldexp(static_cast<double>(a), s), static_cast<double>(b)) << i;
+    }
+  }
+  // MXFP8 row with a tiny block scale: dequantized * 2^shift exactly.
+  std::vector<uint8_t> codes(64), scales = {3, 130};
+  for (int i = 0; i < 64; ++i) codes[static_cast<size_t>(i)] = static_cast<uint8_t>((i * 37) & 0xFE);
+  std::vector<uint16_t> q(64);
+  const int32_t s8 = mxfp8_row_to_bf16(codes.data(), scales.data(), 64, q.data());
+  EXPECT_GT(s8, 0);
+  std::vector<float> f(64);
+  mxfp8_row_to_f32(codes.data(), scales.data(), 64, f.data());
+  for (int i = 0; i < 64; ++i) {
+    const double want = std::ldexp(static_cast<double>(mx_decode_element(codes[static_cast<size_t>(i)], scales[static_cast<size_t>(i) / 32], MxElement::kE4M3)), s8);
+    EXPECT_EQ(static_cast<double>(bf16_to_f32(q[static_cast<size_t>(i)])), want) << i;
+    EXPECT_EQ(static_cast<double>(f[static_cast<size_t>(i)]), std::ldexp(want, -s8)) << i;
+  }
+}
+
+}  // namespace
+}  // namespace k3

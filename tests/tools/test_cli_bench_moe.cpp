@@ -1,0 +1,82 @@
+// `k3 bench moe` end to end at a tiny shape: table, JSON records, routing replay files, errors.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace {
+
+struct Run {
+  int code;
+  std::string out;
+};
+
+Run run_cli(const std::string& args) {
+  const std::string cmd = std::string(K3_CLI_PATH) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  const int status = pclose(p);
+  return {WEXITSTATUS(status), out};
+}
+
+const std::string kBase =
+    "bench moe --hidden 64 --intermediate 96 --experts 16 --iters 1 --warmup 0 --bandwidth-mib 64 --threads 2 ";
+const std::string kTiny = kBase + "--ep-size 2 --ep-rank 1 --top-k 4 ";
+
+TEST(CliBenchMoe, PrintsTheTableAndWritesRecordsWithLimitsAndHistogram) {
+  const std::string json = testing::TempDir() + "k3_bench_moe.json";
+  const std::string ids = testing::TempDir() + "k3_bench_moe.ids";
+  const auto r = run_cli(kTiny + "--m 3,40 --recipe both --routing ep_mixed --output " + json + " --save-routing " + ids);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("%peak"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("limits: read bandwidth"), std::string::npos) << r.out;
+  std::ifstream f(json);
+  const auto j = nlohmann::json::parse(f);
+  ASSERT_EQ(j["records"].size(), 4u);
+  for (const auto& rec : j["records"]) {
+    EXPECT_GT(rec["timing"]["median_s"].get<double>(), 0);
+    EXPECT_GT(rec["fraction_of_read_bandwidth"].get<double>(), 0);
+    EXPECT_GT(rec["fraction_of_dot_peak"].get<double>(), 0);
+    EXPECT_TRUE(rec["histogram"].contains("p90"));
+    EXPECT_TRUE(rec["histogram"].contains("padding_fraction_block8"));
+    // ep_mixed: 2 of 4 slots local.
+    EXPECT_EQ(rec["histogram"]["rows_per_call"].get<double>(), 2.0 * rec["m"].get<double>());
+  }
+  EXPECT_GT(j["read_bandwidth_Bps"]["value"].get<double>(), 0);
+  EXPECT_FALSE(j["machine"]["cpu"].get<std::string>().empty());
+  // The saved ids (40 tokens, the largest M) replay; 50 tokens cycle through them.
+  const auto rr = run_cli(kTiny + "--m 50 --routing replay:" + ids);
+  ASSERT_EQ(rr.code, 0) << rr.out;
+  EXPECT_NE(rr.out.find("replay:"), std::string::npos) << rr.out;
+}
+
+TEST(CliBenchMoe, BadOptionsFailWithTheReason) {
+  auto r = run_cli(kTiny + "--routing zipf:0");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("zipf:S needs a finite S > 0"), std::string::npos) << r.out;
+  r = run_cli(kTiny + "--m 4,x");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("'x' is not a token count"), std::string::npos) << r.out;
+  r = run_cli(kTiny + "--routing replay:/nonexistent/ids.bin");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("cannot open"), std::string::npos) << r.out;
+  r = run_cli("bench moe --hidden 70 --intermediate 96 --experts 16 --bandwidth-mib 64");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("hidden (K) = 70"), std::string::npos) << r.out;
+  r = run_cli(kBase + "--routing uniform --ep-size 8 --top-k 4");  // 4 local slots > E_local 2
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("need at least that many local experts"), std::string::npos) << r.out;
+  const std::string bad = testing::TempDir() + "k3_bad.ids";
+  std::ofstream(bad) << "not a routing file at all, long enough for a header";
+  r = run_cli(kTiny + "--routing replay:" + bad);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("not a routing replay file"), std::string::npos) << r.out;
+}
+
+}  // namespace
