@@ -154,6 +154,35 @@ TEST(CheckpointSynth, DeterministicAcrossThreadsAndSeeded) {
   EXPECT_EQ(odd1, odd2);
 }
 
+TEST(CheckpointSynth, LargeLayerLoadsIdenticallyWithOneTwoThreeThreads) {
+  // 4 experts x K 1024 x N 1024: FC1 is 4 MiB, enough for the loader's threaded copy.
+  test::TempDir dir("synth_threads");
+  auto o = small(dir.str());
+  o.expert_hidden = 1024;
+  o.intermediate = 1024;
+  o.num_experts = 4;
+  o.layers = {1};
+  ASSERT_TRUE(write_synthetic_checkpoint(o));
+  const int saved = omp_get_max_threads();
+  std::vector<uint8_t> ref_fc1, ref_fc2s;
+  for (const int threads : {1, 2, 3}) {
+    omp_set_num_threads(threads);
+    auto w = load_moe_layer(dir.str(), 1, 1, 0);
+    ASSERT_TRUE(w) << w.status().to_string();
+    if (threads == 1) {
+      ref_fc1 = w->fc1_q;
+      ref_fc2s = w->fc2_scale;
+      // Expert 3's up half is the synthetic w3 of expert 3.
+      std::vector<uint8_t> up(1024 * 512);
+      ASSERT_TRUE(synth_expert_tensor(o, 1, 3, 3, false, up).is_ok());
+      EXPECT_TRUE(std::equal(up.begin(), up.end(), w->fc1_q.begin() + (3 * 2048 + 1024) * 512));
+    }
+    EXPECT_EQ(w->fc1_q, ref_fc1) << threads << " threads";
+    EXPECT_EQ(w->fc2_scale, ref_fc2s) << threads << " threads";
+  }
+  omp_set_num_threads(saved);
+}
+
 TEST(CheckpointSynth, WeightsLookTrainedAndKeepOutputsAtUnitScale) {
   SynthOptions o;  // Kimi shapes: K 3584, N 3072; one expert's w1 is 5.5 MB
   o.output_dir = "unused";

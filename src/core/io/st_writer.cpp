@@ -72,6 +72,10 @@ Status Writer::add_deferred(const std::string& name, DType dtype, std::vector<in
   int64_t nbytes = 0;
   K3_RETURN_IF_ERROR(check_new(name, dtype, shape, &nbytes));
   if (!fill) return invalid_argument("safetensors writer: tensor '" + name + "': empty fill function");
+  if (nbytes > kChunkCap) {
+    return invalid_argument("safetensors writer: deferred tensor '" + name + "' of " + std::to_string(nbytes) +
+                            " bytes exceeds the " + std::to_string(kChunkCap) + "-byte limit of one fill");
+  }
   entries_.push_back({name, dtype, std::move(shape), nbytes, {}, std::move(fill)});
   names_.insert(name);
   return Status::ok();
@@ -123,17 +127,15 @@ Status Writer::write_unchecked(const std::string& path) const {
   if (std::fwrite(len, 1, 8, f.get()) != 8 || std::fwrite(text.data(), 1, text.size(), f.get()) != text.size()) {
     return fail("write of the header failed");
   }
+  // fwrite of zero bytes from an empty vector's null data() is undefined: skip empty tensors.
+  const auto put = [&](const std::vector<uint8_t>& b) {
+    return b.empty() || std::fwrite(b.data(), 1, b.size(), f.get()) == b.size();
+  };
   std::vector<uint8_t> chunk;
   for (const auto& e : entries_) {
     if (!e.fill) {
-      if (std::fwrite(e.bytes.data(), 1, e.bytes.size(), f.get()) != e.bytes.size()) {
-        return fail("write of tensor '" + e.name + "' failed");
-      }
+      if (!put(e.bytes)) return fail("write of tensor '" + e.name + "' failed");
       continue;
-    }
-    if (e.nbytes > kChunkCap) {
-      return invalid_argument("safetensors writer: deferred tensor '" + e.name + "' of " + std::to_string(e.nbytes) +
-                              " bytes exceeds the " + std::to_string(kChunkCap) + "-byte limit of one fill");
     }
     chunk.assign(static_cast<size_t>(e.nbytes), 0);
     if (Status s = e.fill(chunk); !s.is_ok()) {
@@ -142,9 +144,7 @@ Status Writer::write_unchecked(const std::string& path) const {
       std::filesystem::remove(tmp, ec);
       return s;
     }
-    if (std::fwrite(chunk.data(), 1, chunk.size(), f.get()) != chunk.size()) {
-      return fail("write of tensor '" + e.name + "' failed");
-    }
+    if (!put(chunk)) return fail("write of tensor '" + e.name + "' failed");
   }
   if (std::fflush(f.get()) != 0) return fail("flush failed");
   if (std::fclose(f.release()) != 0) {

@@ -1,0 +1,30 @@
+// `k3 bench moe --backend cuda`: the CUDA fused MoE over an M sweep against two baselines measured
+// in the same run (spec/validation.md): the device-to-device copy bandwidth (decode limit) and
+// cuBLAS BF16 GEMMs per expert on pre-dequantized weights (prefill reference). NOT YET RUN ON A GPU.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bench_moe_routing.hpp"
+#include "k3/moe.hpp"
+
+namespace k3::tool {
+
+struct CudaMoeBenchParams {
+  std::vector<int64_t> ms;
+  std::vector<Recipe> recipes;
+  ActivationKind activation = ActivationKind::kSiTU;
+  RoutingSpec routing;
+  MoeShape shape;
+  int iters = 0;    // 0: 20 per M
+  int warmup = 3;
+  uint64_t seed = 0;
+  std::string output;
+};
+
+// Prints the table; returns the exit code (0 ok, 2 on error with the reason on stderr).
+int run_moe_bench_cuda(const CudaMoeBenchParams& p);
+
+}  // namespace k3::tool
