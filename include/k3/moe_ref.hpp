@@ -66,6 +66,10 @@ Status moe_oracles(const MoeProblem& p, const MoeWeightsView& w, const MoeInputs
 // Sizes that do not match write nothing (the function is total on valid sizes only).
 void round_output(std::span<const double> in, OutDType dtype, std::span<uint8_t> out);
 
+// FP64 -> FP32 with one RNE rounding; beyond FLT_MAX + half an ulp -> +-Inf (the plain C++
+// conversion of such a value is undefined behaviour); NaN stays NaN.
+float round_to_f32(double v);
+
 // Scalar activations in FP64 (the formulas above).
 double sigmoid_ref(double v);
 double situ_ref(double gate, double up, double beta, double linear_beta);

@@ -469,6 +469,11 @@ TEST(RoundOutput, AgreesWithFloatCodecsOnFloatsAndRoundsOnceFromDouble) {
   EXPECT_EQ(u16_at(b2, 5), 0xFF80);
   EXPECT_EQ(u16_at(b2, 6), 0x0000);
   EXPECT_EQ(u16_at(b2, 7), 0x8000);
+  EXPECT_EQ(round_to_f32(0x1.FFFFFEp127), 0x1.FFFFFEp127f);   // FLT_MAX
+  EXPECT_EQ(round_to_f32(0x1.FFFFFEFp127), 0x1.FFFFFEp127f);  // below the midpoint
+  EXPECT_EQ(round_to_f32(0x1.FFFFFFp127), INFINITY);          // the midpoint rounds to even: Inf
+  EXPECT_EQ(round_to_f32(-1e300), -INFINITY);
+  EXPECT_TRUE(std::isnan(round_to_f32(NAN)));
   // Wrong sizes write nothing.
   std::vector<uint8_t> wrong(3, 0xAB);
   round_output(tie, OutDType::kBF16, wrong);

@@ -76,7 +76,7 @@ Status situ_and_mul_ref(std::span<const float> in, int64_t rows, int64_t d, int6
   }
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < d; ++j) {
-      out[r * d + j] = static_cast<float>(situ_ref(in[r * ld + j], in[r * ld + d + j], beta, linear_beta));
+      out[r * d + j] = round_to_f32(situ_ref(in[r * ld + j], in[r * ld + d + j], beta, linear_beta));
     }
   }
   return Status::ok();

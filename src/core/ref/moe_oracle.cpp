@@ -106,13 +106,13 @@ void activation_row(const double* h, int64_t n, const Activation& act, double b,
   for (int64_t j = 0; j < n; ++j) a[j] = activation_ref(act, h[j], h[n + j], b, lb);
   if (kind == OracleKind::kBf16Reference) return;  // the reference keeps the FP64 intermediate
   if (recipe == Recipe::kW4A16) {
-    for (int64_t j = 0; j < n; ++j) a[j] = bf16_to_f32(bf16_from_f32(static_cast<float>(a[j])));
+    for (int64_t j = 0; j < n; ++j) a[j] = bf16_to_f32(bf16_from_f32(round_to_f32(a[j])));
     return;
   }
   std::array<float, kMxBlock> blk{};
   std::array<uint8_t, kMxBlock> codes{};
   for (int64_t b0 = 0; b0 < n; b0 += kMxBlock) {
-    for (int i = 0; i < kMxBlock; ++i) blk[i] = static_cast<float>(a[b0 + i]);
+    for (int i = 0; i < kMxBlock; ++i) blk[i] = round_to_f32(a[b0 + i]);
     const uint8_t scale = mx_quantize_block(blk.data(), MxElement::kE4M3, ScaleRule::kRceil, codes.data());
     for (int i = 0; i < kMxBlock; ++i) a[b0 + i] = mx_decode_element(codes[i], scale, MxElement::kE4M3);
   }

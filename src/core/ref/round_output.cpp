@@ -28,6 +28,13 @@ double round_to_format(double v, int mbits, int emin, double max_finite) {
 
 }  // namespace
 
+float round_to_f32(double v) {
+  constexpr double kOverflow = 0x1.FFFFFFp127;  // FLT_MAX + half an ulp: rounds to Inf (ties to even)
+  if (v >= kOverflow) return INFINITY;
+  if (v <= -kOverflow) return -INFINITY;
+  return static_cast<float>(v);  // in range (or NaN): IEEE round to nearest even
+}
+
 void round_output(std::span<const double> in, OutDType dtype, std::span<uint8_t> out) {
   const int size = out_dtype_size(dtype);
   if (out.size() != in.size() * static_cast<size_t>(size)) return;
@@ -35,9 +42,7 @@ void round_output(std::span<const double> in, OutDType dtype, std::span<uint8_t>
     const double v = in[i];
     uint8_t* dst = out.data() + i * size;
     if (dtype == OutDType::kFP32) {
-      // Rounded here rather than by the double -> float conversion, whose overflow is undefined in C++.
-      const double r = round_to_format(v, 23, -126, 0x1.FFFFFEp127);
-      const uint32_t bits = std::isnan(v) ? 0x7FC00000u : f32_to_bits(static_cast<float>(r));
+      const uint32_t bits = std::isnan(v) ? 0x7FC00000u : f32_to_bits(round_to_f32(v));
       for (int b = 0; b < 4; ++b) dst[b] = static_cast<uint8_t>(bits >> (8 * b));
       continue;
     }

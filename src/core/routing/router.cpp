@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "k3/formats.hpp"
+#include "k3/moe_ref.hpp"
 #include "k3/portable_math.hpp"
 #include "k3/routing.hpp"
 
@@ -169,10 +170,7 @@ Status router_logits(int64_t m, int64_t hidden, int num_experts, std::span<const
       for (int64_t i = 0; i < hidden; ++i) {
         acc += static_cast<double>(bf16_to_f32(x[t * hidden + i])) * bf16_to_f32(gate[j * hidden + i]);
       }
-      // A double at or beyond FLT_MAX + half an ulp rounds to Inf; the C++ conversion of such a
-      // value to float is undefined, so it is done here.
-      constexpr double kOverflow = 0x1.FFFFFFp127;
-      logits[t * e + j] = acc >= kOverflow ? INFINITY : (acc <= -kOverflow ? -INFINITY : static_cast<float>(acc));
+      logits[t * e + j] = round_to_f32(acc);  // overflow -> +-Inf, never undefined behaviour
     }
   }
   return Status::ok();
