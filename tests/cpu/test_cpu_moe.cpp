@@ -248,6 +248,38 @@ TEST(CpuMoe, NanInputPoisonsOnlyItsTokenLikeTheOracle) {
   }
 }
 
+TEST(CpuMoe, InfAndHugeInputsGiveTheOraclesNanInfClassOnEveryLevel) {
+  // +-Inf and the largest finite BF16 in x: W4A8 dequantizes 256 * 2^120 to +Inf in FP32 (as the
+  // contract's FP32 dequantization does); W4A16 keeps 3.39e38, whose products with E2M1 values
+  // up to 6 must not overflow the block partial sums (rows are scaled, results are not).
+  for (IsaLevel isa : supported_levels()) {
+    for (Recipe rec : {Recipe::kW4A8, Recipe::kW4A16}) {
+      for (ActivationKind act : {ActivationKind::kSiTU, ActivationKind::kSwiGLU, ActivationKind::kSiLU}) {
+        auto c = test::random_moe_case(96, 160, 10, 3, 6, 1, 0, 77);
+        for (auto& id : c.ids) id = id < 0 ? 9 : id;
+        c.x[1 * 96 + 40] = 0x7F80;  // +Inf
+        c.x[2 * 96 + 70] = 0xFF80;  // -Inf
+        c.x[3 * 96 + 0] = 0x7F7F;   // 3.39e38
+        c.x[4 * 96 + 9] = 0xFF7F;   // -3.39e38
+        c.p.recipe = rec;
+        c.p.activation.kind = act;
+        cpu::MoeOptions o;
+        o.isa = isa;
+        const auto got = run_fp32(c, o);
+        c.p.out_dtype = OutDType::kFP32;
+        const auto ref = test::contract_oracle(c);
+        ASSERT_EQ(got.size(), ref.size());
+        for (size_t i = 0; i < got.size(); ++i) {
+          ASSERT_EQ(std::isnan(got[i]), std::isnan(ref[i]))
+              << isa_level_name(isa) << " " << recipe_name(rec) << " " << activation_name(act) << " element " << i;
+          ASSERT_EQ(std::isinf(got[i]), std::isinf(ref[i]))
+              << isa_level_name(isa) << " " << recipe_name(rec) << " " << activation_name(act) << " element " << i;
+        }
+      }
+    }
+  }
+}
+
 TEST(CpuMoe, ExtremeButValidScalesAreExact) {
   // Weight scale codes far from 127 (exact FP32 factors), W4A8 activations with MXFP8 scale codes
   // below 10 (their BF16 dequantization would be subnormal), and W4A16 rows with BF16 subnormals:

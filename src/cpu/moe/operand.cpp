@@ -52,6 +52,7 @@ int32_t mxfp8_row_to_bf16(const uint8_t* codes, const uint8_t* scales, int64_t l
       const int c = codes[b * kMxBlock + i] & 0x7F;
       if (c == 0) continue;
       const int l = kE4M3.log2[static_cast<size_t>(c)];
+      if (l + s - 127 > 127) continue;  // beyond FLT_MAX: +-Inf, as in the FP32 dequantization
       blo = l < blo ? l : blo;
       bhi = l > bhi ? l : bhi;
     }
@@ -71,10 +72,13 @@ int32_t mxfp8_row_to_bf16(const uint8_t* codes, const uint8_t* scales, int64_t l
     }
     // Nonzero values land in [2^-118, 2^120): adding the exponent offset to the FP32 bits of
     // the E4M3 magnitude is exact, and the result has <= 4 significant bits (exact in BF16).
+    // Values of 2^128 or more (scale codes >= 247 with large elements) overflow FP32: the
+    // contract's FP32 dequantization makes them +-Inf, and so does this one.
     const uint32_t offset = static_cast<uint32_t>(s - 127 + shift) << 23;
     for (int i = 0; i < kMxBlock; ++i) {
       const uint32_t mag = c[i] & 0x7Fu;
-      const uint32_t bits = mag == 0 ? 0u : kE4M3.bits[mag] + offset;
+      const bool inf = mag != 0 && kE4M3.log2[mag] + s - 127 > 127;
+      const uint32_t bits = mag == 0 ? 0u : (inf ? 0x7F800000u : kE4M3.bits[mag] + offset);
       d[i] = static_cast<uint16_t>((bits >> 16) | ((c[i] & 0x80u) << 8));
     }
   }
@@ -129,6 +133,19 @@ int32_t bf16_row_to_bf16(const uint16_t* src, int64_t len, uint16_t* dst) {
     dst[i] = scaled ? static_cast<uint16_t>(f32_to_bits(bf16_to_f32(static_cast<uint16_t>(h)) * f) >> 16)
                     : static_cast<uint16_t>(h);
   }
+  return shift;
+}
+
+int32_t f32_row_fit(float* row, int64_t len) {
+  uint32_t emax = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    const uint32_t e = (f32_to_bits(row[i]) >> 23) & 0xFFu;
+    emax = e != 0xFFu && e > emax ? e : emax;
+  }
+  if (emax <= static_cast<uint32_t>(127 + kOperandLogMax)) return 0;
+  const int32_t shift = kOperandLogMax - (static_cast<int32_t>(emax) - 127);
+  const float f = exp2i(shift);
+  for (int64_t i = 0; i < len; ++i) row[i] *= f;
   return shift;
 }
 

@@ -28,5 +28,10 @@ int32_t mxfp8_row_to_bf16(const uint8_t* codes, const uint8_t* scales, int64_t l
 void mxfp8_row_to_f32(const uint8_t* codes, const uint8_t* scales, int64_t len, float* dst);
 // BF16 row -> BF16 row * 2^shift (src == dst allowed).
 int32_t bf16_row_to_bf16(const uint16_t* src, int64_t len, uint16_t* dst);
+// FP32 levels: the block partial sums use unscaled E2M1 values (up to 6), so a row with
+// magnitudes of 2^120 or more is scaled down in place (shift < 0) to keep the 32-term partial
+// sums finite; magnitudes that then fall below 2^-126 may lose low bits (they are 2^-246 of the
+// row's largest value). Returns the shift (0 for every ordinary row).
+int32_t f32_row_fit(float* row, int64_t len);
 
 }  // namespace k3::cpu::detail

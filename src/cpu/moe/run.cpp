@@ -10,7 +10,9 @@
 // computed by one thread with a fixed operation order: bits do not depend on the thread count.
 #include <omp.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "cpu/moe/elementwise.hpp"
@@ -88,7 +90,7 @@ void prepare_x(const Pass& p, int64_t t) {
     } else {
       auto* d = reinterpret_cast<float*>(dst);
       for (int64_t i = 0; i < p.k; ++i) d[i] = bf16_to_f32(x[i]);
-      shift = 0;
+      shift = f32_row_fit(d, p.k);
     }
     return;
   }
@@ -103,8 +105,18 @@ void prepare_x(const Pass& p, int64_t t) {
     shift = mxfp8_row_to_bf16(codes, scales, p.k, reinterpret_cast<uint16_t*>(dst));
   } else {
     mxfp8_row_to_f32(codes, scales, p.k, reinterpret_cast<float*>(dst));
-    shift = 0;
+    shift = f32_row_fit(reinterpret_cast<float*>(dst), p.k);
   }
+}
+
+// A GEMM result of a scaled-down row (shift < 0) is multiplied back by 2^-shift. When that
+// leaves the FP32 range, the value is finite but huge (the FP64 oracle keeps it finite); it
+// saturates to +-FLT_MAX instead of becoming +-Inf, so that for example SwiGLU's
+// g * sigmoid(alpha g) gives the oracle's -0 rather than -Inf * 0 = NaN.
+inline float unshift_value(float t, float unshift) {
+  const float v = t * unshift;
+  if (std::isinf(v) && std::isfinite(t)) return std::copysign(std::numeric_limits<float>::max(), t);
+  return v;
 }
 
 ActParams act_params(const MoePlan& plan, const PackedWeights& w, int64_t e) {
@@ -150,8 +162,8 @@ void gemm1_task(const Pass& p, int64_t e, int64_t j) {
       float* up = scratch + kBlock;
       float* act = scratch + 2 * kBlock;
       for (int c = 0; c < kBlock; ++c) {
-        gate[c] = totals[i * width + c] * unshift;
-        up[c] = totals[i * width + kBlock + c] * unshift;
+        gate[c] = unshift_value(totals[i * width + c], unshift);
+        up[c] = unshift_value(totals[i * width + kBlock + c], unshift);
       }
       p.ew.activate(ap, gate, up, act, kBlock);
       if (p.plan.problem.recipe == Recipe::kW4A8) {
@@ -179,13 +191,13 @@ void prepare_h(const Pass& p, int64_t r) {
       shift = mxfp8_row_to_bf16(codes, scales, p.n, reinterpret_cast<uint16_t*>(h_op));
     } else {
       mxfp8_row_to_f32(codes, scales, p.n, reinterpret_cast<float*>(h_op));
-      shift = 0;
+      shift = f32_row_fit(reinterpret_cast<float*>(h_op), p.n);
     }
   } else if (p.bf16) {
     auto* h = reinterpret_cast<uint16_t*>(h_op);
     shift = bf16_row_to_bf16(h, p.n, h);
   } else {
-    shift = 0;
+    shift = f32_row_fit(reinterpret_cast<float*>(h_op), p.n);
   }
 }
 
@@ -213,7 +225,7 @@ void gemm2_task(const Pass& p, int64_t e, int64_t j) {
     for (int64_t i = 0; i < nr; ++i) {
       const float unshift = exp2i(-h_shift[r0 + i]);
       float* dst = y + (r0 + i) * p.k + j * kBlock;
-      for (int c = 0; c < kBlock; ++c) dst[c] = totals[i * kFc2Groups * kLanes + c] * unshift;
+      for (int c = 0; c < kBlock; ++c) dst[c] = unshift_value(totals[i * kFc2Groups * kLanes + c], unshift);
     }
   }
 }
