@@ -70,3 +70,27 @@ TEST(Cli, BadUsageExitsNonZero) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Cli, BenchMoeBackendErrorsAreNamed) {
+  auto r = run_cli("bench moe --backend tpu --m 1");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("--backend tpu is not known"), std::string::npos) << r.out;
+  const auto info = nlohmann::json::parse(run_cli("info --json").out);
+  if (info["cuda"]["devices"].empty()) {
+    r = run_cli("bench moe --backend cuda --m 1");
+    EXPECT_EQ(r.code, 2);
+    EXPECT_NE(r.out.find("--backend cuda"), std::string::npos) << r.out;
+  }
+}
+
+TEST(Cli, ValidateMoeCudaWithoutDeviceFails) {
+  const auto info = nlohmann::json::parse(run_cli("info --json").out);
+  if (!info["cuda"]["devices"].empty()) GTEST_SKIP() << "a CUDA device is present: this checks the no-device error";
+  const auto r = run_cli("validate --op moe --suite smoke --backend cuda");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("FAIL"), std::string::npos) << r.out;
+}
+
+}  // namespace

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "bench.hpp"
+#include "bench_moe_cuda.hpp"
 #include "bench_moe_routing.hpp"
 #include "k3/cpu_moe.hpp"
 #include "k3/expert_map.hpp"
@@ -29,6 +30,7 @@ struct MoeBenchArgs {
   std::string routing = "ep_mixed";
   std::string activation = "situ";
   std::string output, save_routing;
+  std::string backend = "cpu";
   int threads = 0;
   int64_t k = 3584, n = 3072;
   int experts = 896, ep_size = 32, ep_rank = 7, top_k = 16;
@@ -123,6 +125,19 @@ int run_moe_bench(const MoeBenchArgs& a) {
   if (!spec.is_ok()) return fail(spec.status());
   const MoeShape shape{a.k, a.n, a.experts, a.top_k, a.ep_size, a.ep_rank};
   if (Status s = validate_moe_shape(shape); !s.is_ok()) return fail(s);
+  if (a.backend == "cuda") {
+    CudaMoeBenchParams cp;
+    cp.ms = ms;
+    cp.recipes = recipes;
+    cp.activation = act.value();
+    cp.routing = spec.value();
+    cp.shape = shape;
+    cp.iters = a.iters;
+    cp.seed = a.seed;
+    cp.output = a.output;
+    return run_moe_bench_cuda(cp);
+  }
+  if (a.backend != "cpu") return fail(invalid_argument("--backend " + a.backend + " is not known (cpu or cuda)"));
   const int threads = a.threads > 0 ? a.threads : default_thread_count();
   const int64_t max_m = *std::max_element(ms.begin(), ms.end());
 
@@ -278,6 +293,8 @@ const BenchRegistration kMoe("moe", [](CLI::App& bench) -> std::function<int()> 
   cmd->add_option("--m", a->m_list, "Comma-separated token counts (default 1,2,4,...,2048; 8192 with --full)");
   cmd->add_flag("--full", a->full, "Add M = 8192 to the default sweep (about 10 minutes more on 2 cores)");
   cmd->add_option("--recipe", a->recipe, "w4a8 | w4a16 | both")->capture_default_str();
+  cmd->add_option("--backend", a->backend, "cpu | cuda (cuda: vs device copy bandwidth and cuBLAS BF16)")
+      ->capture_default_str();
   cmd->add_option("--routing", a->routing, "uniform | zipf:S | ep_mixed | replay:FILE")->capture_default_str();
   cmd->add_option("--activation", a->activation, "situ | swiglu | silu")->capture_default_str();
   cmd->add_option("--threads", a->threads, "Threads (default: K3_NUM_THREADS or all CPUs)");
