@@ -4,6 +4,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -60,10 +61,16 @@ inline nlohmann::json to_json(const MeasuredRate& r) {
 // Machine description for JSON records (CPU, SIMD level, threads, build).
 nlohmann::json machine_json(int threads);
 
-// One-line progress indicator on stderr ("[3/22] moe w4a8 M=16 ...").
+// Progress indicator on stderr ("[3/22] moe w4a8 M=16"): rewritten in place on a terminal, one
+// line per step when stderr is a file or pipe (so logs stay readable next to the stdout table).
 inline void progress(int done, int total, const std::string& what) {
-  std::fprintf(stderr, "\r[%d/%d] %-60s", done, total, what.c_str());
-  if (done == total) std::fprintf(stderr, "\n");
+  std::fflush(stdout);
+  if (isatty(fileno(stderr))) {
+    std::fprintf(stderr, "\r[%d/%d] %-60s", done, total, what.c_str());
+    if (done == total) std::fprintf(stderr, "\n");
+  } else {
+    std::fprintf(stderr, "[%d/%d] %s\n", done, total, what.c_str());
+  }
   std::fflush(stderr);
 }
 
