@@ -9,6 +9,9 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 "$root/scripts/setup.sh" || exit 1
 "$root/scripts/build.sh" "$root/build" >/dev/null || exit 1
 k3="$root/build/k3"
+# Idle OpenMP threads sleep instead of spinning: on a shared or oversubscribed machine a spinning
+# thread steals the core from the one holding the work (docs/cpu_moe.md). Override by exporting it.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
 out="$root/build/results"
 mkdir -p "$out"
 failed=0
