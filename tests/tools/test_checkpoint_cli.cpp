@@ -1,6 +1,8 @@
 // `k3 checkpoint synth` -> `k3 checkpoint inspect` end to end, and the CLI's error paths.
 #include <gtest/gtest.h>
 
+#include "tools/cli_run.hpp"
+
 #include <array>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -11,21 +13,8 @@
 
 namespace {
 
-struct Run {
-  int code;
-  std::string out;
-};
-
-Run run_k3(const std::string& args, bool with_stderr = true) {
-  const std::string cmd = std::string(K3_CLI_PATH) + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
+using k3::test::CliRun;
+using k3::test::run_cli;
 
 #define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << "output: " << (msg)
 
@@ -34,10 +23,10 @@ const char* kSmall = "--hidden 64 --expert-hidden 64 --intermediate 32 --num-exp
 TEST(CheckpointCli, SynthThenInspectJson) {
   k3::test::TempDir dir("cli_synth");
   const std::string out = dir.file("ck");
-  auto r = run_k3("checkpoint synth --output " + out + " --layers 1,3 --experts 2:6 --seed 5 " + kSmall);
+  auto r = run_cli("checkpoint synth --output " + out + " --layers 1,3 --experts 2:6 --seed 5 " + kSmall);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_HAS(r.out, "experts [2, 6) of 8");
-  r = run_k3("checkpoint inspect " + out + " --json", false);
+  r = run_cli("checkpoint inspect " + out + " --json", false);
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["num_tensors"], 2 * (2 + 4 * 6));
@@ -69,16 +58,16 @@ TEST(CheckpointCli, SynthThenInspectJson) {
 TEST(CheckpointCli, ShardedEpRankAndTextInspect) {
   k3::test::TempDir dir("cli_sharded");
   const std::string out = dir.file("ck");
-  auto r = run_k3("checkpoint synth -o " + out + " --ep-size 4 --ep-rank 3 --shard-size 3KB " + kSmall);
+  auto r = run_cli("checkpoint synth -o " + out + " --ep-size 4 --ep-rank 3 --shard-size 3KB " + kSmall);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_HAS(r.out, "model.safetensors.index.json");
-  r = run_k3("checkpoint inspect " + out + " --layer 1 --ep-size 4 --ep-rank 3");
+  r = run_cli("checkpoint inspect " + out + " --layer 1 --ep-size 4 --ep-rank 3");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_HAS(r.out, "language_model.model.layers.1.block_sparse_moe.experts.7.w3.weight_packed");
   EXPECT_HAS(r.out, "moe layer 1: 2 experts (6-7), router weight + bias");
   EXPECT_HAS(r.out, "loaded layer 1 for EP rank 3 of 4: experts [6, 8)");
   EXPECT_HAS(r.out, "config: kimi_k3, hidden 64, experts K 64 x N 32, E 8, top-3");
-  r = run_k3("checkpoint inspect " + out + " --summary --layer 1 --ep-size 4 --ep-rank 0");
+  r = run_cli("checkpoint inspect " + out + " --summary --layer 1 --ep-size 4 --ep-rank 0");
   EXPECT_EQ(r.code, 1);
   EXPECT_HAS(r.out, "lacks 2 of the 2 experts that layer 1 needs on EP rank 0 of 4");
   EXPECT_HAS(r.out, "k3 checkpoint synth --layers 1 --ep-size 4 --ep-rank 0");
@@ -88,31 +77,31 @@ TEST(CheckpointCli, ShardedEpRankAndTextInspect) {
 TEST(CheckpointCli, Errors) {
   k3::test::TempDir dir("cli_errors");
   const std::string out = dir.file("ck");
-  EXPECT_NE(run_k3("checkpoint synth").code, 0);  // --output is required
-  auto r = run_k3("checkpoint synth -o " + out + " --experts 7:3 " + std::string(kSmall));
+  EXPECT_NE(run_cli("checkpoint synth").code, 0);  // --output is required
+  auto r = run_cli("checkpoint synth -o " + out + " --experts 7:3 " + std::string(kSmall));
   EXPECT_EQ(r.code, 2);
   EXPECT_HAS(r.out, "experts [7, 3) must be a non-empty range within [0, 8)");
-  r = run_k3("checkpoint synth -o " + out + " --experts 1-3 " + std::string(kSmall));
+  r = run_cli("checkpoint synth -o " + out + " --experts 1-3 " + std::string(kSmall));
   EXPECT_HAS(r.out, "--experts '1-3' must be BEGIN:END");
-  r = run_k3("checkpoint synth -o " + out + " --layers 0 " + std::string(kSmall));
+  r = run_cli("checkpoint synth -o " + out + " --layers 0 " + std::string(kSmall));
   EXPECT_HAS(r.out, "layer 0 is not an MoE layer");
-  r = run_k3("checkpoint synth -o " + out + " --layers 1,,2 " + std::string(kSmall));
+  r = run_cli("checkpoint synth -o " + out + " --layers 1,,2 " + std::string(kSmall));
   EXPECT_HAS(r.out, "--layers '1,,2' must be a comma-separated list");
-  r = run_k3("checkpoint synth -o " + out + " --ep-size 3 --ep-rank 0 " + std::string(kSmall));
+  r = run_cli("checkpoint synth -o " + out + " --ep-size 3 --ep-rank 0 " + std::string(kSmall));
   EXPECT_HAS(r.out, "ep-size must divide --num-experts 8");
-  r = run_k3("checkpoint synth -o " + out + " --shard-size 5XB " + std::string(kSmall));
+  r = run_cli("checkpoint synth -o " + out + " --shard-size 5XB " + std::string(kSmall));
   EXPECT_HAS(r.out, "--shard-size '5XB' must be a byte count");
-  EXPECT_NE(run_k3("checkpoint synth -o " + out + " --experts 0:4 --ep-size 2 --ep-rank 0").code, 0);
-  ASSERT_EQ(run_k3("checkpoint synth -o " + out + " " + kSmall).code, 0);
-  r = run_k3("checkpoint synth -o " + out + " " + kSmall);
+  EXPECT_NE(run_cli("checkpoint synth -o " + out + " --experts 0:4 --ep-size 2 --ep-rank 0").code, 0);
+  ASSERT_EQ(run_cli("checkpoint synth -o " + out + " " + kSmall).code, 0);
+  r = run_cli("checkpoint synth -o " + out + " " + kSmall);
   EXPECT_EQ(r.code, 2);
   EXPECT_HAS(r.out, "already holds a checkpoint");
-  EXPECT_EQ(run_k3("checkpoint synth -o " + out + " --force --seed 9 " + kSmall).code, 0);
-  r = run_k3("checkpoint inspect " + dir.file("nothing"));
+  EXPECT_EQ(run_cli("checkpoint synth -o " + out + " --force --seed 9 " + kSmall).code, 0);
+  r = run_cli("checkpoint inspect " + dir.file("nothing"));
   EXPECT_EQ(r.code, 1);
   EXPECT_HAS(r.out, "no such file or directory");
   k3::test::write_bytes(dir.file("bad.safetensors"), k3::test::st_image("{\"w\": 3}"));
-  r = run_k3("checkpoint inspect " + dir.file("bad.safetensors"));
+  r = run_cli("checkpoint inspect " + dir.file("bad.safetensors"));
   EXPECT_EQ(r.code, 1);
   EXPECT_HAS(r.out, "bad.safetensors: tensor 'w': entry must be a JSON object");
 }

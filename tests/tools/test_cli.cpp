@@ -1,6 +1,8 @@
 // End-to-end checks of the `k3` command line (exit codes, JSON, error messages).
 #include <gtest/gtest.h>
 
+#include "tools/cli_run.hpp"
+
 #include <array>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -8,21 +10,8 @@
 
 namespace {
 
-struct Run {
-  int code;
-  std::string out;
-};
-
-Run run_cli(const std::string& args) {
-  const std::string cmd = std::string(K3_CLI_PATH) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
+using k3::test::CliRun;
+using k3::test::run_cli;
 
 TEST(Cli, InfoJsonHasTheFacts) {
   const auto r = run_cli("info --json");

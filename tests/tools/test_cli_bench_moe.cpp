@@ -1,6 +1,8 @@
 // `k3 bench moe` end to end at a tiny shape: table, JSON records, routing replay files, errors.
 #include <gtest/gtest.h>
 
+#include "tools/cli_run.hpp"
+
 #include <array>
 #include <cstdio>
 #include <fstream>
@@ -9,21 +11,8 @@
 
 namespace {
 
-struct Run {
-  int code;
-  std::string out;
-};
-
-Run run_cli(const std::string& args) {
-  const std::string cmd = std::string(K3_CLI_PATH) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
+using k3::test::CliRun;
+using k3::test::run_cli;
 
 const std::string kBase =
     "bench moe --hidden 64 --intermediate 96 --experts 16 --iters 1 --warmup 0 --bandwidth-mib 64 --threads 2 ";

@@ -2,6 +2,8 @@
 // real sweeps are for users to run).
 #include <gtest/gtest.h>
 
+#include "tools/cli_run.hpp"
+
 #include <array>
 #include <cstdio>
 #include <fstream>
@@ -10,21 +12,8 @@
 
 namespace {
 
-struct Run {
-  int code;
-  std::string out;
-};
-
-Run run_cli(const std::string& args) {
-  const std::string cmd = std::string(K3_CLI_PATH) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
+using k3::test::CliRun;
+using k3::test::run_cli;
 
 TEST(KdaCli, ValidateSmokePassesAndCoversTheMatrix) {
   const auto r = run_cli("validate --op kda --suite smoke");

@@ -2,6 +2,8 @@
 // library calls on the same inputs; errors name the tensor.
 #include <gtest/gtest.h>
 
+#include "tools/cli_run.hpp"
+
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -16,21 +18,8 @@
 namespace k3::kda {
 namespace {
 
-struct Run {
-  int code;
-  std::string out;
-};
-
-Run run_cli(const std::string& args) {
-  const std::string cmd = std::string(K3_CLI_PATH) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
+using k3::test::CliRun;
+using k3::test::run_cli;
 
 template <typename T>
 std::span<const uint8_t> bytes_of(const std::vector<T>& v) {

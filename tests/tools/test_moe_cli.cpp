@@ -4,6 +4,8 @@
 // and every user-facing error of `k3 moe run`.
 #include <gtest/gtest.h>
 
+#include "tools/cli_run.hpp"
+
 #include <array>
 #include <cstdio>
 #include <cstring>
@@ -23,21 +25,8 @@
 namespace k3 {
 namespace {
 
-struct CliRun {
-  int code;
-  std::string out;
-};
-
-CliRun cli(const std::string& args) {
-  const std::string cmd = std::string(K3_CLI_PATH) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
+using k3::test::CliRun;
+using k3::test::run_cli;
 
 // K 64, N 32, E 8, top-3, hidden 96, layer 1, all experts stored.
 SynthOptions small_ckpt(const std::string& dir) {
@@ -78,16 +67,16 @@ class MoeCli : public ::testing::Test {
 };
 
 TEST_F(MoeCli, ValidateOnCheckpointWeightsPasses) {
-  const auto r = cli("validate --op moe --checkpoint " + ckpt() + " --layer 1 --ep-size 2 --ep-rank 1 --suite smoke");
+  const auto r = run_cli("validate --op moe --checkpoint " + ckpt() + " --layer 1 --ep-size 2 --ep-rank 1 --suite smoke");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("ckpt L1 ep2r1 m8 routed loc"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("vs ref"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("FAIL"), std::string::npos) << r.out;
   // Facts come from config.json: asking for another activation fails, a missing layer fails.
-  auto bad = cli("validate --op moe --checkpoint " + ckpt() + " --layer 1 --activation silu --suite smoke");
+  auto bad = run_cli("validate --op moe --checkpoint " + ckpt() + " --layer 1 --activation silu --suite smoke");
   EXPECT_EQ(bad.code, 1) << bad.out;
   EXPECT_NE(bad.out.find("differs from the checkpoint's hidden_act 'situ'"), std::string::npos) << bad.out;
-  bad = cli("validate --op moe --checkpoint " + ckpt() + " --layer 2 --suite smoke");
+  bad = run_cli("validate --op moe --checkpoint " + ckpt() + " --layer 2 --suite smoke");
   EXPECT_EQ(bad.code, 1) << bad.out;
   EXPECT_NE(bad.out.find("ckpt L2 ep1r0 load"), std::string::npos) << bad.out;
 }
@@ -105,7 +94,7 @@ TEST_F(MoeCli, RunWithLogitsEqualsRouterPlusOracle) {
   ASSERT_TRUE(w.write(io_.file("in.safetensors")).is_ok());
   for (int rank : {0, 1}) {
     const std::string out_path = io_.file("out" + std::to_string(rank) + ".safetensors");
-    const auto r = cli("moe run --checkpoint " + ckpt() + " --layer 1 --ep-size 2 --ep-rank " + std::to_string(rank) +
+    const auto r = run_cli("moe run --checkpoint " + ckpt() + " --layer 1 --ep-size 2 --ep-rank " + std::to_string(rank) +
                        " --input " + io_.file("in.safetensors") + " --output " + out_path +
                        " --backend reference --recipe w4a16 --out-dtype fp32");
     ASSERT_EQ(r.code, 0) << r.out;
@@ -150,7 +139,7 @@ TEST_F(MoeCli, RunWithGivenIdsKeepsThemAndMasksRemoteSlots) {
   ASSERT_TRUE(w.add("topk_ids", st::DType::kI64, {m, 3}, bytes_of(ids)).is_ok());
   ASSERT_TRUE(w.add("topk_weights", st::DType::kF32, {m, 3}, bytes_of(wts)).is_ok());
   ASSERT_TRUE(w.write(io_.file("ids.safetensors")).is_ok());
-  const auto r = cli("moe run --checkpoint " + ckpt() + " --layer 1 --ep-size 2 --ep-rank 1 --input " +
+  const auto r = run_cli("moe run --checkpoint " + ckpt() + " --layer 1 --ep-size 2 --ep-rank 1 --input " +
                      io_.file("ids.safetensors") + " --output " + io_.file("o.safetensors"));
   ASSERT_EQ(r.code, 0) << r.out;
   auto f = st::File::open(io_.file("o.safetensors"));
@@ -176,7 +165,7 @@ TEST_F(MoeCli, RunErrorsNameTheFileAndTensor) {
   const std::vector<float> x(m * k, 0.5f), lg(m * 8, 0.f), wts(m * 3, 0.3f);
   const std::vector<int32_t> ids(m * 3, 1);
   auto run = [&](const std::string& in) {
-    return cli("moe run --checkpoint " + ckpt() + " --layer 1 --input " + in + " --output " + io_.file("e.safetensors"));
+    return run_cli("moe run --checkpoint " + ckpt() + " --layer 1 --input " + in + " --output " + io_.file("e.safetensors"));
   };
   auto expect_error = [&](const CliRun& r, const std::string& needle) {
     EXPECT_EQ(r.code, 1) << r.out;
@@ -226,21 +215,21 @@ TEST_F(MoeCli, RunErrorsNameTheFileAndTensor) {
     (void)w.add("x", st::DType::kF32, {m, k}, bytes_of(x));
     (void)w.add("logits", st::DType::kF32, {m, 8}, bytes_of(lg));
   });
-  expect_error(cli("moe run --checkpoint " + ckpt() + " --layer 1 --input " + ok_in + " --output " +
+  expect_error(run_cli("moe run --checkpoint " + ckpt() + " --layer 1 --input " + ok_in + " --output " +
                    io_.file("e.safetensors") + " --backend nosuch"),
                "backend 'nosuch' is not known (known: ");
-  expect_error(cli("moe run --checkpoint " + ckpt() + " --layer 1 --input " + ok_in + " --output " +
+  expect_error(run_cli("moe run --checkpoint " + ckpt() + " --layer 1 --input " + ok_in + " --output " +
                    io_.file("e.safetensors") + " --recipe w4a4"),
                "recipe 'w4a4' is unknown");
-  expect_error(cli("moe run --checkpoint " + ckpt() + " --layer 1 --input " + ok_in + " --output " +
+  expect_error(run_cli("moe run --checkpoint " + ckpt() + " --layer 1 --input " + ok_in + " --output " +
                    io_.file("e.safetensors") + " --ep-size 3"),
                "ep_size = 3");
-  EXPECT_NE(cli("moe run --layer 1").code, 0);  // missing required options
+  EXPECT_NE(run_cli("moe run --layer 1").code, 0);  // missing required options
 }
 
 TEST(ValidateMoeCli, SmokeNonfiniteDeterminismPassWithJson) {
   test::TempDir dir("validate_moe");
-  const auto r = cli("validate --op moe --suite smoke --recipe w4a8 --activation situ --output " + dir.file("v.json"));
+  const auto r = run_cli("validate --op moe --suite smoke --recipe w4a8 --activation situ --output " + dir.file("v.json"));
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("smoke m32 ep2r1 uniform w4a8 situ bf16"), std::string::npos) << r.out;
   std::FILE* f = std::fopen(dir.file("v.json").c_str(), "r");
@@ -260,29 +249,29 @@ TEST(ValidateMoeCli, SmokeNonfiniteDeterminismPassWithJson) {
   }
   EXPECT_GE(moe_records, 10);  // 10 cases per usable backend
   EXPECT_EQ(moe_records % 10, 0);
-  const auto nf = cli("validate --op moe --suite nonfinite --recipe w4a16");
+  const auto nf = run_cli("validate --op moe --suite nonfinite --recipe w4a16");
   EXPECT_EQ(nf.code, 0) << nf.out;
   EXPECT_NE(nf.out.find("nonfinite local-w nan w4a16 silu bf16"), std::string::npos) << nf.out;
-  const auto det = cli("validate --op moe --suite determinism --activation swiglu");
+  const auto det = run_cli("validate --op moe --suite determinism --activation swiglu");
   EXPECT_EQ(det.code, 0) << det.out;
   EXPECT_NE(det.out.find("3 runs (1, 2, 3 threads) bit-identical"), std::string::npos) << det.out;
 }
 
 TEST(ValidateMoeCli, OptionErrorsAndMissingRequirementsFail) {
-  auto r = cli("validate --op moe --suite smoke --recipe w4a4");
+  auto r = run_cli("validate --op moe --suite smoke --recipe w4a4");
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("recipe 'w4a4' is unknown"), std::string::npos) << r.out;
-  r = cli("validate --op moe --suite nosuch");
+  r = run_cli("validate --op moe --suite nosuch");
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("unknown suite"), std::string::npos) << r.out;
-  r = cli("validate --op moe --suite smoke --backend nosuch");
+  r = run_cli("validate --op moe --suite smoke --backend nosuch");
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("backend 'nosuch' is not known"), std::string::npos) << r.out;
-  r = cli("validate --op moe --suite determinism --recipe w4a8 --activation situ --require gpu-magic");
+  r = run_cli("validate --op moe --suite determinism --recipe w4a8 --activation situ --require gpu-magic");
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("unknown capability 'gpu-magic'"), std::string::npos) << r.out;
   // The reference path supports every recipe and activation: these requirements hold.
-  r = cli("validate --op moe --suite determinism --recipe w4a8 --activation situ --backend reference --require situ --require w4a8");
+  r = run_cli("validate --op moe --suite determinism --recipe w4a8 --activation situ --backend reference --require situ --require w4a8");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("require situ"), std::string::npos) << r.out;
 }

@@ -3,6 +3,8 @@
 // backend is the default when no GPU backend is usable.
 #include <gtest/gtest.h>
 
+#include "tools/cli_run.hpp"
+
 #include <array>
 #include <cstring>
 #include <cmath>
@@ -19,25 +21,12 @@
 namespace k3 {
 namespace {
 
+using k3::test::CliRun;
+using k3::test::run_cli;
+
 // FP32 outputs: NRMSE vs the reference backend (FP32 accumulation order; same bound as the
 // unit tests' worst case with one intermediate flip in a token, tests/cpu/test_cpu_moe.cpp).
 constexpr double kMaxNrmse = 3e-2;
-
-struct CliRun {
-  int code;
-  std::string out;
-};
-
-CliRun cli(const std::string& args) {
-  const std::string cmd = std::string(K3_CLI_PATH) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
 
 template <typename T>
 std::span<const uint8_t> bytes_of(const std::vector<T>& v) {
@@ -86,7 +75,7 @@ TEST(MoeCliCpu, RunOnTheCpuBackendAgreesWithTheReferenceAndIsTheDefault) {
     for (const char* backend : {"reference", "cpu", ""}) {
       const std::string out = io.file(std::string("out_") + recipe + backend + ".safetensors");
       const std::string be = *backend ? std::string(" --backend ") + backend : "";
-      const auto r = cli("moe run --checkpoint " + dir + " --layer 1 --ep-size 2 --ep-rank 1 --input " + in +
+      const auto r = run_cli("moe run --checkpoint " + dir + " --layer 1 --ep-size 2 --ep-rank 1 --input " + in +
                          " --output " + out + " --recipe " + recipe + " --out-dtype fp32" + be);
       ASSERT_EQ(r.code, 0) << r.out;
       if (!*backend) {
