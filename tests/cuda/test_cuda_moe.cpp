@@ -11,52 +11,23 @@
 #include "k3/cuda.hpp"
 #include "k3/cuda_moe.hpp"
 #include "k3/formats.hpp"
+#include "k3/moe_case.hpp"
 #include "k3/moe_ref.hpp"
 
 namespace k3 {
 namespace {
 
-struct Case {
-  MoeProblem p;
-  int64_t m;
-  std::vector<uint8_t> f1, s1, f2, s2;
-  std::vector<uint16_t> x;
-  std::vector<int32_t> ids;
-  std::vector<float> w;
-  MoeWeightsView weights() const { return {f1, s1, f2, s2, {}, {}}; }
-  MoeInputsView inputs() const { return {m, x, ids, w}; }
-};
-
-Case make_case(int64_t k, int64_t n, int experts, int top_k, int ep_size, int ep_rank, int64_t m, uint32_t seed) {
-  Case c;
-  c.p.shape.hidden = k;
-  c.p.shape.intermediate = n;
-  c.p.shape.num_experts = experts;
-  c.p.shape.top_k = top_k;
-  c.p.shape.ep_size = ep_size;
-  c.p.shape.ep_rank = ep_rank;
-  c.m = m;
-  const int64_t e = c.p.shape.local_experts();
-  std::mt19937 rng(seed);
-  auto bytes = [&rng](std::vector<uint8_t>& v, size_t size, int lo, int hi) {
-    v.resize(size);
-    std::uniform_int_distribution<int> d(lo, hi);
-    for (auto& b : v) b = static_cast<uint8_t>(d(rng));
-  };
-  // Scales near 2^-5 keep GEMM outputs O(1), so the activations are exercised on both sides.
-  bytes(c.f1, e * 2 * n * k / 2, 0, 255);
-  bytes(c.s1, e * 2 * n * k / 32, 119, 123);
-  bytes(c.f2, e * k * n / 2, 0, 255);
-  bytes(c.s2, e * k * n / 32, 119, 123);
-  std::normal_distribution<float> nd;
-  c.x.resize(m * k);
-  for (auto& v : c.x) v = bf16_from_f32(nd(rng));
-  c.ids.resize(m * top_k);
-  c.w.resize(m * top_k);
-  std::uniform_int_distribution<int> id(-1, experts - 1);
-  for (auto& v : c.ids) v = id(rng);
-  for (auto& v : c.w) v = std::uniform_real_distribution<float>(0.f, 1.f)(rng);
-  return c;
+// Seeded problems from the validation matrix's generator (k3/moe_case.hpp): uniform routing over
+// the global experts, so remote slots occur whenever ep_size > 1, and ~1/4 of the slots masked.
+MoeCase make_case(int64_t k, int64_t n, int experts, int top_k, int ep_size, int ep_rank, int64_t m, uint64_t seed) {
+  MoeCaseSpec spec;
+  spec.problem.shape = {k, n, experts, top_k, ep_size, ep_rank};
+  spec.m = m;
+  spec.routing = RoutingPattern::kMasked;
+  spec.seed = seed;
+  auto c = make_moe_case(spec);
+  EXPECT_TRUE(c.is_ok()) << c.status().to_string();
+  return std::move(c).value();
 }
 
 class CudaMoe : public ::testing::Test {
@@ -107,13 +78,13 @@ TEST_F(CudaMoe, MatchesContractOracleAcrossRecipesActivationsAndDtypes) {
       for (ActivationKind a : {ActivationKind::kSiTU, ActivationKind::kSwiGLU, ActivationKind::kSiLU}) {
         for (OutDType dt : {OutDType::kBF16, OutDType::kFP16, OutDType::kFP32}) {
           auto c = make_case(s.k, s.n, s.e, s.top_k, s.ep_size, s.ep_rank, s.m, 5);
-          c.p.recipe = r;
-          c.p.activation.kind = a;
-          c.p.out_dtype = dt;
+          c.problem.recipe = r;
+          c.problem.activation.kind = a;
+          c.problem.out_dtype = dt;
           std::vector<double> ref(c.m * s.k);
-          ASSERT_TRUE(moe_oracle(c.p, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
+          ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
           std::vector<uint8_t> out(c.m * s.k * out_dtype_size(dt), 0xEE);
-          const Status st = cuda::run_host(c.p, c.weights(), c.inputs(), out);
+          const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
           ASSERT_TRUE(st.is_ok()) << st.to_string();
           const auto met = compare(out, ref, dt);
           const std::string what = std::string(recipe_name(r)) + " " + activation_name(a) + " " + out_dtype_name(dt) +
@@ -126,8 +97,8 @@ TEST_F(CudaMoe, MatchesContractOracleAcrossRecipesActivationsAndDtypes) {
           for (int64_t t = 0; t < c.m; ++t) {
             bool any_local = false;
             for (int j = 0; j < s.top_k; ++j) {
-              const int id = c.ids[t * s.top_k + j] - c.p.shape.first_local_expert();
-              any_local = any_local || (id >= 0 && id < c.p.shape.local_experts());
+              const int id = c.topk_ids[t * s.top_k + j] - c.problem.shape.first_local_expert();
+              any_local = any_local || (id >= 0 && id < c.problem.shape.local_experts());
             }
             if (any_local) continue;
             const size_t row_bytes = s.k * out_dtype_size(dt);
@@ -142,19 +113,19 @@ TEST_F(CudaMoe, MatchesContractOracleAcrossRecipesActivationsAndDtypes) {
 TEST_F(CudaMoe, RunsAreBitIdentical) {
   auto c = make_case(256, 128, 16, 4, 1, 0, 65, 9);
   std::vector<uint8_t> a(c.m * 256 * 2), b(a.size());
-  ASSERT_TRUE(cuda::run_host(c.p, c.weights(), c.inputs(), a).is_ok());
-  ASSERT_TRUE(cuda::run_host(c.p, c.weights(), c.inputs(), b).is_ok());
+  ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), a).is_ok());
+  ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), b).is_ok());
   EXPECT_EQ(a, b);
 }
 
 TEST_F(CudaMoe, NanInputPoisonsOnlyItsToken) {
   auto c = make_case(96, 160, 5, 3, 1, 0, 7, 13);
-  c.ids.assign(c.ids.size(), 0);  // every slot local
+  c.topk_ids.assign(c.topk_ids.size(), 0);  // every slot local
   c.x[3 * 96 + 40] = 0x7FC0;      // NaN in token 3
   std::vector<double> ref(c.m * 96);
-  ASSERT_TRUE(moe_oracle(c.p, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
+  ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
   std::vector<uint8_t> out(c.m * 96 * 2);
-  ASSERT_TRUE(cuda::run_host(c.p, c.weights(), c.inputs(), out).is_ok());
+  ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), out).is_ok());
   EXPECT_EQ(compare(out, ref, OutDType::kBF16).nonfinite_mismatch, 0);
 }
 

@@ -8,60 +8,31 @@
 
 #include "k3/cuda.hpp"
 #include "k3/cuda_moe.hpp"
-#include "k3/formats.hpp"
+#include "k3/moe_case.hpp"
 
 namespace k3 {
 namespace {
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
-struct Problem {
-  MoeProblem p;
-  std::vector<uint8_t> f1, s1, f2, s2;
-  std::vector<uint16_t> x;
-  std::vector<int32_t> ids;
-  std::vector<float> w;
-  int64_t m;
-};
-
-Problem make_problem(int64_t m) {
-  Problem pr;
-  pr.m = m;
-  pr.p.shape.hidden = 256;
-  pr.p.shape.intermediate = 128;
-  pr.p.shape.num_experts = 16;
-  pr.p.shape.top_k = 4;
-  pr.p.shape.ep_size = 2;
-  pr.p.shape.ep_rank = 1;
-  const int64_t e = 8, k = 256, n = 128;
-  std::mt19937 rng(11);
-  auto fill = [&rng](std::vector<uint8_t>& v, size_t size, int lo, int hi) {
-    v.resize(size);
-    std::uniform_int_distribution<int> d(lo, hi);
-    for (auto& b : v) b = static_cast<uint8_t>(d(rng));
-  };
-  fill(pr.f1, e * 2 * n * k / 2, 0, 255);
-  fill(pr.s1, e * 2 * n * k / 32, 120, 124);
-  fill(pr.f2, e * k * n / 2, 0, 255);
-  fill(pr.s2, e * k * n / 32, 120, 124);
-  std::normal_distribution<float> nd;
-  pr.x.resize(m * k);
-  for (auto& v : pr.x) v = bf16_from_f32(nd(rng));
-  pr.ids.resize(m * 4);
-  pr.w.resize(m * 4);
-  std::uniform_int_distribution<int> id(-1, 15);
-  for (auto& v : pr.ids) v = id(rng);
-  for (auto& v : pr.w) v = std::uniform_real_distribution<float>(0.f, 1.f)(rng);
-  return pr;
+MoeCase make_problem(int64_t m) {
+  MoeCaseSpec spec;
+  spec.problem.shape = {256, 128, 16, 4, 2, 1};  // K, N, E, top_k, EP2 rank 1
+  spec.m = m;
+  spec.routing = RoutingPattern::kMasked;
+  spec.seed = 11;
+  auto c = make_moe_case(spec);
+  EXPECT_TRUE(c.is_ok()) << c.status().to_string();
+  return std::move(c).value();
 }
 
 TEST(CudaMoeGraph, EagerCaptureAndReplaysAreBitIdentical) {
   auto caps = cuda::device_caps(0);
   if (!caps.is_ok()) GTEST_SKIP() << "no CUDA device: " << caps.status().message();
   auto pr = make_problem(37);
-  auto plan = cuda::plan_moe(pr.p, pr.m, caps.value());
+  auto plan = cuda::plan_moe(pr.problem, pr.m, caps.value());
   ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
-  MoeWeightsView wv{pr.f1, pr.s1, pr.f2, pr.s2, {}, {}};
+  const MoeWeightsView wv = pr.weights();
   auto weights = cuda::prepack(plan.value(), wv);
   ASSERT_TRUE(weights.is_ok()) << weights.status().to_string();
 
@@ -69,14 +40,14 @@ TEST(CudaMoeGraph, EagerCaptureAndReplaysAreBitIdentical) {
   const size_t out_bytes = pr.m * 256 * 2;
   CUDA_OK(cudaMalloc(&ws, plan->workspace_bytes));
   CUDA_OK(cudaMalloc(&dx, pr.x.size() * 2));
-  CUDA_OK(cudaMalloc(&dids, pr.ids.size() * 4));
-  CUDA_OK(cudaMalloc(&dw, pr.w.size() * 4));
+  CUDA_OK(cudaMalloc(&dids, pr.topk_ids.size() * 4));
+  CUDA_OK(cudaMalloc(&dw, pr.topk_weights.size() * 4));
   CUDA_OK(cudaMalloc(&dout, out_bytes));
   CUDA_OK(cudaMalloc(&dm, 4));
   const int32_t m32 = static_cast<int32_t>(pr.m);
   CUDA_OK(cudaMemcpy(dx, pr.x.data(), pr.x.size() * 2, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(dids, pr.ids.data(), pr.ids.size() * 4, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(dw, pr.w.data(), pr.w.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dids, pr.topk_ids.data(), pr.topk_ids.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dw, pr.topk_weights.data(), pr.topk_weights.size() * 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(dm, &m32, 4, cudaMemcpyHostToDevice));
   cuda::DeviceInputs in{static_cast<int32_t*>(dm), static_cast<uint16_t*>(dx), static_cast<int32_t*>(dids),
                         static_cast<float*>(dw), dout};
