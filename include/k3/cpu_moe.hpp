@@ -45,6 +45,8 @@ struct MoeBlocking {
   int direct_max_rows = 0;        // experts with at most this many rows read FP4 directly (decode)
   int panel_blocks = 0;           // otherwise: 32-element blocks dequantized per panel (fits L1)
   int row_group = 0;              // rows sharing one panel pass (totals fit L1)
+  const char* kernel = "";        // the tile kernel: "avx512bf16 vdpbf16ps", "avx2 fma" or "portable"
+  const char* register_tile = ""; // panel register tile, rows x output lanes
 };
 
 struct MoePlan {

@@ -237,5 +237,71 @@ TEST(CpuMoeKernels, OperandShiftKeepsBf16DotProductsExact) {
   }
 }
 
+// Every FP32 tile kernel (AVX2 + FMA: direct for 1-2 rows, panel with register tiles above) gives
+// the portable kernel's bits for every row count 1..kRowGroup, both tile shapes, all 16 codes,
+// scale codes 1..254 and all-zero blocks with code 0, odd block counts (the FC2 two-block
+// direct path's tail) and operand rows with subnormals, zeros, huge values and a NaN.
+TEST(CpuMoeKernels, Fp32TileKernelsMatchThePortableKernelBitForBit) {
+  std::mt19937_64 rng(11);
+  for (int groups : {kFc1Groups, kFc2Groups}) {
+    for (int64_t blocks : {int64_t{1}, int64_t{3}, int64_t{8}}) {
+      std::vector<uint8_t> rec(static_cast<size_t>(blocks * record_bytes(groups)));
+      for (auto& b : rec) b = static_cast<uint8_t>(rng());
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* sc = rec.data() + b * record_bytes(groups) + record_code_bytes(groups);
+        for (int i = 0; i < groups * kLanes; ++i) sc[i] = static_cast<uint8_t>(1 + rng() % 254);
+      }
+      if (blocks > 1) {  // an all-zero block with scale code 0 (allowed by prepack)
+        std::memset(rec.data(), 0, static_cast<size_t>(record_code_bytes(groups)));
+        std::memset(rec.data() + record_code_bytes(groups), 0, static_cast<size_t>(groups * kLanes));
+      }
+      const int64_t len = blocks * kBlock;
+      std::vector<float> ops(static_cast<size_t>(kRowGroup * len));
+      std::normal_distribution<float> nd;
+      for (auto& v : ops) v = nd(rng);
+      ops[3] = 1e-40f;                         // subnormal operand
+      ops[static_cast<size_t>(len + 5)] = 0.f;
+      ops[static_cast<size_t>(2 * len + 7)] = 3e37f;  // huge (partial sums stay finite)
+      ops[static_cast<size_t>(5 * len + 1)] = std::nanf("");
+      std::vector<const void*> rows(kRowGroup);
+      for (int64_t r = 0; r < kRowGroup; ++r) rows[static_cast<size_t>(r)] = ops.data() + r * len;
+      const int64_t width = groups * kLanes;
+      for (IsaLevel l : levels()) {
+        if (l == IsaLevel::kScalar || l == IsaLevel::kAvx512Bf16) continue;
+        for (int64_t nr = 1; nr <= kRowGroup; ++nr) {
+          std::vector<float> want(static_cast<size_t>(nr * width), -1.f), got(want.size(), -2.f);
+          alignas(64) static uint8_t panel[kPanelScratchBytes];
+          TileGemm g{rec.data(), blocks, groups, rows.data(), nr, want.data(), panel};
+          tile_gemm_fp32(IsaLevel::kScalar)(g);
+          g.totals = got.data();
+          tile_gemm_fp32(l)(g);
+          ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
+              << isa_level_name(l) << " groups " << groups << " blocks " << blocks << " rows " << nr;
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuMoeKernels, PlanDescribesTheBlockingOfEachLevel) {
+  MoeProblem p;
+  p.shape = {3584, 3072, 896, 16, 32, 7};
+  for (IsaLevel l : levels()) {
+    cpu::MoeOptions o;
+    o.isa = l;
+    auto plan = cpu::plan(p, o);
+    ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+    const std::string d = plan->describe();
+    EXPECT_NE(d.find(std::string("isa ") + isa_level_name(l) + " (kernel " + plan->blocking.kernel + ")"),
+              std::string::npos) << d;
+    EXPECT_NE(d.find(std::string(plan->blocking.register_tile) + " register tiles"), std::string::npos) << d;
+    if (l == IsaLevel::kAvx2 || l == IsaLevel::kAvx512) {
+      EXPECT_EQ(plan->blocking.direct_max_rows, kDirectMaxRowsAvx2);
+      EXPECT_EQ(plan->blocking.panel_blocks, kPanelBlocksAvx2);
+      EXPECT_STREQ(plan->blocking.kernel, "avx2 fma");
+    }
+  }
+}
+
 }  // namespace
 }  // namespace k3

@@ -1,7 +1,6 @@
-// Tile GEMM with FP32 FMAs for the levels without AVX512-BF16: scalar, AVX2+FMA, AVX-512.
-//
-// One portable body, compiled three times with different target attributes (the compiler
-// vectorizes the loops over the 16*G lanes). The arithmetic is the same as the BF16 kernel's:
+// Tile GEMM with FP32 FMAs, portable C++: the scalar level's kernel, and the definition of the
+// FP32 levels' arithmetic that the AVX2 kernel (gemm_avx2.cpp, also used on the AVX-512 FP32
+// level) reproduces bit for bit. The arithmetic is the same as the BF16 kernel's:
 // per block, an unscaled partial sum over the k-pairs (odd element first, like VDPBF16PS) with
 // one rounding per product-add (FMA), then totals += partial * 2^(s-127). Operands are FP32, so
 // no range condition applies (MXCSR must keep IEEE subnormals, the default).
@@ -57,29 +56,13 @@ void tile_gemm_scalar(const TileGemm& a) {
   }
 }
 
-__attribute__((target("avx2,fma"))) void tile_gemm_avx2(const TileGemm& a) {
-  if (a.groups == kFc1Groups) {
-    tile_gemm_body<kFc1Groups>(a);
-  } else {
-    tile_gemm_body<kFc2Groups>(a);
-  }
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void tile_gemm_avx512(const TileGemm& a) {
-  if (a.groups == kFc1Groups) {
-    tile_gemm_body<kFc1Groups>(a);
-  } else {
-    tile_gemm_body<kFc2Groups>(a);
-  }
-}
-
 }  // namespace
 
 TileGemmFn tile_gemm_fp32(IsaLevel level) {
   switch (level) {
-    case IsaLevel::kAvx2: return tile_gemm_avx2;
+    case IsaLevel::kAvx2:
     case IsaLevel::kAvx512:
-    case IsaLevel::kAvx512Bf16: return tile_gemm_avx512;
+    case IsaLevel::kAvx512Bf16: return tile_gemm_avx2();
     case IsaLevel::kScalar: break;
   }
   return tile_gemm_scalar;

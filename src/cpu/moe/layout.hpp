@@ -28,6 +28,8 @@ inline constexpr int kFc1Groups = 4;
 inline constexpr int kFc2Groups = 2;
 inline constexpr int kDirectMaxRows = 4;    // up to this many rows: dequantize FP4 in registers
 inline constexpr int kPanelBlocks = 4;      // else: a BF16 panel of 4 blocks (G=4: 16 KiB, in L1)
+inline constexpr int kDirectMaxRowsAvx2 = 2;  // AVX2 (FP32 operands): direct up to 2 rows,
+inline constexpr int kPanelBlocksAvx2 = 2;    // else an FP32 panel of 2 blocks (G=4: 16 KiB)
 inline constexpr int kRowGroup = 48;        // rows per panel pass; totals [48, 64] FP32 = 12 KiB
 
 constexpr int64_t record_code_bytes(int groups) { return int64_t{groups} * kPairs * kLanes; }
@@ -59,7 +61,8 @@ inline constexpr int64_t kPanelScratchBytes = int64_t{kPanelBlocks} * kPairs * k
 
 using TileGemmFn = void (*)(const TileGemm&);
 TileGemmFn tile_gemm_bf16();          // AVX512-BF16 (operands BF16)
-TileGemmFn tile_gemm_fp32(IsaLevel);  // scalar / AVX2+FMA / AVX-512 (operands FP32)
+TileGemmFn tile_gemm_avx2();          // AVX2+FMA, also the AVX-512 FP32 level (operands FP32)
+TileGemmFn tile_gemm_fp32(IsaLevel);  // the kernel of an FP32 level: scalar (portable) or AVX2+FMA
 
 // Bytes per operand element on a level.
 constexpr int operand_bytes(IsaLevel l) { return l == IsaLevel::kAvx512Bf16 ? 2 : 4; }

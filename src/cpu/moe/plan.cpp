@@ -57,13 +57,15 @@ WorkspaceLayout workspace_layout(const MoeProblem& p, IsaLevel isa, int threads,
 
 std::string MoePlan::describe() const {
   return std::string("cpu moe: ") + recipe_name(problem.recipe) + " " + activation_name(problem.activation.kind) +
-         " -> " + out_dtype_name(problem.out_dtype) + ", isa " + isa_level_name(isa) + ", " + std::to_string(threads) +
+         " -> " + out_dtype_name(problem.out_dtype) + ", isa " + isa_level_name(isa) + " (kernel " + blocking.kernel + "), " +
+         std::to_string(threads) +
          " thread(s), K " + std::to_string(problem.shape.hidden) + " N " + std::to_string(problem.shape.intermediate) +
          " E_local " + std::to_string(problem.shape.local_experts()) + " top-" + std::to_string(problem.shape.top_k) +
          ", chunk " + std::to_string(chunk_tokens) + " tokens (max " + std::to_string(max_tokens) + "), tiles " +
          std::to_string(blocking.gemm1_tiles) + "x64 rows (FC1) / " + std::to_string(blocking.gemm2_tiles) +
          "x32 rows (FC2), direct <= " + std::to_string(blocking.direct_max_rows) + " rows, panel " +
-         std::to_string(blocking.panel_blocks) + " blocks, workspace " + std::to_string(workspace_bytes >> 10) + " KiB";
+         std::to_string(blocking.panel_blocks) + " blocks x " + blocking.register_tile + " register tiles, workspace " +
+         std::to_string(workspace_bytes >> 10) + " KiB";
 }
 
 Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
@@ -103,8 +105,27 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
   p.chunk_tokens = std::min(options.max_tokens, options.chunk_tokens);
   p.blocking.gemm1_tiles = problem.shape.intermediate / detail::kBlock;
   p.blocking.gemm2_tiles = problem.shape.hidden / detail::kBlock;
-  p.blocking.direct_max_rows = isa == IsaLevel::kAvx512Bf16 ? detail::kDirectMaxRows : 0;
-  p.blocking.panel_blocks = isa == IsaLevel::kAvx512Bf16 ? detail::kPanelBlocks : 1;
+  switch (isa) {
+    case IsaLevel::kAvx512Bf16:  // VDPBF16PS on BF16 operands (gemm_bf16.cpp)
+      p.blocking.kernel = "avx512bf16 vdpbf16ps";
+      p.blocking.direct_max_rows = detail::kDirectMaxRows;
+      p.blocking.panel_blocks = detail::kPanelBlocks;
+      p.blocking.register_tile = "6x64 / 12x32";
+      break;
+    case IsaLevel::kAvx512:  // FP32 operands: the AVX2 kernel (gemm_avx2.cpp)
+    case IsaLevel::kAvx2:
+      p.blocking.kernel = "avx2 fma";
+      p.blocking.direct_max_rows = detail::kDirectMaxRowsAvx2;
+      p.blocking.panel_blocks = detail::kPanelBlocksAvx2;
+      p.blocking.register_tile = "6x16";
+      break;
+    case IsaLevel::kScalar:  // portable C++ (gemm_fp32.cpp)
+      p.blocking.kernel = "portable";
+      p.blocking.direct_max_rows = 0;
+      p.blocking.panel_blocks = 1;
+      p.blocking.register_tile = "1x64";
+      break;
+  }
   p.blocking.row_group = detail::kRowGroup;
   p.workspace_bytes = detail::workspace_layout(problem, isa, threads, p.chunk_tokens).total;
   return p;

@@ -1,0 +1,317 @@
+// Tile GEMM on AVX2 + FMA (also used by the AVX-512 FP32 level): MXFP4 weight tiles x FP32
+// operand rows, FP32 totals. Designed for 16 YMM registers and 8 FP32 lanes.
+//
+// Arithmetic (identical to the portable body in gemm_fp32.cpp, so every FP32 level gives the
+// same bits): per 32-element block and output lane, a partial sum from +0 over the k-pairs,
+// odd element first, one FMA per product (E2M1 value x operand, exact); then
+// totals = fma(partial, 2^(s-127), totals). Lanes are output rows, so vectorizing over them
+// keeps every lane's operation order.
+//
+// E2M1 -> FP32 in registers: one 32-byte load of codes (16 lanes x 2 k, two groups in the two
+// nibbles) is split into nibbles, looked up with two VPSHUFB tables (low and high byte of the
+// BF16 pattern, exact for every E2M1 value), interleaved to BF16 words with VPUNPCK{L,H}BW and
+// widened to FP32 with a shift (even k) or a mask (odd k): 19 instructions for 64 weights, no
+// cross-lane shuffle. The in-lane unpack leaves lanes in the order {0-3, 8-11} / {4-7, 12-15}
+// ("halves"); accumulators, scales and totals use that order and the totals are put back in
+// lane order at the end of the tile.
+//
+// Two weight sources with identical arithmetic (results do not depend on which one runs):
+//   direct  <= kDirectMaxRowsAvx2 rows (decode): weights expanded in registers, used by every
+//           row at once, one group pair (4 accumulators per row) at a time; the tile streams
+//           from memory once, with software prefetch a few records ahead.
+//   panel   more rows: kPanelBlocksAvx2 blocks are dequantized once into an FP32 panel in L1
+//           ([block][k][2G vectors of 8]), then streamed by register tiles of up to 6 rows x
+//           16 lanes (12 accumulators + 2 weight vectors + 1 broadcast = 15 YMM registers).
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "cpu/moe/layout.hpp"
+
+#define K3_TARGET_AVX2 __attribute__((target("avx2,fma")))
+
+namespace k3::cpu::detail {
+namespace {
+
+static_assert(int64_t{kPanelBlocksAvx2} * kBlock * kFc1Groups * kLanes * 4 <= kPanelScratchBytes,
+              "the FP32 panel must fit the per-thread panel scratch");
+
+// Low and high byte of the BF16 pattern of E2M1 code c (c = 0..15: +0, 0.5, 1, 1.5, 2, 3, 4, 6,
+// -0, -0.5, ..., -6), repeated in both 128-bit lanes for VPSHUFB.
+alignas(32) constexpr uint8_t kLoByte[32] = {0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
+                                             0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
+                                             0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
+                                             0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0};
+alignas(32) constexpr uint8_t kHiByte[32] = {0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                             0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0,
+                                             0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                             0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0};
+// Scale bytes of one group (16 lanes) reordered to the halves' lane order.
+alignas(16) constexpr uint8_t kHalfOrder[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+
+struct Decoder {
+  __m256i nibble, odd, lo, hi;
+  K3_TARGET_AVX2 Decoder()
+      : nibble(_mm256_set1_epi8(0x0F)),
+        odd(_mm256_set1_epi32(static_cast<int>(0xFFFF0000u))),
+        lo(_mm256_load_si256(reinterpret_cast<const __m256i*>(kLoByte))),
+        hi(_mm256_load_si256(reinterpret_cast<const __m256i*>(kHiByte))) {}
+};
+
+// 32 codes of one nibble plane -> w[half][parity] (parity 0 = even element 2kp, 1 = odd 2kp+1).
+K3_TARGET_AVX2 inline void expand_plane(__m256i codes, const Decoder& d, __m256 (&w)[2][2]) {
+  const __m256i b_lo = _mm256_shuffle_epi8(d.lo, codes), b_hi = _mm256_shuffle_epi8(d.hi, codes);
+  const __m256i words[2] = {_mm256_unpacklo_epi8(b_lo, b_hi), _mm256_unpackhi_epi8(b_lo, b_hi)};
+  for (int h = 0; h < 2; ++h) {
+    w[h][0] = _mm256_castsi256_ps(_mm256_slli_epi32(words[h], 16));
+    w[h][1] = _mm256_castsi256_ps(_mm256_and_si256(words[h], d.odd));
+  }
+}
+
+// The 32 code bytes of (k-pair, group pair p) -> w[nibble][half][parity]; nibble 0 = group 2p.
+K3_TARGET_AVX2 inline void expand_pair(const uint8_t* codes, const Decoder& d, __m256 (&w)[2][2][2]) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  expand_plane(_mm256_and_si256(raw, d.nibble), d, w[0]);
+  expand_plane(_mm256_and_si256(_mm256_srli_epi16(raw, 4), d.nibble), d, w[1]);
+}
+
+// 16 E8M0 codes of one group -> FP32 scales 2^(s-127) of the two halves (s = 0 gives +0.0, which
+// prepack allows only for all-zero blocks).
+K3_TARGET_AVX2 inline void group_scales(const uint8_t* s, __m256 (&out)[2]) {
+  const __m128i perm = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)),
+                                        _mm_load_si128(reinterpret_cast<const __m128i*>(kHalfOrder)));
+  out[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(perm), 23));
+  out[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(perm, 8)), 23));
+}
+
+K3_TARGET_AVX2 inline void prefetch_record(const uint8_t* r, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(r + o), _MM_HINT_T0);
+}
+
+// Direct: MR rows over blocks [b_begin, b_end), NB blocks and NP group pairs in flight
+// (NB * NP * MR * 4 <= 8 accumulators: enough independent FMA chains to hide the FMA latency,
+// since each chain takes two dependent FMAs per k-pair). Blocks are applied to the totals in
+// order, so the result is the same for every NB / NP.
+template <int MR, int G, int NB, int NP>
+__attribute__((noinline)) K3_TARGET_AVX2 void direct_rows(const TileGemm& a, int64_t b_begin, int64_t b_end,
+                                                          const float* const* rows, float* totals) {
+  static_assert(NB * NP * MR * 4 <= 8 && (G / 2) % NP == 0, "register budget");
+  const Decoder d;
+  const int64_t rec = record_bytes(G);
+  constexpr int kAhead = 4;  // records prefetched ahead (4 x 1088 bytes for FC1)
+  for (int64_t b = b_begin; b < b_end; b += NB) {
+    const uint8_t* r = a.records + b * rec;
+    for (int bi = 0; bi < NB; ++bi) {
+      if (b + bi + kAhead < a.blocks) prefetch_record(r + (bi + kAhead) * rec, rec);
+    }
+    for (int p0 = 0; p0 < G / 2; p0 += NP) {
+      __m256 acc[NB * NP * MR * 4];  // [block][pair][row][nibble][half]
+      for (auto& v : acc) v = _mm256_setzero_ps();
+#pragma GCC unroll 1
+      for (int kp = 0; kp < kPairs; ++kp) {
+#pragma GCC unroll 2
+        for (int bi = 0; bi < NB; ++bi) {
+          __m256 x_odd[MR], x_even[MR];  // broadcast once per k-pair
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m) {
+            const float* x = rows[m] + (b + bi) * kBlock + 2 * kp;
+            x_odd[m] = _mm256_broadcast_ss(x + 1);
+            x_even[m] = _mm256_broadcast_ss(x);
+          }
+#pragma GCC unroll 2
+          for (int pi = 0; pi < NP; ++pi) {
+            // Each nibble plane is expanded and consumed at once (2 weight vectors live);
+            // every accumulator sees its odd element before its even one.
+            const __m256i raw =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + bi * rec + (kp * (G / 2) + p0 + pi) * 32));
+#pragma GCC unroll 2
+            for (int n = 0; n < 2; ++n) {
+              const __m256i codes = _mm256_and_si256(n == 0 ? raw : _mm256_srli_epi16(raw, 4), d.nibble);
+              const __m256i b_lo = _mm256_shuffle_epi8(d.lo, codes), b_hi = _mm256_shuffle_epi8(d.hi, codes);
+#pragma GCC unroll 2
+              for (int h = 0; h < 2; ++h) {
+                const __m256i words = h == 0 ? _mm256_unpacklo_epi8(b_lo, b_hi) : _mm256_unpackhi_epi8(b_lo, b_hi);
+                const __m256 w_odd = _mm256_castsi256_ps(_mm256_and_si256(words, d.odd));
+                const __m256 w_even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+#pragma GCC unroll 8
+                for (int m = 0; m < MR; ++m) {
+                  __m256& acc_ = acc[((bi * NP + pi) * MR + m) * 4 + n * 2 + h];
+                  acc_ = _mm256_fmadd_ps(w_odd, x_odd[m], acc_);
+                  acc_ = _mm256_fmadd_ps(w_even, x_even[m], acc_);
+                }
+              }
+            }
+          }
+        }
+      }
+#pragma GCC unroll 2
+      for (int bi = 0; bi < NB; ++bi) {  // block order
+        const uint8_t* sc = r + bi * rec + record_code_bytes(G);
+#pragma GCC unroll 2
+        for (int pi = 0; pi < NP; ++pi) {
+#pragma GCC unroll 2
+          for (int n = 0; n < 2; ++n) {
+            const int g = 2 * (p0 + pi) + n;
+            __m256 s[2];
+            group_scales(sc + g * kLanes, s);
+#pragma GCC unroll 8
+            for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 2
+              for (int h = 0; h < 2; ++h) {
+                float* t = totals + m * G * kLanes + (g * 2 + h) * 8;
+                _mm256_storeu_ps(
+                    t, _mm256_fmadd_ps(acc[((bi * NP + pi) * MR + m) * 4 + n * 2 + h], s[h], _mm256_loadu_ps(t)));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The direct configuration of (MR, G): FC1 with one row keeps both group pairs in flight, FC2
+// with one row two blocks; two rows fill the 8 accumulators with one pair of one block.
+template <int MR, int G>
+K3_TARGET_AVX2 void direct_tile(const TileGemm& a, const float* const* rows, float* totals) {
+  if constexpr (MR == 1 && G == 4) {
+    direct_rows<1, 4, 1, 2>(a, 0, a.blocks, rows, totals);
+  } else if constexpr (MR == 1 && G == 2) {
+    const int64_t even = a.blocks & ~int64_t{1};
+    direct_rows<1, 2, 2, 1>(a, 0, even, rows, totals);
+    if (even < a.blocks) direct_rows<1, 2, 1, 1>(a, even, a.blocks, rows, totals);
+  } else {
+    direct_rows<MR, G, 1, 1>(a, 0, a.blocks, rows, totals);
+  }
+}
+
+// Dequantize blocks [b0, b1) of the tile into the panel: [block][k][2G vectors of 8 FP32],
+// vector index = group * 2 + half.
+template <int G>
+__attribute__((noinline)) K3_TARGET_AVX2 void fill_panel(const TileGemm& a, int64_t b0, int64_t b1, float* panel) {
+  const Decoder d;
+  const int64_t rec = record_bytes(G);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* r = a.records + b * rec;
+    float* dst = panel + (b - b0) * kBlock * 2 * G * 8;
+    for (int kp = 0; kp < kPairs; ++kp) {
+      for (int p = 0; p < G / 2; ++p) {
+        __m256 w[2][2][2];
+        expand_pair(r + (kp * (G / 2) + p) * 32, d, w);
+        for (int n = 0; n < 2; ++n)
+          for (int h = 0; h < 2; ++h)
+            for (int par = 0; par < 2; ++par)
+              _mm256_storeu_ps(dst + ((2 * kp + par) * 2 * G + (2 * p + n) * 2 + h) * 8, w[n][h][par]);
+      }
+    }
+  }
+}
+
+// Panel: MR rows over blocks [b0, b1), one group (16 lanes = 2 vectors) at a time.
+template <int MR, int G>
+__attribute__((noinline)) K3_TARGET_AVX2 void panel_rows(const TileGemm& a, int64_t b0, int64_t b1, const float* panel,
+                               const float* const* rows, float* totals) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* pw = panel + (b - b0) * kBlock * 2 * G * 8;
+    const uint8_t* sc = a.records + b * record_bytes(G) + record_code_bytes(G);
+    for (int g = 0; g < G; ++g) {
+      __m256 acc[MR][2];
+      for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+      for (int kp = 0; kp < kPairs; ++kp) {
+        for (int par = 1; par >= 0; --par) {  // odd element first
+          const int k = 2 * kp + par;
+          const __m256 w0 = _mm256_loadu_ps(pw + (k * 2 * G + g * 2) * 8);
+          const __m256 w1 = _mm256_loadu_ps(pw + (k * 2 * G + g * 2 + 1) * 8);
+          for (int m = 0; m < MR; ++m) {
+            const __m256 x = _mm256_broadcast_ss(rows[m] + b * kBlock + k);
+            acc[m][0] = _mm256_fmadd_ps(w0, x, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(w1, x, acc[m][1]);
+          }
+        }
+      }
+      __m256 s[2];
+      group_scales(sc + g * kLanes, s);
+      // An opaque copy of the pointer keeps GCC from carrying totals in registers across groups.
+      float* t = totals;
+      __asm__("" : "+r"(t));
+      for (int m = 0; m < MR; ++m) {
+        for (int h = 0; h < 2; ++h) {
+          float* tp = t + m * G * kLanes + (g * 2 + h) * 8;
+          _mm256_storeu_ps(tp, _mm256_fmadd_ps(acc[m][h], s[h], _mm256_loadu_ps(tp)));
+        }
+      }
+    }
+  }
+}
+
+template <int G>
+constexpr int kPanelMrAvx2 = 6;
+
+template <int G, int MR = 1>
+K3_TARGET_AVX2 void direct_dispatch(const TileGemm& a, int64_t rows, const float* const* r, float* t) {
+  if constexpr (MR < kDirectMaxRowsAvx2) {
+    if (rows != MR) return direct_dispatch<G, MR + 1>(a, rows, r, t);
+  }
+  direct_tile<MR, G>(a, r, t);
+}
+
+template <int G, int MR = 1>
+K3_TARGET_AVX2 void panel_dispatch(const TileGemm& a, int64_t rows, int64_t b0, int64_t b1, const float* panel,
+                                   const float* const* r, float* t) {
+  if constexpr (MR < kPanelMrAvx2<G>) {
+    if (rows != MR) return panel_dispatch<G, MR + 1>(a, rows, b0, b1, panel, r, t);
+  }
+  panel_rows<MR, G>(a, b0, b1, panel, r, t);
+}
+
+// Totals of one row, per group: halves order {0-3, 8-11, 4-7, 12-15} -> lane order.
+K3_TARGET_AVX2 void unpermute_totals(float* totals, int64_t rows, int groups) {
+  for (int64_t i = 0; i < rows * groups; ++i) {
+    float* t = totals + i * kLanes;
+    const __m128 q1 = _mm_loadu_ps(t + 4), q2 = _mm_loadu_ps(t + 8);
+    _mm_storeu_ps(t + 4, q2);
+    _mm_storeu_ps(t + 8, q1);
+  }
+}
+
+template <int G>
+K3_TARGET_AVX2 void tile_gemm(const TileGemm& a) {
+  const float* rows[kRowGroup];
+  for (int64_t i = 0; i < a.num_rows; ++i) rows[i] = static_cast<const float*>(a.rows[i]);
+  const int64_t width = G * kLanes;
+  std::memset(a.totals, 0, static_cast<size_t>(a.num_rows * width) * sizeof(float));
+  if (a.num_rows <= kDirectMaxRowsAvx2) {
+    direct_dispatch<G>(a, a.num_rows, rows, a.totals);
+  } else {
+    auto* panel = static_cast<float*>(a.panel);
+    // Near-equal register tiles (13 rows: 4 + 4 + 5, not 6 + 6 + 1), so that no tile streams
+    // the panel for one or two rows of work.
+    const int64_t tiles = (a.num_rows + kPanelMrAvx2<G> - 1) / kPanelMrAvx2<G>;
+    for (int64_t b0 = 0; b0 < a.blocks; b0 += kPanelBlocksAvx2) {
+      const int64_t b1 = b0 + kPanelBlocksAvx2 < a.blocks ? b0 + kPanelBlocksAvx2 : a.blocks;
+      if (b1 < a.blocks) prefetch_record(a.records + b1 * record_bytes(G), record_bytes(G));
+      fill_panel<G>(a, b0, b1, panel);
+      for (int64_t i = 0, m0 = 0; i < tiles; ++i) {
+        const int64_t mr = (a.num_rows - m0) / (tiles - i);
+        panel_dispatch<G>(a, mr, b0, b1, panel, rows + m0, a.totals + m0 * width);
+        m0 += mr;
+      }
+    }
+  }
+  unpermute_totals(a.totals, a.num_rows, G);
+}
+
+void tile_gemm_entry(const TileGemm& a) {
+  if (a.groups == kFc1Groups) {
+    tile_gemm<kFc1Groups>(a);
+  } else {
+    tile_gemm<kFc2Groups>(a);
+  }
+}
+
+}  // namespace
+
+TileGemmFn tile_gemm_avx2() { return tile_gemm_entry; }
+
+}  // namespace k3::cpu::detail
