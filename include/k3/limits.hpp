@@ -23,8 +23,13 @@ MeasuredRate measure_read_bandwidth(int threads, int64_t bytes = int64_t{1} << 3
 // 2 FLOP per BF16 pair), on `threads` threads with independent accumulator chains.
 // Falls back to FP32 FMA (AVX-512 or AVX2) when the CPU has no AVX512-BF16; `what` says which.
 MeasuredRate measure_dot_peak(int threads);
+// The same for the kernels of one ISA level (k3 bench --isa): VDPBF16PS on avx512bf16, else the
+// FP32 FMA peak of the level (AVX-512 on avx512, AVX2 on avx2, scalar on scalar).
+MeasuredRate measure_dot_peak(int threads, IsaLevel level);
 
 // Peak FP32 FMA rate (2 FLOP per lane per FMA) with the widest FMA available.
 MeasuredRate measure_fp32_fma_peak(int threads);
+// FP32 FMA peak with the widest FMA the level allows (scalar: a scalar multiply-add loop).
+MeasuredRate measure_fp32_fma_peak(int threads, IsaLevel level);
 
 }  // namespace k3

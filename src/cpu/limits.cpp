@@ -157,16 +157,22 @@ MeasuredRate measure_read_bandwidth(int threads, int64_t bytes) {
                               std::to_string(threads) + " thread(s)");
 }
 
-MeasuredRate measure_dot_peak(int threads) {
-  const auto& f = cpu_info().features;
-  if (f.avx512_bf16) return peak(threads, dot_bf16_loop, 12.0 * 64, "AVX512-BF16 vdpbf16ps peak");
-  return measure_fp32_fma_peak(threads);
+MeasuredRate measure_dot_peak(int threads) { return measure_dot_peak(threads, best_isa_level()); }
+
+MeasuredRate measure_dot_peak(int threads, IsaLevel level) {
+  if (level == IsaLevel::kAvx512Bf16 && cpu_info().features.avx512_bf16) {
+    return peak(threads, dot_bf16_loop, 12.0 * 64, "AVX512-BF16 vdpbf16ps peak");
+  }
+  return measure_fp32_fma_peak(threads, level);
 }
 
-MeasuredRate measure_fp32_fma_peak(int threads) {
+MeasuredRate measure_fp32_fma_peak(int threads) { return measure_fp32_fma_peak(threads, best_isa_level()); }
+
+MeasuredRate measure_fp32_fma_peak(int threads, IsaLevel level) {
   const auto& f = cpu_info().features;
-  if (f.avx512f) return peak(threads, fma512_loop, 12.0 * 32, "AVX-512 FP32 FMA peak");
-  if (f.avx2 && f.fma) return peak(threads, fma256_loop, 12.0 * 16, "AVX2 FP32 FMA peak");
+  const bool avx512 = level == IsaLevel::kAvx512 || level == IsaLevel::kAvx512Bf16;
+  if (avx512 && f.avx512f) return peak(threads, fma512_loop, 12.0 * 32, "AVX-512 FP32 FMA peak");
+  if (level != IsaLevel::kScalar && f.avx2 && f.fma) return peak(threads, fma256_loop, 12.0 * 16, "AVX2 FP32 FMA peak");
   return peak(
       threads,
       [](int64_t iters) {

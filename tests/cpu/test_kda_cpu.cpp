@@ -123,6 +123,26 @@ TEST(KdaCpu, BitIdenticalAcrossRunsAndThreadCounts) {
   }
 }
 
+// A chunked prefill runs chunk-major over groups of heads when there are at least as many heads
+// as threads, head by head otherwise: both give the same bits (H = 2 with 3 threads takes the
+// head-by-head path, H = 9 splits into uneven head ranges and a partial group of 4).
+TEST(KdaCpu, ChunkMajorAndHeadByHeadPrefillGiveTheSameBits) {
+  for (int64_t heads : {2, 9}) {
+    CaseSpec s;
+    s.cfg = cfg(heads, 32, 48, GateMode::kSafe);
+    s.seqlens = {40, 3, 17};
+    const KdaCase c = make_case(s);
+    for (IsaLevel isa : levels()) {
+      const Result2 base = run_cpu(c, opts(isa, Algorithm::kChunked, 1));
+      for (int threads : {2, 3, 4}) {
+        const Result2 r = run_cpu(c, opts(isa, Algorithm::kChunked, threads));
+        EXPECT_EQ(r.o, base.o) << isa_level_name(isa) << " H " << heads << " threads " << threads;
+        EXPECT_EQ(r.f, base.f) << isa_level_name(isa) << " H " << heads << " threads " << threads;
+      }
+    }
+  }
+}
+
 TEST(KdaCpu, AutoPicksChunkedFromTheThresholdOn) {
   CaseSpec s;
   s.cfg = cfg(2, 32, 32, GateMode::kLogDecay);

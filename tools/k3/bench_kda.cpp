@@ -19,6 +19,7 @@ namespace {
 
 struct Args {
   int threads = 0;
+  std::string isa;  // empty: K3_ISA or the CPU's best level
   int64_t heads = 96, head_dim = 128;
   std::vector<int64_t> prefill_t = {8, 16, 32, 48, 64, 96, 128, 256, 1024, 8192};
   std::vector<int64_t> decode_n = {1, 2, 4, 8, 16, 32, 64};
@@ -49,9 +50,9 @@ double flop_chunked(double K, double V) {
 
 int run(const Args& a) {
   const int threads = a.threads > 0 ? a.threads : default_thread_count();
-  auto isa = active_isa_level();
+  auto isa = a.isa.empty() ? active_isa_level() : parse_isa_level(a.isa);
   if (!isa.is_ok()) {
-    std::fprintf(stderr, "k3 bench kda: %s\n", isa.status().to_string().c_str());
+    std::fprintf(stderr, "k3 bench kda: %s%s\n", a.isa.empty() ? "" : "--isa: ", isa.status().to_string().c_str());
     return 2;
   }
   kda::KdaConfig cfg;
@@ -65,7 +66,7 @@ int run(const Args& a) {
   const int total = static_cast<int>(a.prefill_t.size() + a.decode_n.size()) + 1;
   int done = 0;
   progress(done, total, "measuring FP32 FMA peak and read bandwidth");
-  const MeasuredRate peak = measure_fp32_fma_peak(threads);
+  const MeasuredRate peak = measure_fp32_fma_peak(threads, isa.value());  // the level's widest FMA
   const MeasuredRate bw = measure_read_bandwidth(threads, a.bw_mib << 20);
   progress(++done, total, "limits measured");
   nlohmann::json records = nlohmann::json::array();
@@ -81,6 +82,8 @@ int run(const Args& a) {
     const kda::KdaCase c = kda::make_case(spec);
     kda::CpuOptions o;
     o.threads = threads;
+    o.use_isa_override = true;
+    o.isa = isa.value();
     o.algorithm = kda::Algorithm::kRecurrent;
     auto prec = kda::make_cpu_plan(cfg, o);
     o.algorithm = kda::Algorithm::kChunked;
@@ -122,7 +125,7 @@ int run(const Args& a) {
     PrefillRow row{T, summarize(tr), summarize(tc), ratio[ratio.size() / 2]};
     prows.push_back(row);
     const double units = static_cast<double>(T) * static_cast<double>(cfg.num_heads);
-    records.push_back({{"kind", "prefill"}, {"T", T}, {"H", cfg.num_heads}, {"K", cfg.head_k}, {"V", cfg.head_v},
+    records.push_back({{"kind", "prefill"}, {"isa", isa_level_name(isa.value())}, {"T", T}, {"H", cfg.num_heads}, {"K", cfg.head_k}, {"V", cfg.head_v},
                        {"recurrent", to_json(row.rec)}, {"chunked", to_json(row.chk)},
                        {"recurrent_flop", units * flop_recurrent(K, V)}, {"chunked_flop", units * flop_chunked(K, V)},
                        {"recurrent_over_chunked_median_ratio", row.ratio}});
@@ -146,6 +149,8 @@ int run(const Args& a) {
     const kda::KdaCase c = kda::make_case(spec);
     kda::CpuOptions o;
     o.threads = threads;
+    o.use_isa_override = true;
+    o.isa = isa.value();
     auto plan = kda::make_cpu_plan(cfg, o);
     if (!plan.is_ok()) return 2;
     std::vector<float> ws(static_cast<size_t>(plan->workspace_floats)), out(c.o_size());
@@ -166,7 +171,7 @@ int run(const Args& a) {
     }
     DecodeRow row{N, summarize(times), 2.0 * slot_bytes * static_cast<double>(N)};
     drows.push_back(row);
-    records.push_back({{"kind", "decode"}, {"N", N}, {"H", cfg.num_heads}, {"K", cfg.head_k}, {"V", cfg.head_v},
+    records.push_back({{"kind", "decode"}, {"isa", isa_level_name(isa.value())}, {"N", N}, {"H", cfg.num_heads}, {"K", cfg.head_k}, {"V", cfg.head_v},
                        {"state_bytes_read_written", row.bytes}, {"pool_slots", slots}, {"timing", to_json(row.t)}});
     progress(++done, total, "decode N=" + std::to_string(N));
   }
@@ -204,7 +209,9 @@ int run(const Args& a) {
                 r.t.min * 1e3, r.t.max * 1e3, r.bytes / 1e6, rate / 1e9, 100 * rate / bw.value);
   }
   if (!a.output.empty()) {
-    const nlohmann::json j = {{"machine", machine_json(threads)},
+    nlohmann::json machine = machine_json(threads);
+    machine["isa"] = isa_level_name(isa.value());
+    const nlohmann::json j = {{"machine", machine},
                               {"fp32_fma_peak_flops", to_json(peak)},
                               {"read_bandwidth_Bps", to_json(bw)},
                               {"flop_model", "recurrent 7KV, chunked (C=16) per token and head, see bench_kda.cpp"},
@@ -223,6 +230,9 @@ const BenchRegistration kRegistration("kda", [](CLI::App& bench) -> std::functio
   auto* cmd = bench.add_subcommand("kda", "KDA prefill (chunked vs recurrent) and decode sweeps");
   auto a = std::make_shared<Args>();
   cmd->add_option("--threads", a->threads, "Threads (default: K3_NUM_THREADS or all CPUs)");
+  cmd->add_option("--isa", a->isa,
+                  "CPU kernel level: scalar | avx2 | avx512 | avx512bf16 (default: K3_ISA or the CPU's best); the "
+                  "FMA peak is measured for the same level");
   cmd->add_option("--heads", a->heads, "Heads H")->capture_default_str()->check(CLI::Range(1, 1024));
   cmd->add_option("--head-dim", a->head_dim, "K = V")->capture_default_str()->check(CLI::Range(1, 512));
   cmd->add_option("--prefill-t", a->prefill_t, "Prefill lengths T")->capture_default_str();

@@ -31,6 +31,7 @@ struct MoeBenchArgs {
   std::string activation = "situ";
   std::string output, save_routing;
   std::string backend = "cpu";
+  std::string isa;  // empty: K3_ISA or the CPU's best level
   int threads = 0;
   int64_t k = 3584, n = 3072;
   int experts = 896, ep_size = 32, ep_rank = 7, top_k = 16;
@@ -140,6 +141,8 @@ int run_moe_bench(const MoeBenchArgs& a) {
   if (a.backend != "cpu") return fail(invalid_argument("--backend " + a.backend + " is not known (cpu or cuda)"));
   const int threads = a.threads > 0 ? a.threads : default_thread_count();
   const int64_t max_m = *std::max_element(ms.begin(), ms.end());
+  auto isa = a.isa.empty() ? active_isa_level() : parse_isa_level(a.isa);
+  if (!isa.is_ok()) return fail(Status(isa.status().code(), (a.isa.empty() ? "" : "--isa: ") + isa.status().message()));
 
   if (auto probe = make_routing(spec.value(), shape, 1, a.seed); !probe.is_ok()) return fail(probe.status());
   if (!a.save_routing.empty()) {
@@ -149,9 +152,9 @@ int run_moe_bench(const MoeBenchArgs& a) {
     std::fprintf(stderr, "saved %lld x %d ids to %s\n", static_cast<long long>(max_m), a.top_k, a.save_routing.c_str());
   }
 
-  std::fprintf(stderr, "measuring machine limits (%d thread(s)) ...\n", threads);
+  std::fprintf(stderr, "measuring machine limits (%d thread(s), isa %s) ...\n", threads, isa_level_name(isa.value()));
   const MeasuredRate bw = measure_read_bandwidth(threads, a.bandwidth_mib << 20);
-  const MeasuredRate peak = measure_dot_peak(threads);
+  const MeasuredRate peak = measure_dot_peak(threads, isa.value());  // the instruction the level's kernel uses
 
   std::fprintf(stderr, "preparing weights: E_local %d, K %lld, N %lld ...\n", shape.local_experts(),
                static_cast<long long>(a.k), static_cast<long long>(a.n));
@@ -160,6 +163,9 @@ int run_moe_bench(const MoeBenchArgs& a) {
   const MoeWeightsView wv{f1q, f1s, f2q, f2s, {}, {}};
 
   nlohmann::json records = nlohmann::json::array();
+  std::printf("cpu moe bench: %s, isa %s, %d thread(s); limits: read %.2f GB/s, %s %.1f GFLOP/s\n",
+              cpu_info().model.c_str(), isa_level_name(isa.value()), threads, bw.value / 1e9, peak.what.c_str(),
+              peak.value / 1e9);
   std::printf("%-6s %6s %-10s %7s %9s %9s %9s %9s %7s %9s %7s %-8s %s\n", "recipe", "M", "routing", "rows", "median_ms",
               "min_ms", "max_ms", "wGB/s", "%bw", "GFLOP/s", "%peak", "bound", "rows/expert");
   const int total = static_cast<int>(ms.size() * recipes.size());
@@ -173,6 +179,7 @@ int run_moe_bench(const MoeBenchArgs& a) {
     cpu::MoeOptions opt;
     opt.threads = threads;
     opt.max_tokens = max_m;
+    opt.isa = isa.value();
     auto plan = cpu::plan(prob, opt);
     if (!plan.is_ok()) return fail(plan.status());
     auto packed = cpu::prepack(plan.value(), wv);
@@ -246,6 +253,8 @@ int run_moe_bench(const MoeBenchArgs& a) {
       std::fflush(stdout);
       records.push_back({{"op", "moe"},
                          {"backend", "cpu"},
+                         {"isa", isa_level_name(isa.value())},
+                         {"kernel", plan->blocking.kernel},
                          {"recipe", recipe_name(recipe)},
                          {"activation", a.activation},
                          {"m", m},
@@ -273,7 +282,9 @@ int run_moe_bench(const MoeBenchArgs& a) {
               bw.value / 1e9, bw.min / 1e9, bw.max / 1e9, peak.what.c_str(), peak.value / 1e9, peak.min / 1e9,
               peak.max / 1e9);
   if (!a.output.empty()) {
-    nlohmann::json j = {{"machine", machine_json(threads)},
+    nlohmann::json machine = machine_json(threads);
+    machine["isa"] = isa_level_name(isa.value());
+    nlohmann::json j = {{"machine", machine},
                         {"read_bandwidth_Bps", to_json(bw)},
                         {"dot_peak_flops", to_json(peak)},
                         {"records", records}};
@@ -298,6 +309,9 @@ const BenchRegistration kMoe("moe", [](CLI::App& bench) -> std::function<int()> 
   cmd->add_option("--routing", a->routing, "uniform | zipf:S | ep_mixed | replay:FILE")->capture_default_str();
   cmd->add_option("--activation", a->activation, "situ | swiglu | silu")->capture_default_str();
   cmd->add_option("--threads", a->threads, "Threads (default: K3_NUM_THREADS or all CPUs)");
+  cmd->add_option("--isa", a->isa,
+                  "CPU kernel level: scalar | avx2 | avx512 | avx512bf16 (default: K3_ISA or the CPU's best); the "
+                  "peak is measured for the same level");
   cmd->add_option("--hidden", a->k, "K")->capture_default_str();
   cmd->add_option("--intermediate", a->n, "N")->capture_default_str();
   cmd->add_option("--experts", a->experts, "E (global)")->capture_default_str();

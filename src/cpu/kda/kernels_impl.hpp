@@ -13,11 +13,15 @@ constexpr int64_t kW = VF::W;
 // dot product far from FLT_MAX (3.4e38) and e^-60 far above the smallest normal (1.2e-38).
 constexpr float kFactorizedSpanMax = 60.0f;
 
+// Vectorized over full vectors, the tail (n not a multiple of the width) element by element.
 inline void load_row(const uint16_t* b, const float* f, int64_t off, int64_t n, int64_t np, float* dst) {
+  const int64_t nv = n / kW * kW;
   if (b != nullptr) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = k3::bf16_to_f32(b[off + i]);
+    for (int64_t i = 0; i < nv; i += kW) VF::store(dst + i, VF::load_bf16(b + off + i));
+    for (int64_t i = nv; i < n; ++i) dst[i] = k3::bf16_to_f32(b[off + i]);
   } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = f[off + i];
+    for (int64_t i = 0; i < nv; i += kW) VF::store(dst + i, VF::load(f + off + i));
+    for (int64_t i = nv; i < n; ++i) dst[i] = f[off + i];
   }
   for (int64_t i = n; i < np; ++i) dst[i] = 0.0f;
 }
@@ -106,6 +110,33 @@ inline float prep_token(const HeadCtx& x, int64_t t, const float* bias, float* q
   return x.beta_logits ? 1.0f / (1.0f + std::exp(-b)) : b;
 }
 
+// The rows of token t are H * K elements apart from those of token t - 1 (24 KiB at H = 96,
+// K = 128, BF16): too far for the hardware prefetcher, so the inputs of upcoming tokens are
+// prefetched explicitly (prep_token was bound by these misses: ~20 % of a chunked prefill).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+}
+inline void prefetch_token(const HeadCtx& x, int64_t t) {
+  const int64_t qk = (t * x.num_heads + x.head) * x.head_k, vo = (t * x.num_heads + x.head) * x.head_v;
+  if (x.q16 != nullptr) {
+    prefetch_bytes(x.q16 + qk, x.head_k * 2);
+  } else {
+    prefetch_bytes(x.q32 + qk, x.head_k * 4);
+  }
+  if (x.k16 != nullptr) {
+    prefetch_bytes(x.k16 + qk, x.head_k * 2);
+  } else {
+    prefetch_bytes(x.k32 + qk, x.head_k * 4);
+  }
+  if (x.v16 != nullptr) {
+    prefetch_bytes(x.v16 + vo, x.head_v * 2);
+  } else {
+    prefetch_bytes(x.v32 + vo, x.head_v * 4);
+  }
+  prefetch_bytes(x.g + qk, x.head_k * 4);
+}
+
 inline void store_out(const HeadCtx& x, int64_t t, const float* row) {
   float* dst = x.o + (t * x.num_heads + x.head) * x.head_v;
   for (int64_t j = 0; j < x.head_v; ++j) dst[j] = row[j];
@@ -159,7 +190,10 @@ inline void recurrent_impl(const HeadCtx& x, int64_t t0, int64_t t1, float* s, i
   const int64_t K = x.head_k, kp = L.kp;
   constexpr int64_t kBlock = 4 * kW;
   fill_bias(x, bias);
+  constexpr int64_t kAhead = 4;  // tokens prefetched ahead
+  for (int64_t t = t0; t < t0 + kAhead && t < t1; ++t) prefetch_token(x, t);
   for (int64_t t = t0; t < t1; ++t) {
+    if (t + kAhead < t1) prefetch_token(x, t + kAhead);
     const float beta = prep_token(x, t, bias, q, k, v, g);
     exp_row(g, alpha, kp);
     mul_rows(alpha, k, ak, kp);
@@ -322,7 +356,12 @@ inline void chunk_step(const HeadCtx& x, int64_t t0, int64_t c, float* s, float*
 
 inline void chunked_impl(const HeadCtx& x, int64_t t0, int64_t t1, float* s, float* scratch) {
   fill_bias(x, scratch + x.lay.bias);
-  for (int64_t t = t0; t < t1; t += kChunk) chunk_step(x, t, t1 - t < kChunk ? t1 - t : kChunk, s, scratch);
+  for (int64_t t = t0; t < t0 + kChunk && t < t1; ++t) prefetch_token(x, t);
+  for (int64_t t = t0; t < t1; t += kChunk) {
+    // The next chunk's inputs arrive while this chunk computes.
+    for (int64_t u = t + kChunk; u < t + 2 * kChunk && u < t1; ++u) prefetch_token(x, u);
+    chunk_step(x, t, t1 - t < kChunk ? t1 - t : kChunk, s, scratch);
+  }
 }
 
 inline const KernelTable& table() {

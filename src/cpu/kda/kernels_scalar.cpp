@@ -15,6 +15,7 @@ struct VF {
   static V zero() { return 0.0f; }
   static V set1(float x) { return x; }
   static V load(const float* p) { return *p; }
+  static V load_bf16(const uint16_t* p) { return k3::bf16_to_f32(*p); }
   static void store(float* p, V v) { *p = v; }
   static V add(V a, V b) { return a + b; }
   static V sub(V a, V b) { return a - b; }
