@@ -9,6 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "k3/system.hpp"
+
 namespace {
 
 using k3::test::CliRun;
@@ -25,6 +27,11 @@ TEST(CliBenchMoe, PrintsTheTableAndWritesRecordsWithLimitsAndHistogram) {
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("%peak"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("limits: read bandwidth"), std::string::npos) << r.out;
+  // The one-line verdict: per recipe the decode M against bandwidth, the prefill M against peak
+  // (here M = 40 is neither >= 128: only the decode part).
+  EXPECT_NE(r.out.find("verdict: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("w4a8 M=3 "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("w4a16 M=3 "), std::string::npos) << r.out;
   std::ifstream f(json);
   const auto j = nlohmann::json::parse(f);
   ASSERT_EQ(j["records"].size(), 4u);
@@ -43,6 +50,38 @@ TEST(CliBenchMoe, PrintsTheTableAndWritesRecordsWithLimitsAndHistogram) {
   const auto rr = run_cli(kTiny + "--m 50 --routing replay:" + ids);
   ASSERT_EQ(rr.code, 0) << rr.out;
   EXPECT_NE(rr.out.find("replay:"), std::string::npos) << rr.out;
+}
+
+// --isa runs the kernels of one level, measures that level's peak and names the level in the
+// table header, the plan line and every record; an unknown or unsupported level is an error.
+TEST(CliBenchMoe, IsaOptionSelectsTheLevelAndItsPeak) {
+  const std::string json = testing::TempDir() + "k3_bench_moe_isa.json";
+  auto r = run_cli(kTiny + "--m 3 --isa scalar --output " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("isa scalar (kernel portable)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("scalar FP64 multiply-add"), std::string::npos) << r.out;
+  std::ifstream f(json);
+  const auto j = nlohmann::json::parse(f);
+  EXPECT_EQ(j["machine"]["isa"], "scalar");
+  ASSERT_EQ(j["records"].size(), 1u);
+  EXPECT_EQ(j["records"][0]["isa"], "scalar");
+  EXPECT_EQ(j["records"][0]["kernel"], "portable");
+  r = run_cli(kTiny + "--m 3 --isa sse9");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("--isa: ISA level 'sse9' is unknown (expected scalar, avx2, avx512 or avx512bf16)"),
+            std::string::npos) << r.out;
+  if (k3::best_isa_level() != k3::IsaLevel::kAvx512Bf16) {
+    r = run_cli(kTiny + "--m 3 --isa avx512bf16");
+    EXPECT_EQ(r.code, 2);
+    EXPECT_NE(r.out.find("is not supported by this CPU (best: "), std::string::npos) << r.out;
+  }
+  if (k3::best_isa_level() >= k3::IsaLevel::kAvx2) {
+    r = run_cli(kTiny + "--m 3 --isa avx2");
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("isa avx2 (kernel avx2 fma)"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("AVX2 FP32 FMA peak"), std::string::npos) << r.out;
+  }
+  std::remove(json.c_str());
 }
 
 TEST(CliBenchMoe, BadOptionsFailWithTheReason) {

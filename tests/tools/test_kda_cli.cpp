@@ -53,6 +53,23 @@ TEST(KdaCli, BenchPrintsBothSweepsAndWritesJson) {
 TEST(KdaCli, BenchRejectsBadOptions) {
   EXPECT_NE(run_cli("bench kda --heads 0").code, 0);
   EXPECT_NE(run_cli("bench kda --iters 0").code, 0);
+  const auto r = run_cli("bench kda --isa avx3");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("--isa: ISA level 'avx3' is unknown"), std::string::npos) << r.out;
+}
+
+TEST(KdaCli, BenchIsaOptionNamesTheLevelAndMeasuresItsPeak) {
+  const std::string path = ::testing::TempDir() + "k3_bench_kda_isa.json";
+  const auto r = run_cli("bench kda --isa scalar --threads 1 --heads 2 --head-dim 16 --prefill-t 17 --decode-n 1 "
+                         "--iters 1 --pool-mib 1 --bw-mib 16 --output " + path);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("isa scalar"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("scalar FP64 multiply-add"), std::string::npos) << r.out;
+  std::ifstream f(path);
+  const auto j = nlohmann::json::parse(f);
+  EXPECT_EQ(j["machine"]["isa"], "scalar");
+  for (const auto& rec : j["records"]) EXPECT_EQ(rec["isa"], "scalar");
+  std::remove(path.c_str());
 }
 
 }  // namespace

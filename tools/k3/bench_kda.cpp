@@ -52,7 +52,8 @@ int run(const Args& a) {
   const int threads = a.threads > 0 ? a.threads : default_thread_count();
   auto isa = a.isa.empty() ? active_isa_level() : parse_isa_level(a.isa);
   if (!isa.is_ok()) {
-    std::fprintf(stderr, "k3 bench kda: %s%s\n", a.isa.empty() ? "" : "--isa: ", isa.status().to_string().c_str());
+    const Status st(isa.status().code(), (a.isa.empty() ? "" : "--isa: ") + isa.status().message());
+    std::fprintf(stderr, "k3 bench kda: %s\n", st.to_string().c_str());
     return 2;
   }
   kda::KdaConfig cfg;

@@ -278,6 +278,35 @@ int run_moe_bench(const MoeBenchArgs& a) {
     }
   }
   progress(total, total, "done");
+  // One line for the machine: per recipe, the smallest decode M (fraction of the read bandwidth)
+  // and the largest prefill M (fraction of the level's peak).
+  std::string verdict;
+  for (Recipe recipe : recipes) {
+    const nlohmann::json* dec = nullptr;
+    const nlohmann::json* pre = nullptr;
+    for (const auto& r : records) {
+      if (r["recipe"] != recipe_name(recipe)) continue;
+      const int64_t m = r["m"].get<int64_t>();
+      if (m <= 64 && (dec == nullptr || m < (*dec)["m"].get<int64_t>())) dec = &r;
+      if (m >= 128 && (pre == nullptr || m > (*pre)["m"].get<int64_t>())) pre = &r;
+    }
+    char buf[160];
+    if (dec != nullptr) {
+      std::snprintf(buf, sizeof buf, "; %s M=%lld %.0f%% of read bandwidth", recipe_name(recipe),
+                    static_cast<long long>((*dec)["m"].get<int64_t>()),
+                    100 * (*dec)["fraction_of_read_bandwidth"].get<double>());
+      verdict += buf;
+    }
+    if (pre != nullptr) {
+      const std::string lead = dec != nullptr ? "," : std::string("; ") + recipe_name(recipe);
+      std::snprintf(buf, sizeof buf, "%s M=%lld %.0f%% of peak", lead.c_str(),
+                    static_cast<long long>((*pre)["m"].get<int64_t>()),
+                    100 * (*pre)["fraction_of_dot_peak"].get<double>());
+      verdict += buf;
+    }
+  }
+  std::printf("verdict: %s, isa %s (kernel %s), %d thread(s)%s\n", cpu_info().model.c_str(), isa_level_name(isa.value()),
+              records.empty() ? "-" : records[0]["kernel"].get<std::string>().c_str(), threads, verdict.c_str());
   std::printf("limits: %s %.2f GB/s (min %.2f, max %.2f); %s %.1f GFLOP/s (min %.1f, max %.1f)\n", bw.what.c_str(),
               bw.value / 1e9, bw.min / 1e9, bw.max / 1e9, peak.what.c_str(), peak.value / 1e9, peak.min / 1e9,
               peak.max / 1e9);
