@@ -62,14 +62,14 @@ std::span<const uint8_t> bytes_of(const std::vector<T>& v) {
   return {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(T)};
 }
 
-// A small `k3 kda run` input (T 3, H 1, K = V 4, log-decay gate); `salt` changes the values.
-void write_kda_input(const std::string& path, float salt) {
-  const int64_t t = 3, h = 1, k = 4;
+// A `k3 kda run` input (T tokens, H 1, K = V = k, log-decay gate); `salt` changes the values.
+void write_kda_input(const std::string& path, float salt, int64_t t = 3, int64_t k = 4) {
+  const int64_t h = 1;
   std::vector<float> q(t * h * k), kk(t * h * k), v(t * h * k), g(t * h * k, -0.1f), beta(t * h, 0.5f);
   for (size_t i = 0; i < q.size(); ++i) {
     q[i] = 0.1f * static_cast<float>(i % 5) + salt;
     kk[i] = 0.2f - 0.05f * static_cast<float>(i % 3);
-    v[i] = salt * static_cast<float>(i + 1);
+    v[i] = salt * static_cast<float>(i % 11 + 1);
   }
   st::Writer w;
   ASSERT_TRUE(w.add("q", st::DType::kF32, {t, h, k}, bytes_of(q)).is_ok());
@@ -229,15 +229,17 @@ TEST(OutputFiles, NonRegularOutputsAreRefused) {
 TEST(OutputFiles, ConcurrentWritersNeverLeaveAMixedFile) {
   TempDir dir("out_concurrent");
   const std::string a = dir.file("a.safetensors"), b = dir.file("b.safetensors"), out = dir.file("out.safetensors");
-  write_kda_input(a, 0.5f);
-  write_kda_input(b, -1.5f);
+  // Outputs of different sizes (about 64 KiB and 256 KiB: many write calls each), so that an
+  // interleaving of the two writers would show as a mixed or truncated file.
+  write_kda_input(a, 0.5f, 1024, 16);
+  write_kda_input(b, -1.5f, 4096, 16);
   // The two complete outputs, written one at a time.
   ASSERT_EQ(run_cli("kda run --input " + a + " --output " + dir.file("ref_a.safetensors")).code, 0);
   ASSERT_EQ(run_cli("kda run --input " + b + " --output " + dir.file("ref_b.safetensors")).code, 0);
   const std::string ref_a = slurp(dir.file("ref_a.safetensors")), ref_b = slurp(dir.file("ref_b.safetensors"));
   ASSERT_NE(ref_a, ref_b);
 
-  constexpr int kRounds = 25;
+  constexpr int kRounds = 40;
   auto loop = [&](const std::string& in) {
     return "(for i in $(seq " + std::to_string(kRounds) + "); do " + std::string(K3_CLI_PATH) + " kda run --input " +
            in + " --output " + out + " >/dev/null || echo WRITER_FAILED; done)";
@@ -266,6 +268,7 @@ TEST(OutputFiles, ConcurrentWritersNeverLeaveAMixedFile) {
   reader.join();
   pclose(p);
   EXPECT_EQ(output.find("WRITER_FAILED"), std::string::npos) << output;
+  EXPECT_GT(snapshots, 0);
   EXPECT_EQ(bad, 0) << "of " << snapshots << " snapshots";
   const std::string final_bytes = slurp(out);
   EXPECT_TRUE(final_bytes == ref_a || final_bytes == ref_b);
