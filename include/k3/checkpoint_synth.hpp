@@ -39,13 +39,19 @@ struct SynthOptions {
   uint64_t seed = 0;
   int64_t shard_size = 0;             // max bytes of tensor data per shard; 0 = one model.safetensors
   bool router = true;                 // write gate.weight and e_score_correction_bias
-  bool overwrite = false;             // replace an existing checkpoint in output_dir
+  // Write into a directory that already holds checkpoint files (config.json, the index or
+  // *.safetensors): only the files this run writes are replaced (each by an atomic rename), plus a
+  // stale model.safetensors.index.json is removed when writing one model.safetensors; any other
+  // *.safetensors file is left in place (SynthSummary::kept).
+  bool overwrite = false;
 };
 
 struct SynthSummary {
   int64_t tensors = 0;
   int64_t bytes = 0;                  // tensor data bytes over all files
   std::vector<std::string> files;     // written files, relative to output_dir
+  std::vector<std::string> removed;   // a stale index removed by overwrite
+  std::vector<std::string> kept;      // checkpoint files found in output_dir, not written, left in place
 };
 
 // Checks the options (shapes multiples of 32, layer and expert ranges, ...); the message names

@@ -105,8 +105,11 @@ class Writer {
   // Defers the bytes to write(): `fill` is called once, in order, with a buffer of the tensor's size.
   Status add_deferred(const std::string& name, DType dtype, std::vector<int64_t> shape, Fill fill);
   void set_metadata(std::map<std::string, std::string> m) { metadata_ = std::move(m); }
-  // Header + data, written to `path.tmp` and renamed, so a failed write leaves no partial file.
-  Status write(const std::string& path) const;
+  // Header + data, written through k3::AtomicFile (k3/atomic_file.hpp): a uniquely named
+  // temporary file in the destination directory, fsync'ed and renamed onto `path`, so a failed or
+  // interrupted write leaves no partial file and a concurrent reader sees the old or the new file.
+  // `label` names the argument in messages ("--output"; may be empty).
+  Status write(const std::string& path, const std::string& label = "") const;
 
   size_t size() const { return entries_.size(); }
   int64_t data_bytes() const;  // bytes of the data section
@@ -121,7 +124,7 @@ class Writer {
     Fill fill;
   };
   Status check_new(const std::string& name, DType dtype, const std::vector<int64_t>& shape, int64_t* nbytes) const;
-  Status write_unchecked(const std::string& path) const;
+  Status write_unchecked(const std::string& path, const std::string& label) const;
 
   std::vector<Entry> entries_;
   std::set<std::string> names_;

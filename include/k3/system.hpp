@@ -28,6 +28,9 @@ const CpuInfo& cpu_info();
 
 // Threads k3's CPU kernels use: K3_NUM_THREADS if set, else OMP_NUM_THREADS, else all CPUs.
 int default_thread_count();
+// Where default_thread_count() came from, for messages: "K3_NUM_THREADS=1000",
+// "OMP_NUM_THREADS=8" or "2 logical CPUs".
+std::string default_thread_count_source();
 
 }  // namespace k3
 

@@ -4,13 +4,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "bench.hpp"
 #include "core/kda/kda_case.hpp"
+#include "k3/atomic_file.hpp"
 #include "k3/kda.hpp"
 #include "k3/system.hpp"
 
@@ -49,6 +49,12 @@ double flop_chunked(double K, double V) {
 }
 
 int run(const Args& a) {
+  if (!a.output.empty()) {
+    if (const Status s = check_output_path("--output", a.output); !s.is_ok()) {
+      std::fprintf(stderr, "k3 bench kda: %s\n", s.to_string().c_str());
+      return 2;
+    }
+  }
   const int threads = a.threads > 0 ? a.threads : default_thread_count();
   auto isa = a.isa.empty() ? active_isa_level() : parse_isa_level(a.isa);
   if (!isa.is_ok()) {
@@ -217,12 +223,10 @@ int run(const Args& a) {
                               {"read_bandwidth_Bps", to_json(bw)},
                               {"flop_model", "recurrent 7KV, chunked (C=16) per token and head, see bench_kda.cpp"},
                               {"records", records}};
-    std::ofstream f(a.output);
-    if (!f) {
-      std::fprintf(stderr, "k3 bench kda: --output %s: cannot open for writing\n", a.output.c_str());
+    if (const Status s = write_file_atomic(a.output, j.dump(2) + "\n", "--output"); !s.is_ok()) {
+      std::fprintf(stderr, "k3 bench kda: %s\n", s.to_string().c_str());
       return 2;
     }
-    f << j.dump(2) << "\n";
   }
   return 0;
 }

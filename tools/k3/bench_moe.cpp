@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstring>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <random>
 #include <sstream>
@@ -16,6 +15,7 @@
 #include "bench.hpp"
 #include "bench_moe_cuda.hpp"
 #include "bench_moe_routing.hpp"
+#include "k3/atomic_file.hpp"
 #include "k3/cpu_moe.hpp"
 #include "k3/expert_map.hpp"
 #include "k3/formats.hpp"
@@ -105,6 +105,19 @@ int run_moe_bench(const MoeBenchArgs& a) {
     std::fprintf(stderr, "k3 bench moe: %s\n", s.to_string().c_str());
     return 2;
   };
+  // Output paths are checked before the (long) run; a replay file is never overwritten.
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--output", a.output},
+                                   std::pair<const char*, const std::string&>{"--save-routing", a.save_routing}}) {
+    if (path.empty()) continue;
+    if (Status s = check_output_path(flag, path); !s.is_ok()) return fail(s);
+    if (a.routing.rfind("replay:", 0) == 0) {
+      if (Status s = check_output_not_input(flag, path, "--routing replay:", a.routing.substr(7)); !s.is_ok()) return fail(s);
+    }
+  }
+  if (!a.output.empty() && !a.save_routing.empty()) {
+    if (Status s = check_output_not_input("--save-routing", a.save_routing, "--output", a.output); !s.is_ok()) return fail(s);
+    if (a.output == a.save_routing) return fail(invalid_argument("--output and --save-routing are both " + a.output));
+  }
   std::vector<int64_t> ms(std::begin(kDefaultM), std::end(kDefaultM));
   if (a.full) ms.push_back(8192);
   if (!a.m_list.empty()) {
@@ -317,12 +330,10 @@ int run_moe_bench(const MoeBenchArgs& a) {
                         {"read_bandwidth_Bps", to_json(bw)},
                         {"dot_peak_flops", to_json(peak)},
                         {"records", records}};
-    std::ofstream f(a.output);
-    if (!f) {
-      std::fprintf(stderr, "k3 bench moe: --output %s: cannot open for writing\n", a.output.c_str());
+    if (const Status s = write_file_atomic(a.output, j.dump(2) + "\n", "--output"); !s.is_ok()) {
+      std::fprintf(stderr, "k3 bench moe: %s\n", s.to_string().c_str());
       return 2;
     }
-    f << j.dump(2) << "\n";
   }
   return 0;
 }

@@ -3,10 +3,10 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <random>
 
 #include "bench.hpp"
+#include "k3/atomic_file.hpp"
 #include "k3/cuda.hpp"
 #include "k3/cuda_bench.hpp"
 #include "k3/expert_map.hpp"
@@ -92,12 +92,11 @@ int run_moe_bench_cuda(const CudaMoeBenchParams& p) {
   }
   std::printf("limits: device copy %.2f TB/s (read + write, 2 GiB, median of 10)\n", copy_bw / 1e12);
   if (!p.output.empty()) {
-    std::ofstream f(p.output);
-    if (!f) {
-      std::fprintf(stderr, "k3 bench moe: --output %s: cannot open for writing\n", p.output.c_str());
+    const std::string text = nlohmann::json{{"copy_bandwidth_Bps", copy_bw}, {"records", records}}.dump(2) + "\n";
+    if (const Status s = write_file_atomic(p.output, text, "--output"); !s.is_ok()) {
+      std::fprintf(stderr, "k3 bench moe: %s\n", s.to_string().c_str());
       return 2;
     }
-    f << nlohmann::json{{"copy_bandwidth_Bps", copy_bw}, {"records", records}}.dump(2) << "\n";
   }
   return 0;
 }

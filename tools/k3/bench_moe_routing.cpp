@@ -6,6 +6,10 @@
 #include <fstream>
 #include <numeric>
 #include <random>
+#include <span>
+#include <string_view>
+
+#include "k3/atomic_file.hpp"
 
 namespace k3::tool {
 namespace {
@@ -127,17 +131,17 @@ Status save_routing(const std::string& path, int64_t tokens, int top_k, const st
     return invalid_argument("save_routing: ids has " + std::to_string(ids.size()) + " elements, expected " +
                             std::to_string(tokens * top_k));
   }
-  std::ofstream f(path, std::ios::binary);
-  if (!f) return io_error(path + ": cannot open for writing");
+  auto f = AtomicFile::create(path, "--save-routing");
+  if (!f.is_ok()) return f.status();
   const int64_t hdr[2] = {tokens, top_k};
-  f.write(kMagic, 8);
-  f.write(reinterpret_cast<const char*>(hdr), sizeof hdr);
-  f.write(reinterpret_cast<const char*>(ids.data()), static_cast<std::streamsize>(ids.size() * 4));
-  if (!f) return io_error(path + ": write failed");
-  return Status::ok();
+  K3_RETURN_IF_ERROR(f->write(std::string_view(kMagic, 8)));
+  K3_RETURN_IF_ERROR(f->write(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(hdr), sizeof hdr)));
+  K3_RETURN_IF_ERROR(f->write(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(ids.data()), ids.size() * 4)));
+  return f->commit();
 }
 
 Result<std::vector<int32_t>> load_routing(const std::string& path, int top_k, int64_t* tokens) {
+  K3_RETURN_IF_ERROR(check_input_file("--routing replay:", path));  // a FIFO is refused, not waited on
   std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) return io_error(path + ": cannot open");
   const int64_t size = static_cast<int64_t>(f.tellg());

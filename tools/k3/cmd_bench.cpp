@@ -1,12 +1,12 @@
 // `k3 bench <target>` and the `limits` target (the machine limits every benchmark reports against).
 #include <omp.h>
 
-#include <fstream>
 #include <iostream>
 #include <memory>
 
 #include "bench.hpp"
 #include "command.hpp"
+#include "k3/atomic_file.hpp"
 #include "k3/build_info.hpp"
 #include "k3/system.hpp"
 
@@ -36,6 +36,12 @@ struct LimitsArgs {
 };
 
 int run_limits(const LimitsArgs& a) {
+  if (!a.output.empty()) {
+    if (const Status s = check_output_path("--output", a.output); !s.is_ok()) {
+      std::fprintf(stderr, "k3 bench limits: %s\n", s.to_string().c_str());
+      return 2;
+    }
+  }
   const int threads = a.threads > 0 ? a.threads : default_thread_count();
   const auto bw = measure_read_bandwidth(threads, a.mib << 20);
   const auto dot = measure_dot_peak(threads);
@@ -49,12 +55,10 @@ int run_limits(const LimitsArgs& a) {
                         {"read_bandwidth_Bps", to_json(bw)},
                         {"dot_peak_flops", to_json(dot)},
                         {"fp32_fma_peak_flops", to_json(fma)}};
-    std::ofstream out(a.output);
-    if (!out) {
-      std::fprintf(stderr, "k3 bench limits: --output %s: cannot open for writing\n", a.output.c_str());
+    if (const Status s = write_file_atomic(a.output, j.dump(2) + "\n", "--output"); !s.is_ok()) {
+      std::fprintf(stderr, "k3 bench limits: %s\n", s.to_string().c_str());
       return 2;
     }
-    out << j.dump(2) << "\n";
   }
   return 0;
 }

@@ -161,6 +161,14 @@ int run_synth(SynthArgs a) {
   auto r = write_synthetic_checkpoint(a.o);
   if (!r) return fail("synth", r.status());
   for (const auto& f : r->files) std::printf("  %s\n", f.c_str());
+  for (const auto& f : r->removed) std::printf("  removed the stale %s (it would have hidden model.safetensors)\n", f.c_str());
+  if (!r->kept.empty()) {
+    std::string names;
+    for (const auto& f : r->kept) names += (names.empty() ? "" : ", ") + f;
+    std::printf("note: left in place, not written by this run: %s%s\n", names.c_str(),
+                a.o.shard_size > 0 ? " (readers follow model.safetensors.index.json)"
+                                   : " (without an index, readers open every *.safetensors in the folder)");
+  }
   std::printf("wrote %lld tensors, %s of tensor data\n", static_cast<long long>(r->tensors), human_bytes(r->bytes).c_str());
   return 0;
 }

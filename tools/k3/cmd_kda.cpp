@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "command.hpp"
+#include "k3/atomic_file.hpp"
 #include "k3/build_info.hpp"
 #include "k3/formats.hpp"
 #include "k3/kda.hpp"
@@ -238,6 +239,11 @@ std::span<const uint8_t> as_bytes(const std::vector<T>& v) {
 }
 
 int run(const RunArgs& a) {
+  // Paths first: the input must be a regular file (a FIFO is refused, not waited on) and the
+  // output must not be the input.
+  K3_RETURN_IF_ERROR_INT(check_input_file("--input", a.input));
+  K3_RETURN_IF_ERROR_INT(check_output_path("--output", a.output));
+  K3_RETURN_IF_ERROR_INT(check_output_not_input("--output", a.output, "--input", a.input));
   auto file = st::File::open(a.input);
   if (!file.is_ok()) return fail(file.status());
   auto loaded = load(file.value(), a);
@@ -282,7 +288,7 @@ int run(const RunArgs& a) {
                   {"state_layout", kda::state_layout_name(c.layout)},
                   {"beta", c.beta_logits ? "logits" : "given"},
                   {"scale", std::to_string(c.effective_scale())}});
-  if (Status st = w.write(a.output); !st.is_ok()) return fail(st);
+  if (Status st = w.write(a.output, "--output"); !st.is_ok()) return fail(st);
   std::printf("k3 kda run: T = %lld, N = %lld, H = %lld, K = %lld, V = %lld, gate %s, %s state, backend %s (%s) -> %s\n",
               static_cast<long long>(L.tokens), static_cast<long long>(L.seqs), static_cast<long long>(c.num_heads),
               static_cast<long long>(c.head_k), static_cast<long long>(c.head_v), kda::gate_mode_name(c.gate),

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "command.hpp"
+#include "k3/atomic_file.hpp"
 #include "k3/build_info.hpp"
 #include "k3/checkpoint.hpp"
 #include "k3/digest.hpp"
@@ -25,6 +26,7 @@
 #include "k3/safetensors.hpp"
 #include "moe_backends.hpp"
 #include "moe_layer.hpp"
+#include "paths.hpp"
 
 namespace k3::tool {
 namespace {
@@ -158,6 +160,13 @@ int run_moe(const MoeRunArgs& a) {
     std::fprintf(stderr, "k3 moe run: %s\n", st.to_string().c_str());
     return 1;
   };
+  // Paths first, before anything is loaded or written: the input must be a regular file (a FIFO
+  // is refused, not waited on) and the output must not be the input or a checkpoint file.
+  if (Status s = check_checkpoint_arg("--checkpoint", a.checkpoint); !s.is_ok()) return fail(s);
+  if (Status s = check_input_file("--input", a.input); !s.is_ok()) return fail(s);
+  if (Status s = check_output_path("--output", a.output); !s.is_ok()) return fail(s);
+  if (Status s = check_output_not_input("--output", a.output, "--input", a.input); !s.is_ok()) return fail(s);
+  if (Status s = check_output_not_checkpoint("--output", a.output, a.checkpoint); !s.is_ok()) return fail(s);
   auto recipe = parse_recipe(a.recipe);
   if (!recipe.is_ok()) return fail(recipe.status());
   auto dtype = parse_out_dtype(a.out_dtype);
@@ -205,7 +214,7 @@ int run_moe(const MoeRunArgs& a) {
                   {"recipe", recipe_name(p.recipe)},
                   {"activation", activation_name(p.activation.kind)},
                   {"routing", in->routed_here ? "logits routed by k3" : "topk_ids/topk_weights from the input"}});
-  if (const Status ws = w.write(a.output); !ws.is_ok()) return fail(ws);
+  if (const Status ws = w.write(a.output, "--output"); !ws.is_ok()) return fail(ws);
   std::printf("k3 moe run: layer %d EP%d rank %d, M %lld, top-%d, %s %s -> %s, backend %s, %.3f s\n", a.layer,
               a.ep_size, a.ep_rank, static_cast<long long>(in->m), in->top_k, recipe_name(p.recipe),
               activation_name(p.activation.kind), out_dtype_name(p.out_dtype), backend->name.c_str(), secs);

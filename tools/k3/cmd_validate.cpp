@@ -1,13 +1,14 @@
 // `k3 validate [--op NAME|all] [--suite S] [--backend B] [--require CAP] [--output FILE]`
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 
 #include "command.hpp"
+#include "k3/atomic_file.hpp"
 #include "k3/build_info.hpp"
 #include "k3/system.hpp"
+#include "paths.hpp"
 #include "validate.hpp"
 
 namespace k3::tool {
@@ -36,6 +37,15 @@ void print_table(const std::vector<ValidateRow>& rows) {
 }
 
 int run_validate(const Args& a) {
+  // The output path is checked before the (long) run; the write itself reports its errors.
+  if (!a.output.empty()) {
+    Status s = check_output_path("--output", a.output);
+    if (s.is_ok() && !a.opts.checkpoint.empty()) s = check_output_not_checkpoint("--output", a.output, a.opts.checkpoint);
+    if (!s.is_ok()) {
+      std::fprintf(stderr, "k3 validate: %s\n", s.to_string().c_str());
+      return 2;
+    }
+  }
   std::vector<ValidateRow> rows;
   bool matched = false;
   for (const auto& op : validate_registry()) {
@@ -65,12 +75,10 @@ int run_validate(const Args& a) {
                               {"nrmse", r.nrmse}, {"max_abs", r.max_abs}, {"digest", r.digest},
                               {"pass", r.pass}, {"note", r.note}});
     }
-    std::ofstream out(a.output);
-    if (!out) {
-      std::fprintf(stderr, "k3 validate: --output %s: cannot open for writing\n", a.output.c_str());
+    if (const Status s = write_file_atomic(a.output, j.dump(2) + "\n", "--output"); !s.is_ok()) {
+      std::fprintf(stderr, "k3 validate: %s\n", s.to_string().c_str());
       return 2;
     }
-    out << j.dump(2) << "\n";
   }
   return failed == 0 ? 0 : 1;
 }

@@ -1,5 +1,7 @@
 // config.json -> MoeModelConfig (k3/checkpoint.hpp). Kimi-K3 keeps the text model's facts in
 // "text_config"; DeepSeek-V3-style configs keep them at the top level under other names.
+#include <sys/stat.h>
+
 #include <cmath>
 #include <exception>
 #include <filesystem>
@@ -9,6 +11,7 @@
 #include <sstream>
 
 #include "core/io/json_guard.hpp"
+#include "k3/atomic_file.hpp"
 #include "k3/checkpoint.hpp"
 
 namespace k3 {
@@ -193,6 +196,9 @@ Result<MoeModelConfig> load_model_config(const std::string& checkpoint_dir) {
   if (fs::is_regular_file(dir, ec)) dir = dir.has_parent_path() ? dir.parent_path() : fs::path(".");
   const fs::path path = dir / "config.json";
   const std::string ps = path.string();
+  if (struct stat st {}; ::stat(ps.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {  // never open a FIFO
+    return io_error(ps + ": is " + std::string(file_kind_name(st.st_mode)) + ", not a regular file");
+  }
   const auto size = fs::file_size(path, ec);
   if (ec) return io_error(ps + ": cannot read (" + ec.message() + "); the model facts come from the checkpoint's config.json");
   if (size > kMaxConfigBytes) {

@@ -5,10 +5,10 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "k3/atomic_file.hpp"
 #include "k3/checkpoint.hpp"
 #include "k3/checkpoint_synth.hpp"
 #include "k3/formats.hpp"
@@ -88,6 +88,7 @@ int base_scale_exponent(int64_t fan_in) {
 }
 
 constexpr int kRouterWeightKind = 100, kRouterBiasKind = 101;
+constexpr const char* kIndexFile = "model.safetensors.index.json";
 
 struct PlannedTensor {
   std::string name;
@@ -147,48 +148,21 @@ std::vector<PlannedTensor> plan_tensors(const SynthOptions& o) {
   return plan;
 }
 
-Status write_text_file(const fs::path& path, const std::string& text) {
-  const std::string tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return io_error(tmp + ": cannot create");
-    out << text;
-    out.flush();
-    if (!out) return io_error(tmp + ": write failed");
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) return io_error(path.string() + ": cannot rename from " + tmp + ": " + ec.message());
-  return Status::ok();
-}
-
-// Existing checkpoint files in `dir` (config.json, the index, *.safetensors).
-std::vector<fs::path> checkpoint_files(const fs::path& dir) {
-  std::vector<fs::path> found;
+// Existing checkpoint files in `dir` (config.json, the index, *.safetensors), by file name.
+std::vector<std::string> checkpoint_files(const fs::path& dir) {
+  std::vector<std::string> found;
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const auto name = it->path().filename().string();
-    if (name == "config.json" || name == "model.safetensors.index.json" || it->path().extension() == ".safetensors") {
-      found.push_back(it->path());
-    }
+    if (name == "config.json" || name == kIndexFile || it->path().extension() == ".safetensors") found.push_back(name);
   }
+  std::sort(found.begin(), found.end());
   return found;
 }
 
 Result<SynthSummary> write_impl(const SynthOptions& o) {
   K3_RETURN_IF_ERROR(validate_synth_options(o));
   const fs::path dir(o.output_dir);
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return io_error(o.output_dir + ": cannot create directory: " + ec.message());
-  const auto existing = checkpoint_files(dir);
-  if (!existing.empty()) {
-    if (!o.overwrite) {
-      return invalid_argument(o.output_dir + " already holds a checkpoint (" + existing.front().filename().string() +
-                              "); choose an empty directory or overwrite it (--force)");
-    }
-    for (const auto& p : existing) fs::remove(p, ec);
-  }
 
   auto plan = plan_tensors(o);
   // Shards: consecutive tensors while the shard stays within shard_size (a larger tensor alone).
@@ -208,9 +182,7 @@ Result<SynthSummary> write_impl(const SynthOptions& o) {
     }
     shards.emplace_back(first, plan.size());
   }
-
-  SynthSummary summary;
-  nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+  std::vector<std::string> shard_names;
   for (size_t si = 0; si < shards.size(); ++si) {
     std::string file = "model.safetensors";
     if (o.shard_size > 0) {
@@ -218,6 +190,43 @@ Result<SynthSummary> write_impl(const SynthOptions& o) {
       std::snprintf(buf, sizeof(buf), "model-%05zu-of-%05zu.safetensors", si + 1, shards.size());
       file = buf;
     }
+    shard_names.push_back(file);
+  }
+  // The files this run writes; --force replaces exactly these (each by an atomic rename).
+  std::set<std::string> own(shard_names.begin(), shard_names.end());
+  own.insert("config.json");
+  if (o.shard_size > 0) own.insert(kIndexFile);
+
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return io_error(o.output_dir + ": cannot create directory: " + ec.message());
+  SynthSummary summary;
+  const auto existing = checkpoint_files(dir);
+  if (!existing.empty()) {
+    if (!o.overwrite) {
+      return invalid_argument(o.output_dir + " already holds a checkpoint (" + existing.front() +
+                              "); choose an empty directory or overwrite it (--force)");
+    }
+    for (const auto& name : existing) {
+      if (own.count(name)) continue;  // replaced below
+      if (name == kIndexFile) {
+        // A stale index would make readers ignore the model.safetensors written now: it is the one
+        // file --force removes without writing it again (it is a name this command writes).
+        if (!fs::is_regular_file(dir / name, ec)) {
+          return invalid_argument((dir / name).string() + " is not a regular file; k3 will not remove it");
+        }
+        fs::remove(dir / name, ec);
+        if (ec) return io_error((dir / name).string() + ": cannot remove the stale index: " + ec.message());
+        summary.removed.push_back(name);
+        continue;
+      }
+      summary.kept.push_back(name);  // not k3's to touch
+    }
+  }
+
+  nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+  for (size_t si = 0; si < shards.size(); ++si) {
+    const std::string& file = shard_names[si];
     st::Writer w;
     w.set_metadata({{"format", "pt"}});
     for (size_t i = shards[si].first; i < shards[si].second; ++i) {
@@ -234,10 +243,10 @@ Result<SynthSummary> write_impl(const SynthOptions& o) {
     nlohmann::ordered_json index;
     index["metadata"] = {{"total_size", summary.bytes}};
     index["weight_map"] = weight_map;
-    K3_RETURN_IF_ERROR(write_text_file(dir / "model.safetensors.index.json", index.dump(2) + "\n"));
-    summary.files.push_back("model.safetensors.index.json");
+    K3_RETURN_IF_ERROR(write_file_atomic((dir / kIndexFile).string(), index.dump(2) + "\n"));
+    summary.files.push_back(kIndexFile);
   }
-  K3_RETURN_IF_ERROR(write_text_file(dir / "config.json", synth_config_json(o)));
+  K3_RETURN_IF_ERROR(write_file_atomic((dir / "config.json").string(), synth_config_json(o)));
   summary.files.push_back("config.json");
   return summary;
 }

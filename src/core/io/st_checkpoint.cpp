@@ -1,5 +1,7 @@
 // Checkpoint directories (k3/safetensors.hpp): model.safetensors.index.json with lazily opened
 // shards, a folder of *.safetensors files, or one file.
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -8,6 +10,7 @@
 #include <sstream>
 
 #include "core/io/json_guard.hpp"
+#include "k3/atomic_file.hpp"
 #include "k3/safetensors.hpp"
 
 namespace k3::st {
@@ -56,6 +59,7 @@ namespace {
 
 Status load_index(const fs::path& index_path, std::map<std::string, std::string>* map) {
   const std::string ip = index_path.string();
+  K3_RETURN_IF_ERROR(check_input_file("", ip));  // stat before open: a FIFO is refused, not waited on
   std::error_code ec;
   const auto size = fs::file_size(index_path, ec);
   if (ec) return io_error(ip + ": cannot stat: " + ec.message());
@@ -115,7 +119,11 @@ Result<Checkpoint> Checkpoint::open_impl(const std::string& path) {
     s.files[name] = std::make_unique<File>(std::move(f.value()));
     return c;
   }
-  if (!fs::is_directory(st)) return io_error(path + ": neither a file nor a directory");
+  if (!fs::is_directory(st)) {
+    struct stat ls {};
+    const char* kind = ::stat(path.c_str(), &ls) == 0 ? file_kind_name(ls.st_mode) : "not a file";
+    return io_error(path + ": is " + std::string(kind) + ", neither a safetensors file nor a checkpoint directory");
+  }
   s.directory = path;
 
   const fs::path index = p / kIndexName;
@@ -126,9 +134,15 @@ Result<Checkpoint> Checkpoint::open_impl(const std::string& path) {
     std::map<std::string, size_t> per_shard;
     for (const auto& [name, file] : s.weight_map) ++per_shard[file];
     for (const auto& [file, count] : per_shard) {
-      if (!fs::is_regular_file(p / file, ec)) {
+      struct stat ss {};
+      const std::string sp = (p / file).string();
+      if (::stat(sp.c_str(), &ss) != 0) {
         return io_error(index.string() + ": shard '" + file + "' (holding " + std::to_string(count) +
                         " tensors) is missing from " + path);
+      }
+      if (!S_ISREG(ss.st_mode)) {
+        return io_error(index.string() + ": shard " + sp + " (holding " + std::to_string(count) + " tensors) is " +
+                        file_kind_name(ss.st_mode) + ", not a regular file");
       }
     }
     return c;
@@ -137,10 +151,14 @@ Result<Checkpoint> Checkpoint::open_impl(const std::string& path) {
   // No index: every *.safetensors file in the folder, opened now.
   std::vector<std::string> shards;
   for (fs::directory_iterator it(p, ec), end; !ec && it != end; it.increment(ec)) {
-    std::error_code type_ec;
-    if (it->is_regular_file(type_ec) && it->path().extension() == ".safetensors") {
-      shards.push_back(it->path().filename().string());
+    if (it->path().extension() != ".safetensors") continue;
+    struct stat ss {};
+    const std::string sp = it->path().string();
+    if (::stat(sp.c_str(), &ss) == 0 && !S_ISREG(ss.st_mode)) {
+      return io_error(path + ": " + sp + " is " + file_kind_name(ss.st_mode) +
+                      ", not a regular safetensors file (remove it, or give the checkpoint an index)");
     }
+    shards.push_back(it->path().filename().string());
   }
   if (ec) return io_error(path + ": cannot list: " + ec.message());
   if (shards.empty()) return io_error(path + ": holds neither " + kIndexName + " nor any *.safetensors file");

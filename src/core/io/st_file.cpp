@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "k3/atomic_file.hpp"
 #include "k3/safetensors.hpp"
 
 namespace k3::st {
@@ -25,11 +26,18 @@ struct FdGuard {
 }  // namespace
 
 Result<File> File::open(const std::string& path) {
-  FdGuard fd{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (fd.fd < 0) return io_error(path + ": cannot open: " + std::strerror(errno));
+  // stat first and open with O_NONBLOCK: a FIFO (or a device) is refused at once, never waited on.
   struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return io_error(path + ": cannot open: " + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) {
+    return io_error(path + ": is " + file_kind_name(st.st_mode) + ", not a regular file");
+  }
+  FdGuard fd{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY)};
+  if (fd.fd < 0) return io_error(path + ": cannot open: " + std::strerror(errno));
   if (::fstat(fd.fd, &st) != 0) return io_error(path + ": cannot stat: " + std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) return io_error(path + ": not a regular file");
+  if (!S_ISREG(st.st_mode)) {  // replaced between stat and open
+    return io_error(path + ": is " + file_kind_name(st.st_mode) + ", not a regular file");
+  }
   const auto size = static_cast<uint64_t>(st.st_size);
   if (size < 8) {
     return io_error(path + ": file is " + std::to_string(size) +

@@ -1,11 +1,10 @@
 // safetensors writer (k3/safetensors.hpp): header JSON in insertion order, padded with spaces to a
-// multiple of 8, then the tensors back to back. Written to `path.tmp`, then renamed.
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
-#include <filesystem>
+// multiple of 8, then the tensors back to back. Written through k3::AtomicFile (a unique
+// temporary file in the destination directory, fsync'ed, then renamed).
 #include <nlohmann/json.hpp>
+#include <string_view>
 
+#include "k3/atomic_file.hpp"
 #include "k3/safetensors.hpp"
 
 namespace k3::st {
@@ -14,12 +13,6 @@ namespace {
 
 // Fixed-size chunks for deferred tensors keep memory bounded for multi-GB files.
 constexpr int64_t kChunkCap = int64_t{1} << 30;
-
-struct FileCloser {
-  void operator()(std::FILE* f) const {
-    if (f) std::fclose(f);
-  }
-};
 
 // The header is JSON: names and metadata must be valid UTF-8 (nlohmann's dump would throw).
 bool valid_utf8(const std::string& s) {
@@ -87,17 +80,16 @@ int64_t Writer::data_bytes() const {
   return total;
 }
 
-Status Writer::write(const std::string& path) const {
+Status Writer::write(const std::string& path, const std::string& label) const {
   try {
-    return write_unchecked(path);
+    return write_unchecked(path, label);
   } catch (const std::exception& e) {  // std::bad_alloc and the like; nothing crosses the API
-    std::error_code ec;
-    std::filesystem::remove(path + ".tmp", ec);
-    return io_error(path + ": write failed: " + e.what());
+    // (an AtomicFile being unwound removes its temporary file)
+    return io_error((label.empty() ? path : label + " " + path) + ": write failed: " + e.what());
   }
 }
 
-Status Writer::write_unchecked(const std::string& path) const {
+Status Writer::write_unchecked(const std::string& path, const std::string& label) const {
   for (const auto& [k, v] : metadata_) {
     if (!valid_utf8(k) || !valid_utf8(v)) return invalid_argument("safetensors writer: metadata is not valid UTF-8");
   }
@@ -114,51 +106,22 @@ Status Writer::write_unchecked(const std::string& path) const {
   uint8_t len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
 
-  const std::string tmp = path + ".tmp";
-  std::unique_ptr<std::FILE, FileCloser> f(std::fopen(tmp.c_str(), "wb"));
-  if (!f) return io_error(tmp + ": cannot create: " + std::strerror(errno));
-  auto fail = [&](const std::string& what) {
-    const std::string msg = tmp + ": " + what + ": " + std::strerror(errno);
-    f.reset();
-    std::error_code ec;
-    std::filesystem::remove(tmp, ec);
-    return io_error(msg);
-  };
-  if (std::fwrite(len, 1, 8, f.get()) != 8 || std::fwrite(text.data(), 1, text.size(), f.get()) != text.size()) {
-    return fail("write of the header failed");
-  }
-  // fwrite of zero bytes from an empty vector's null data() is undefined: skip empty tensors.
-  const auto put = [&](const std::vector<uint8_t>& b) {
-    return b.empty() || std::fwrite(b.data(), 1, b.size(), f.get()) == b.size();
-  };
+  auto file = AtomicFile::create(path, label);
+  if (!file.is_ok()) return file.status();
+  AtomicFile& f = file.value();  // removes its temporary file on every early return
+  K3_RETURN_IF_ERROR(f.write(std::span<const uint8_t>(len, 8)));
+  K3_RETURN_IF_ERROR(f.write(std::string_view(text)));
   std::vector<uint8_t> chunk;
   for (const auto& e : entries_) {
     if (!e.fill) {
-      if (!put(e.bytes)) return fail("write of tensor '" + e.name + "' failed");
+      K3_RETURN_IF_ERROR(f.write(std::span<const uint8_t>(e.bytes)));
       continue;
     }
     chunk.assign(static_cast<size_t>(e.nbytes), 0);
-    if (Status s = e.fill(chunk); !s.is_ok()) {
-      f.reset();
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-      return s;
-    }
-    if (!put(chunk)) return fail("write of tensor '" + e.name + "' failed");
+    K3_RETURN_IF_ERROR(e.fill(chunk));
+    K3_RETURN_IF_ERROR(f.write(std::span<const uint8_t>(chunk)));
   }
-  if (std::fflush(f.get()) != 0) return fail("flush failed");
-  if (std::fclose(f.release()) != 0) {
-    std::error_code ec;
-    std::filesystem::remove(tmp, ec);
-    return io_error(tmp + ": close failed: " + std::strerror(errno));
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    return io_error(path + ": cannot rename from " + tmp + ": " + ec.message());
-  }
-  return Status::ok();
+  return f.commit();
 }
 
 }  // namespace k3::st

@@ -76,15 +76,37 @@ const CpuInfo& cpu_info() {
   return info;
 }
 
-int default_thread_count() {
+namespace {
+
+// The first of K3_NUM_THREADS, OMP_NUM_THREADS that holds a positive count (its name, value and
+// count), else none.
+struct ThreadEnv {
+  const char* var = nullptr;
+  const char* text = nullptr;
+  int n = 0;
+};
+
+ThreadEnv thread_env() {
   for (const char* var : {"K3_NUM_THREADS", "OMP_NUM_THREADS"}) {
     if (const char* v = std::getenv(var)) {
       const int n = std::atoi(v);
-      if (n > 0) return n;
+      if (n > 0) return {var, v, n};
     }
   }
+  return {};
+}
+
+}  // namespace
+
+int default_thread_count() {
+  if (const ThreadEnv e = thread_env(); e.var != nullptr) return e.n;
   const int n = cpu_info().logical_cpus;
   return n > 0 ? n : 1;
+}
+
+std::string default_thread_count_source() {
+  if (const ThreadEnv e = thread_env(); e.var != nullptr) return std::string(e.var) + "=" + e.text;
+  return std::to_string(default_thread_count()) + " logical CPUs";
 }
 
 }  // namespace k3

@@ -15,6 +15,7 @@
 #include "core/kda/kda_math.hpp"
 #include "cpu/kda/kernels.hpp"
 #include "k3/kda.hpp"
+#include "k3/system.hpp"
 
 namespace k3::kda {
 namespace cpu {
@@ -202,6 +203,10 @@ Result<CpuPlan> make_cpu_plan(const KdaConfig& cfg, const CpuOptions& opt) {
     p.isa = isa.value();
   }
   p.threads = opt.threads > 0 ? opt.threads : std::max(1, default_thread_count());
+  if (p.threads > 4096) {  // the default came from the environment: name the variable and its value
+    return invalid_argument("threads = " + std::to_string(p.threads) + " (the default, from " +
+                            default_thread_count_source() + ") must be in [1, 4096]");
+  }
   p.algorithm = opt.algorithm;
   p.chunk_min_tokens = opt.chunk_min_tokens;
   p.workspace_floats = workspace_floats_needed(cfg, p.threads);

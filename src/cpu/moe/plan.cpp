@@ -5,6 +5,7 @@
 #include "cpu/moe/layout.hpp"
 #include "cpu/moe/workspace.hpp"
 #include "k3/cpu_moe.hpp"
+#include "k3/system.hpp"
 
 namespace k3::cpu {
 namespace detail {
@@ -82,9 +83,13 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
     if (!a.is_ok()) return a.status();
     isa = a.value();
   }
-  const int threads = options.threads > 0 ? options.threads : default_thread_count();
-  if (options.threads < 0 || threads > 256) {
+  if (options.threads < 0 || options.threads > 256) {
     return invalid_argument("threads = " + std::to_string(options.threads) + " must be in [0, 256] (0 = default)");
+  }
+  const int threads = options.threads > 0 ? options.threads : default_thread_count();
+  if (threads > 256) {  // the default came from the environment: name the variable and its value
+    return invalid_argument("threads = " + std::to_string(threads) + " (the default, from " +
+                            default_thread_count_source() + ") must be in [1, 256]");
   }
   if (options.max_tokens < 1 || options.max_tokens > (int64_t{1} << 24)) {
     return invalid_argument("max_tokens = " + std::to_string(options.max_tokens) + " must be in [1, 16777216]");
