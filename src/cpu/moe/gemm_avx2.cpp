@@ -17,7 +17,7 @@
 //
 // Two weight sources with identical arithmetic (results do not depend on which one runs):
 //   direct  <= kDirectMaxRowsAvx2 rows (decode): weights expanded in registers, used by every
-//           row at once, one group pair (4 accumulators per row) at a time; the tile streams
+//           row at once, up to 8 accumulators (blocks / group pairs / nibble planes in flight); the tile streams
 //           from memory once, with software prefetch a few records ahead.
 //   panel   more rows: kPanelBlocksAvx2 blocks are dequantized once into an FP32 panel in L1
 //           ([block][k][2G vectors of 8]), then streamed by register tiles of up to 6 rows x
@@ -92,10 +92,10 @@ K3_TARGET_AVX2 inline void prefetch_record(const uint8_t* r, int64_t bytes) {
 // (NB * NP * MR * 4 <= 8 accumulators: enough independent FMA chains to hide the FMA latency,
 // since each chain takes two dependent FMAs per k-pair). Blocks are applied to the totals in
 // order, so the result is the same for every NB / NP.
-template <int MR, int G, int NB, int NP>
+template <int MR, int G, int NB, int NP, int PL = 2>
 __attribute__((noinline)) K3_TARGET_AVX2 void direct_rows(const TileGemm& a, int64_t b_begin, int64_t b_end,
                                                           const float* const* rows, float* totals) {
-  static_assert(NB * NP * MR * 4 <= 8 && (G / 2) % NP == 0, "register budget");
+  static_assert(NB * NP * MR * PL * 2 <= 8 && (G / 2) % NP == 0 && (PL == 1 || PL == 2), "register budget");
   const Decoder d;
   const int64_t rec = record_bytes(G);
   constexpr int kAhead = 4;  // records prefetched ahead (4 x 1088 bytes for FC1)
@@ -104,8 +104,9 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_rows(const TileGemm& a, int
     for (int bi = 0; bi < NB; ++bi) {
       if (b + bi + kAhead < a.blocks) prefetch_record(r + (bi + kAhead) * rec, rec);
     }
-    for (int p0 = 0; p0 < G / 2; p0 += NP) {
-      __m256 acc[NB * NP * MR * 4];  // [block][pair][row][nibble][half]
+    for (int pp = 0; pp < G / 2 * (2 / PL); pp += NP) {  // (group pair, nibble-plane pass)
+      const int p0 = PL == 2 ? pp : pp / 2, n0 = PL == 2 ? 0 : pp % 2;
+      __m256 acc[NB * NP * MR * PL * 2];  // [block][pair][row][plane][half]
       for (auto& v : acc) v = _mm256_setzero_ps();
 #pragma GCC unroll 1
       for (int kp = 0; kp < kPairs; ++kp) {
@@ -125,7 +126,7 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_rows(const TileGemm& a, int
             const __m256i raw =
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + bi * rec + (kp * (G / 2) + p0 + pi) * 32));
 #pragma GCC unroll 2
-            for (int n = 0; n < 2; ++n) {
+            for (int n = n0; n < n0 + PL; ++n) {
               const __m256i codes = _mm256_and_si256(n == 0 ? raw : _mm256_srli_epi16(raw, 4), d.nibble);
               const __m256i b_lo = _mm256_shuffle_epi8(d.lo, codes), b_hi = _mm256_shuffle_epi8(d.hi, codes);
 #pragma GCC unroll 2
@@ -135,7 +136,7 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_rows(const TileGemm& a, int
                 const __m256 w_even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
 #pragma GCC unroll 8
                 for (int m = 0; m < MR; ++m) {
-                  __m256& acc_ = acc[((bi * NP + pi) * MR + m) * 4 + n * 2 + h];
+                  __m256& acc_ = acc[(((bi * NP + pi) * MR + m) * PL + (n - n0)) * 2 + h];
                   acc_ = _mm256_fmadd_ps(w_odd, x_odd[m], acc_);
                   acc_ = _mm256_fmadd_ps(w_even, x_even[m], acc_);
                 }
@@ -150,7 +151,7 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_rows(const TileGemm& a, int
 #pragma GCC unroll 2
         for (int pi = 0; pi < NP; ++pi) {
 #pragma GCC unroll 2
-          for (int n = 0; n < 2; ++n) {
+          for (int n = n0; n < n0 + PL; ++n) {
             const int g = 2 * (p0 + pi) + n;
             __m256 s[2];
             group_scales(sc + g * kLanes, s);
@@ -160,7 +161,8 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_rows(const TileGemm& a, int
               for (int h = 0; h < 2; ++h) {
                 float* t = totals + m * G * kLanes + (g * 2 + h) * 8;
                 _mm256_storeu_ps(
-                    t, _mm256_fmadd_ps(acc[((bi * NP + pi) * MR + m) * 4 + n * 2 + h], s[h], _mm256_loadu_ps(t)));
+                    t, _mm256_fmadd_ps(acc[(((bi * NP + pi) * MR + m) * PL + (n - n0)) * 2 + h], s[h],
+                                       _mm256_loadu_ps(t)));
               }
             }
           }
@@ -171,7 +173,8 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_rows(const TileGemm& a, int
 }
 
 // The direct configuration of (MR, G): FC1 with one row keeps both group pairs in flight, FC2
-// with one row two blocks; two rows fill the 8 accumulators with one pair of one block.
+// with one row two blocks; two rows fill the 8 accumulators with one pair of one block; three
+// rows take one nibble plane (one group of 16 lanes) per pass over the records.
 template <int MR, int G>
 K3_TARGET_AVX2 void direct_tile(const TileGemm& a, const float* const* rows, float* totals) {
   if constexpr (MR == 1 && G == 4) {
@@ -180,8 +183,10 @@ K3_TARGET_AVX2 void direct_tile(const TileGemm& a, const float* const* rows, flo
     const int64_t even = a.blocks & ~int64_t{1};
     direct_rows<1, 2, 2, 1>(a, 0, even, rows, totals);
     if (even < a.blocks) direct_rows<1, 2, 1, 1>(a, even, a.blocks, rows, totals);
-  } else {
-    direct_rows<MR, G, 1, 1>(a, 0, a.blocks, rows, totals);
+  } else if constexpr (MR == 2) {
+    direct_rows<2, G, 1, 1>(a, 0, a.blocks, rows, totals);
+  } else {  // 3 rows: one nibble plane (one group) per pass, 2 accumulators per row
+    direct_rows<MR, G, 1, 1, 1>(a, 0, a.blocks, rows, totals);
   }
 }
 
