@@ -35,6 +35,7 @@ ScratchLayout scratch_layout(int64_t head_k, int64_t head_v) {
   l.vnew = take(l.vp), l.out = take(l.vp), l.bias = take(l.kp), l.tmp = take(big);
   l.cq = take(c * l.kp), l.ck = take(c * l.kp), l.cg = take(c * l.kp), l.cqg = take(c * l.kp);
   l.ckg = take(c * l.kp), l.cki = take(c * l.kp), l.ckl = take(c * l.kp);
+  l.cr1 = take(c * l.kp), l.cr2 = take(c * l.kp), l.cr3 = take(c * l.kp);
   l.cv = take(c * l.vp), l.cp1 = take(c * l.vp), l.cp2 = take(c * l.vp), l.co = take(c * l.vp);
   l.cl = take(c * c), l.caqk = take(c * c), l.beta = take(c);
   l.state = take(l.kp * l.vp);

@@ -20,6 +20,7 @@ struct ScratchLayout {
   int64_t q = 0, k = 0, v = 0, g = 0, alpha = 0, ak = 0, vnew = 0, out = 0, bias = 0, tmp = 0;
   // chunk tiles
   int64_t cq = 0, ck = 0, cg = 0, cqg = 0, ckg = 0, cki = 0, ckl = 0;  // [C, kp]
+  int64_t cr1 = 0, cr2 = 0, cr3 = 0;  // [C, kp] factor rows of the strong-decay chunk ratios
   int64_t cv = 0, cp1 = 0, cp2 = 0, co = 0;                              // [C, vp]
   int64_t cl = 0, caqk = 0;                                              // [C, C]
   int64_t beta = 0;                                                      // [C]

@@ -37,13 +37,6 @@ inline float dot(const float* a, const float* b, int64_t np) {
   return VF::reduce_add(VF::add(acc0, acc1));
 }
 
-// sum_d a[d] b[d] e[d]
-inline float dot3(const float* a, const float* b, const float* e, int64_t np) {
-  Vec acc = VF::zero();
-  for (int64_t i = 0; i < np; i += kW) acc = VF::fmadd(VF::mul(VF::load(a + i), VF::load(b + i)), VF::load(e + i), acc);
-  return VF::reduce_add(acc);
-}
-
 inline void scale_row(float* x, float s, int64_t np) {
   const Vec sv = VF::set1(s);
   for (int64_t i = 0; i < np; i += kW) VF::store(x + i, VF::mul(VF::load(x + i), sv));
@@ -259,6 +252,87 @@ inline void gemm(int64_t M, int64_t vw, int64_t P, const float* A, int64_t ars, 
   }
 }
 
+// Rows of one chunk that the strong-decay ratio computation reads and writes.
+struct RatioRows {
+  const float *q, *k, *graw, *beta;  // [C, kp] normalized q / k, raw g rows; [C] beta
+  float *cl, *caqk;                  // [C, C]
+  float *f1, *f2, *f3;               // [C, kp] factor rows (scratch)
+  float *run, *e;                    // [kp] scratch
+  int64_t kp, head_k;
+};
+
+// cl[i][j] (j < i) and caqk[i][j] (j <= i) for a <= j <= i < b, with the ratio
+// Gamma_i / Gamma_j = exp(sum_{s=j+1..i} g_s), when the chunk's span is above
+// kFactorizedSpanMax. A range whose own span (relative to its first row) is within the bound
+// is factorized around its first row: (x_i e^{gr_i}) . (k_j e^{-gr_j}), factors within e^+-60.
+// Otherwise it is split at m: both halves recurse, and the cross pairs (j < m <= i) are
+// factorized around m with both factors <= 1: e^{sum_{j+1..m} g} and e^{sum_{m+1..i} g}. Every
+// exponent is a running sum of raw g rows, never a difference of large cumulative sums, so a
+// -1e4 reset next to small terms loses nothing. A pair range of two rows always takes the
+// cross form (its ratio is exactly exp(g_{a+1})). Exps: O(C log C) rows instead of C^2 / 2.
+inline void ratios_range(const RatioRows& r, int64_t a, int64_t b) {
+  const int64_t kp = r.kp;
+  if (b - a == 1) {
+    r.caqk[a * kChunk + a] = dot(r.q + a * kp, r.k + a * kp, kp);
+    return;
+  }
+  for (int64_t d = 0; d < kp; ++d) r.run[d] = 0.0f;
+  for (int64_t i = a + 1; i < b; ++i) {
+    for (int64_t d = 0; d < kp; d += kW) VF::store(r.run + d, VF::add(VF::load(r.run + d), VF::load(r.graw + i * kp + d)));
+  }
+  float span = 0.0f;
+  for (int64_t d = 0; d < r.head_k; ++d) span = -r.run[d] > span ? -r.run[d] : span;
+  if (span <= kFactorizedSpanMax && b - a > 2) {
+    for (int64_t d = 0; d < kp; ++d) r.run[d] = 0.0f;
+    for (int64_t i = a; i < b; ++i) {
+      if (i > a) {
+        for (int64_t d = 0; d < kp; d += kW) {
+          VF::store(r.run + d, VF::add(VF::load(r.run + d), VF::load(r.graw + i * kp + d)));
+        }
+      }
+      exp_row(r.run, r.e, kp);
+      mul_rows(r.q + i * kp, r.e, r.f1 + i * kp, kp);
+      mul_rows(r.k + i * kp, r.e, r.f2 + i * kp, kp);
+      for (int64_t d = 0; d < kp; d += kW) {
+        VF::store(r.f3 + i * kp + d, VF::div(VF::load(r.k + i * kp + d), VF::load(r.e + d)));
+      }
+    }
+    for (int64_t i = a; i < b; ++i) {
+      for (int64_t j = a; j <= i; ++j) {
+        if (j < i) r.cl[i * kChunk + j] = r.beta[i] * dot(r.f2 + i * kp, r.f3 + j * kp, kp);
+        r.caqk[i * kChunk + j] = dot(r.f1 + i * kp, r.f3 + j * kp, kp);
+      }
+    }
+    return;
+  }
+  const int64_t m = a + (b - a) / 2;
+  ratios_range(r, a, m);
+  ratios_range(r, m, b);
+  for (int64_t d = 0; d < kp; ++d) r.run[d] = 0.0f;  // sum over (m, i]
+  for (int64_t i = m; i < b; ++i) {
+    if (i > m) {
+      for (int64_t d = 0; d < kp; d += kW) VF::store(r.run + d, VF::add(VF::load(r.run + d), VF::load(r.graw + i * kp + d)));
+    }
+    exp_row(r.run, r.e, kp);
+    mul_rows(r.q + i * kp, r.e, r.f1 + i * kp, kp);
+    mul_rows(r.k + i * kp, r.e, r.f2 + i * kp, kp);
+  }
+  for (int64_t d = 0; d < kp; ++d) r.run[d] = 0.0f;  // sum over (j, m]
+  for (int64_t j = m - 1; j >= a; --j) {
+    for (int64_t d = 0; d < kp; d += kW) {
+      VF::store(r.run + d, VF::add(VF::load(r.run + d), VF::load(r.graw + (j + 1) * kp + d)));
+    }
+    exp_row(r.run, r.e, kp);
+    mul_rows(r.k + j * kp, r.e, r.f3 + j * kp, kp);
+  }
+  for (int64_t i = m; i < b; ++i) {
+    for (int64_t j = a; j < m; ++j) {
+      r.cl[i * kChunk + j] = r.beta[i] * dot(r.f2 + i * kp, r.f3 + j * kp, kp);
+      r.caqk[i * kChunk + j] = dot(r.f1 + i * kp, r.f3 + j * kp, kp);
+    }
+  }
+}
+
 // One chunk of c <= kChunk tokens starting at t0 (derivation in docs/kda.md).
 inline void chunk_step(const HeadCtx& x, int64_t t0, int64_t c, float* s, float* scratch) {
   const ScratchLayout& L = x.lay;
@@ -319,17 +393,8 @@ inline void chunk_step(const HeadCtx& x, int64_t t0, int64_t c, float* s, float*
       mul_rows(ck + i * kp, e, ckl + i * kp, kp);
       for (int64_t d = 0; d < kp; d += kW) VF::store(r + d, VF::add(VF::load(r + d), VF::load(graw + i * kp + d)));
     }
-    for (int64_t j = 0; j < c; ++j) {
-      for (int64_t d = 0; d < kp; ++d) r[d] = 0.0f;  // running sum of g over (j, i]
-      for (int64_t i = j; i < c; ++i) {
-        if (i > j) {
-          for (int64_t d = 0; d < kp; d += kW) VF::store(r + d, VF::add(VF::load(r + d), VF::load(graw + i * kp + d)));
-        }
-        exp_row(r, e, kp);
-        if (j < i) cl[i * C + j] = beta[i] * dot3(ck + i * kp, ck + j * kp, e, kp);
-        caqk[i * C + j] = dot3(cq + i * kp, ck + j * kp, e, kp);
-      }
-    }
+    const RatioRows rr{cq, ck, graw, beta, cl, caqk, scratch + L.cr1, scratch + L.cr2, scratch + L.cr3, r, e, kp, K};
+    ratios_range(rr, 0, c);
   }
 
   // (I + L) W = beta k Gamma and (I + L) U = beta v by forward substitution, in place.
