@@ -123,6 +123,25 @@ TEST(KdaCpu, BitIdenticalAcrossRunsAndThreadCounts) {
   }
 }
 
+// Chunks above the factorized span bound (60) take the recursive split: decays of -4.5 per token
+// (chunk span 72, halves within the bound), -9 (quarters), -20 and -45 (down to pairs), with
+// per-channel variation; against the FP32 reference with the same bound as every other case.
+TEST(KdaCpu, StrongDecayChunksSplitRecursivelyAndStayAccurate) {
+  for (float decay : {-4.5f, -9.0f, -20.0f, -45.0f}) {
+    CaseSpec s;
+    s.cfg = cfg(2, 64, 48, GateMode::kLogDecay);
+    s.seqlens = {53};
+    KdaCase c = make_case(s);
+    for (size_t i = 0; i < c.g.size(); ++i) c.g[i] = decay * (0.75f + 0.5f * static_cast<float>((i * 7919) % 101) / 100.0f);
+    const Result2 ref = run_ref32(c);
+    for (IsaLevel isa : levels()) {
+      const Result2 out = run_cpu(c, opts(isa, Algorithm::kChunked));
+      EXPECT_LT(compare(out.o, ref.o).err_ratio, 2e-5) << isa_level_name(isa) << " decay " << decay;
+      EXPECT_LT(compare(out.f, ref.f).err_ratio, 2e-5) << isa_level_name(isa) << " decay " << decay;
+    }
+  }
+}
+
 // A chunked prefill runs chunk-major over groups of heads when there are at least as many heads
 // as threads, head by head otherwise: both give the same bits (H = 2 with 3 threads takes the
 // head-by-head path, H = 9 splits into uneven head ranges and a partial group of 4).
