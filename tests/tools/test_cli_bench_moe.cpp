@@ -59,7 +59,7 @@ TEST(CliBenchMoe, IsaOptionSelectsTheLevelAndItsPeak) {
   auto r = run_cli(kTiny + "--m 3 --isa scalar --output " + json);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("isa scalar (kernel portable)"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("scalar FP64 multiply-add"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("scalar FP32 multiply + add"), std::string::npos) << r.out;
   std::ifstream f(json);
   const auto j = nlohmann::json::parse(f);
   EXPECT_EQ(j["machine"]["isa"], "scalar");

@@ -64,7 +64,7 @@ TEST(KdaCli, BenchIsaOptionNamesTheLevelAndMeasuresItsPeak) {
                          "--iters 1 --pool-mib 1 --bw-mib 16 --output " + path);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("isa scalar"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("scalar FP64 multiply-add"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("scalar FP32 multiply + add"), std::string::npos) << r.out;
   std::ifstream f(path);
   const auto j = nlohmann::json::parse(f);
   EXPECT_EQ(j["machine"]["isa"], "scalar");
