@@ -70,6 +70,15 @@ int run(const Args& a) {
     std::fprintf(stderr, "k3 bench kda: %s\n", st.to_string().c_str());
     return 2;
   }
+  // Every prefill case's tensors (q, k, g [T, H, K], v, o [T, H, V], FP32) fit before anything runs.
+  for (const int64_t T : a.prefill_t) {
+    const Status st = kda::check_buffer_bytes("--prefill-t " + std::to_string(T) + ": the case's q, k, v, g, o",
+                                              T * cfg.num_heads, (3 * cfg.head_k + 2 * cfg.head_v) * 4);
+    if (!st.is_ok()) {
+      std::fprintf(stderr, "k3 bench kda: %s\n", st.to_string().c_str());
+      return 2;
+    }
+  }
   const int total = static_cast<int>(a.prefill_t.size() + a.decode_n.size()) + 1;
   int done = 0;
   progress(done, total, "measuring FP32 FMA peak and read bandwidth");
@@ -240,8 +249,13 @@ const BenchRegistration kRegistration("kda", [](CLI::App& bench) -> std::functio
                   "FMA peak is measured for the same level");
   cmd->add_option("--heads", a->heads, "Heads H")->capture_default_str()->check(CLI::Range(1, 1024));
   cmd->add_option("--head-dim", a->head_dim, "K = V")->capture_default_str()->check(CLI::Range(1, 512));
-  cmd->add_option("--prefill-t", a->prefill_t, "Prefill lengths T")->capture_default_str();
-  cmd->add_option("--decode-n", a->decode_n, "Decode batch sizes N")->capture_default_str();
+  // Checked by CLI11, so `--prefill-t -5` is a flag error, not a failure deep in the library.
+  cmd->add_option("--prefill-t", a->prefill_t, "Prefill lengths T (1 to 1048576)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--decode-n", a->decode_n, "Decode batch sizes N (1 to 65536)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
   cmd->add_option("--iters", a->iters, "Timed iterations per case")->capture_default_str()->check(CLI::Range(1, 1000));
   cmd->add_option("--pool-mib", a->pool_mib, "Decode: state MiB rotated over (defeats the cache)")
       ->capture_default_str()
