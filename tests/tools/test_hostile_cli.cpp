@@ -234,4 +234,15 @@ TEST(HostileCli, BenchKdaRejectsNonPositiveSizesAsFlagErrors) {
   EXPECT_HAS(r.out, "--decode-n");
 }
 
+TEST(HostileCli, BenchKdaRefusesCasesAboveTheMemoryLimitBeforeRunning) {
+  // Checked before the limits are measured or anything is allocated (was std::bad_alloc).
+  auto r = run_cli("bench kda --heads 1024 --head-dim 512 --prefill-t 1048576 --decode-n 1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_HAS(r.out, "--prefill-t 1048576: the case's q, k, v, g, o needs 10995116277760 bytes");
+  r = run_cli("bench kda --heads 1024 --head-dim 512 --prefill-t 8 --decode-n 65536");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_HAS(r.out, "--decode-n 65536: the state pool of 131072 slots needs 140737488355328 bytes");
+  EXPECT_EQ(r.out.find("bad_alloc"), std::string::npos) << r.out;
+}
+
 }  // namespace
