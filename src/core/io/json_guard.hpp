@@ -244,7 +244,8 @@ inline bool parse_strict_json(std::string_view text, bool only_spaces, size_t ba
     const char last = body.back();
     if (last == '\n' || last == '\r' || last == '\t') {
       size_t off = end;
-      while (off > 0 && (body[off - 1] == '\n' || body[off - 1] == '\r' || body[off - 1] == '\t' || body[off - 1] == ' ')) --off;
+      const auto ws = [](char c) { return c == '\n' || c == '\r' || c == '\t' || c == ' '; };
+      while (off > 0 && ws(body[off - 1])) --off;
       err->message = "has " + describe_byte(static_cast<unsigned char>(body[off])) + " at " + at(off) +
                      " after the JSON value (only spaces may pad it)";
       return false;

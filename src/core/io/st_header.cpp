@@ -113,7 +113,8 @@ Status parse_metadata(const std::string& source, const Json& v, std::map<std::st
   if (!v.is_object()) return io_error(source + ": \"__metadata__\" must be an object, got " + detail::json_quote(v));
   for (const auto& [k, val] : v.items()) {
     if (!val.is_string()) {
-      return io_error(source + ": \"__metadata__\" entry '" + printable_name(k) + "' must be a string, got " + detail::json_quote(val));
+      return io_error(source + ": \"__metadata__\" entry '" + printable_name(k) + "' must be a string, got " +
+                      detail::json_quote(val));
     }
     (*out)[k] = val.get<std::string>();
   }
@@ -192,7 +193,8 @@ Result<std::vector<TensorInfo>> parse_header_impl(std::span<const uint8_t> image
     if (t.end == t.begin) continue;
     if (reach != nullptr && t.begin < reach->end) {
       return io_error(source + ": tensor '" + printable_name(t.name) + "': data_offsets [" + num(t.begin) + ", " +
-                      num(t.end) + "] overlap tensor '" + printable_name(reach->name) + "' [" + num(reach->begin) + ", " + num(reach->end) + "]");
+                      num(t.end) + "] overlap tensor '" + printable_name(reach->name) + "' [" + num(reach->begin) +
+                      ", " + num(reach->end) + "]");
     }
     if (reach == nullptr || t.end > reach->end) reach = &t;
   }
