@@ -72,6 +72,12 @@ FILES = {
     "bad_metadata_not_strings": image('{"__metadata__":{"k":1}}'),
     "bad_entry_not_object": image('{"w":[1,2]}'),
     "bad_deep_nesting": image("[" * 200 + "]" * 200),
+    # strict JSON: no byte order mark, no repeated key in any object, only spaces after the value
+    "bad_bom": image(b"\xef\xbb\xbf{}"),
+    "bad_duplicate_key_in_entry": image('{"w":{"dtype":"U8","dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"\0"),
+    "bad_trailing_nul": image(b"{}\0"),
+    "bad_trailing_garbage": image("{} x"),
+    "bad_trailing_newline": image("{}\n"),
 }
 
 
@@ -105,6 +111,10 @@ CONFIGS = {
     "bad_text_config_not_object": {"model_type": "kimi_k3", "text_config": [1]},
     "bad_not_json": "{\"model_type\": ",
     "bad_deep": "[" * 100 + "]" * 100,
+    "bad_bom": "\ufeff" + json.dumps(DEEPSEEK),
+    "bad_duplicate_key": '{"model_type": "a", "model_type": "b"}',
+    "bad_trailing_garbage": json.dumps(DEEPSEEK) + " x",
+    "bad_situ_beta_overflow": {"model_type": "kimi_k3", "text_config": dict(KIMI_TEXT, activation_situ_beta=1e39)},
 }
 
 
@@ -112,7 +122,7 @@ def write_configs():
     os.makedirs(CONFIG_OUT, exist_ok=True)
     for name, value in CONFIGS.items():
         text = value if isinstance(value, str) else json.dumps(value, indent=1)
-        with open(os.path.join(CONFIG_OUT, name + ".json"), "w") as f:
+        with open(os.path.join(CONFIG_OUT, name + ".json"), "w", encoding="utf-8") as f:
             f.write(text)
 
 

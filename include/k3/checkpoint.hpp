@@ -20,6 +20,13 @@
 
 namespace k3 {
 
+// Accepted range of the SiTU betas read from config.json (activation_situ_beta and
+// activation_situ_linear_beta; Kimi-K3 uses 4 and 25). beta * tanh(x / beta) is meaningless for a
+// beta that overflows or underflows FP32, and values this far from 1 are a corrupt config: they
+// are refused at load time, naming the key and the file.
+inline constexpr float kMinSituBeta = 1e-3f;
+inline constexpr float kMaxSituBeta = 1e6f;
+
 // Model facts from config.json (Kimi-K3 spelling under "text_config", or DeepSeek-V3 spelling at top level).
 struct MoeModelConfig {
   std::string model_type;            // "kimi_k3" / "deepseek_v3" / ...
@@ -33,7 +40,7 @@ struct MoeModelConfig {
   float routed_scaling_factor = 1.0f;
   std::string scoring_func;          // "sigmoid"
   std::string hidden_act;            // "situ" / "silu" / "swiglu"
-  float situ_beta = 4.0f, situ_linear_beta = 25.0f;
+  float situ_beta = 4.0f, situ_linear_beta = 25.0f;  // each in [kMinSituBeta, kMaxSituBeta]
   int num_hidden_layers = 0, first_k_dense_replace = 0;
   // quantization_config (empty when the config has none): quant_method "compressed-tensors",
   // format "mxfp4-pack-quantized", weight group size 32 (0 when not stated).

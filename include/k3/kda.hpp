@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <string>
 
@@ -67,6 +68,22 @@ struct KdaConfig {
   StateLayout layout = StateLayout::kKFirst;
   float effective_scale() const;
 };
+
+// Largest buffer (a state, an input, an output, in bytes) k3 allocates for KDA from sizes it is
+// given (a file's shapes, command-line flags); the machine's physical memory lowers it further.
+inline constexpr int64_t kMaxBufferBytes = int64_t{64} << 30;  // 64 GiB
+
+// Checks that `count` elements of `elem_bytes` each can be allocated: the product does not
+// overflow, and is at most kMaxBufferBytes and the physical memory (sysconf). Call it before
+// allocating a buffer whose size comes from input; the error names `what`, the bytes and the limit.
+Status check_buffer_bytes(const std::string& what, int64_t count, int64_t elem_bytes);
+
+// count = a * b * ... with overflow checks; the error names `what` and the factors.
+Result<int64_t> checked_product(const std::string& what, std::initializer_list<int64_t> factors);
+
+// Checks variable-length boundaries for T tokens: at least 2 entries, cu_seqlens[0] = 0,
+// non-decreasing, last = T. The error names the offending index and the values.
+Status check_cu_seqlens(std::span<const int64_t> cu_seqlens, int64_t num_tokens);
 
 // Checks 1 <= H <= kMaxHeads, 1 <= K, V <= kMaxHeadDim, lb < 0 and finite, scale >= 0 and finite.
 Status validate_config(const KdaConfig& cfg);

@@ -9,8 +9,10 @@
 // Validation (every failure is an error naming the file, the tensor and the problem; bad input
 // never crashes or reads out of bounds):
 //   * the file holds at least the 8-byte length, H <= kMaxHeaderBytes and 8 + H <= file size;
-//   * the header is valid JSON (nesting depth <= kMaxJsonDepth), an object, without duplicate
-//     top-level names; "__metadata__" is an object of strings;
+//   * the header is valid JSON (nesting depth <= kMaxJsonDepth), an object of at most kMaxTensors
+//     entries, without a UTF-8 byte order mark, a key repeated in any object, or anything after
+//     the JSON but space padding (errors give the byte offset in the file); "__metadata__" is an
+//     object of strings;
 //   * each tensor has a known dtype, a shape of non-negative integers whose byte size does not
 //     overflow and equals end - begin, and 0 <= begin <= end <= data section size;
 //   * no two tensors with bytes overlap (gaps are allowed, zero-size tensors may sit anywhere).
@@ -23,6 +25,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -32,6 +35,9 @@ namespace k3::st {
 
 // Largest JSON header accepted (the reference Rust implementation uses the same 100 MB bound).
 inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+// Most entries (tensors, plus "__metadata__") one header may have: above a whole Kimi-K3
+// checkpoint in one file (~560 000 tensors). Counted before the JSON is parsed into memory.
+inline constexpr int64_t kMaxTensors = 1'000'000;
 // Deepest JSON nesting accepted; a safetensors header needs 3 (object / tensor / shape).
 inline constexpr int kMaxJsonDepth = 64;
 
@@ -47,9 +53,16 @@ struct TensorInfo {
   DType dtype = DType::kU8;
   std::vector<int64_t> shape;
   int64_t begin = 0, end = 0;  // data_offsets, relative to the data section, end exclusive
-  int64_t numel() const;       // product of the dims (1 for a scalar)
+  // Product of the dims (1 for a scalar, 0 when a dim is 0); -1 when it overflows int64, which
+  // never happens for a tensor from parse_header (its byte size is checked).
+  int64_t numel() const;
   int64_t nbytes() const { return end - begin; }
 };
+
+// A tensor name (or any file-supplied string) safe to print: control bytes (0x00-0x1f, 0x7f), the
+// C1 controls U+0080-U+009F and backslash become \xNN, so a name cannot move the cursor, clear the
+// screen or fake another line; everything else (UTF-8 included) is kept.
+std::string printable_name(std::string_view name);
 
 // "[3072, 1792]"
 std::string shape_string(const std::vector<int64_t>& shape);

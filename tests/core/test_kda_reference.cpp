@@ -218,7 +218,7 @@ TEST(KdaReference, ErrorsNameTheTensorAndTheSizes) {
   expect_error(c.spec.cfg, in, o, "cu_seqlens[2] = 5 is below cu_seqlens[1] = 6");
   const std::vector<int64_t> bad_end = {0, 5, 7};
   in.cu_seqlens = bad_end;
-  expect_error(c.spec.cfg, in, o, "cu_seqlens[N] = 7 must equal the token count T = 8");
+  expect_error(c.spec.cfg, in, o, "(the last entry) = 7 must equal the token count T = 8");
   const std::vector<int64_t> bad_start = {1, 8};
   in.cu_seqlens = bad_start;
   expect_error(c.spec.cfg, in, o, "cu_seqlens[0] = 1 must be 0");

@@ -41,6 +41,11 @@ const std::map<std::string, std::string> kExpected = {
     {"bad_metadata_not_strings", "\"__metadata__\" entry 'k' must be a string"},
     {"bad_entry_not_object", "tensor 'w': entry must be a JSON object"},
     {"bad_deep_nesting", "nests 200 levels deep (limit 64)"},
+    {"bad_bom", "header starts with a UTF-8 byte order mark (EF BB BF at byte 8)"},
+    {"bad_duplicate_key_in_entry", "tensor 'w': key \"dtype\" appears more than once (at byte 27)"},
+    {"bad_trailing_nul", "header is not valid JSON at byte 10 (0x00): a NUL byte"},
+    {"bad_trailing_garbage", "header is not valid JSON at byte 11 ('x')"},
+    {"bad_trailing_newline", "header has 0x0a at byte 10 after the JSON value (only spaces may pad it)"},
 };
 
 TEST(SafetensorsCorpus, ReplaysEveryFile) {

@@ -103,7 +103,7 @@ TEST(KdaConv, Errors) {
   const std::vector<int64_t> cu = {0, 3, 2, 4};
   EXPECT_NE(msg({3, 4, true, x, w, b, cu, {}, y}).find("cu_seqlens[2] = 2 is below"), std::string::npos);
   const std::vector<int64_t> cu_end = {0, 3};
-  EXPECT_NE(msg({3, 4, true, x, w, b, cu_end, {}, y}).find("from 0 to T = 4"), std::string::npos);
+  EXPECT_NE(msg({3, 4, true, x, w, b, cu_end, {}, y}).find("cu_seqlens[1] (the last entry) = 3 must equal the token count T = 4"), std::string::npos);
   EXPECT_NE(causal_conv1d({3, 4, true, x, w, b, {}, st, y}, -2).message().find("threads = -2"), std::string::npos);
 }
 

@@ -223,7 +223,7 @@ TEST_F(MoeCli, RunErrorsNameTheFileAndTensor) {
                "recipe 'w4a4' is unknown");
   expect_error(run_cli("moe run --checkpoint " + ckpt() + " --layer 1 --input " + ok_in + " --output " +
                    io_.file("e.safetensors") + " --ep-size 3"),
-               "ep_size = 3");
+               "--ep-size 3 --ep-rank 0: --ep-size must divide the checkpoint's 8 experts");  // the flag, not config.json
   EXPECT_NE(run_cli("moe run --layer 1").code, 0);  // missing required options
 }
 

@@ -70,6 +70,32 @@ int run(const Args& a) {
     std::fprintf(stderr, "k3 bench kda: %s\n", st.to_string().c_str());
     return 2;
   }
+  // Every prefill case's tensors (q, k, g [T, H, K], v, o [T, H, V], FP32) fit before anything runs.
+  for (const int64_t T : a.prefill_t) {
+    const Status st = kda::check_buffer_bytes("--prefill-t " + std::to_string(T) + ": the case's q, k, v, g, o",
+                                              T * cfg.num_heads, (3 * cfg.head_k + 2 * cfg.head_v) * 4);
+    if (!st.is_ok()) {
+      std::fprintf(stderr, "k3 bench kda: %s\n", st.to_string().c_str());
+      return 2;
+    }
+  }
+  // Decode rotates over enough slots that one rotation touches >= pool_mib of state (no step finds
+  // its states in cache); every pool fits before anything runs.
+  const double slot_bytes = static_cast<double>(cfg.num_heads * cfg.head_k * cfg.head_v) * 4;
+  const auto pool_slots = [&](int64_t N) {
+    const int64_t groups = std::max<int64_t>(2, static_cast<int64_t>((static_cast<double>(a.pool_mib) * 1048576.0) /
+                                                                    (slot_bytes * static_cast<double>(N))) + 1);
+    return groups * N;
+  };
+  for (const int64_t N : a.decode_n) {
+    const Status st = kda::check_buffer_bytes("--decode-n " + std::to_string(N) + ": the state pool of " +
+                                                  std::to_string(pool_slots(N)) + " slots",
+                                              pool_slots(N) * cfg.num_heads * cfg.head_k * cfg.head_v, 4);
+    if (!st.is_ok()) {
+      std::fprintf(stderr, "k3 bench kda: %s\n", st.to_string().c_str());
+      return 2;
+    }
+  }
   const int total = static_cast<int>(a.prefill_t.size() + a.decode_n.size()) + 1;
   int done = 0;
   progress(done, total, "measuring FP32 FMA peak and read bandwidth");
@@ -141,13 +167,10 @@ int run(const Args& a) {
 
   struct DecodeRow { int64_t n; Timing t; double bytes; };
   std::vector<DecodeRow> drows;
-  const double slot_bytes = static_cast<double>(cfg.num_heads * cfg.head_k * cfg.head_v) * 4;
   for (int64_t N : a.decode_n) {
     progress(done, total, "decode N=" + std::to_string(N));
     // Enough slots that one rotation touches >= pool_mib of state: no step finds its states in cache.
-    const int64_t groups = std::max<int64_t>(2, static_cast<int64_t>((static_cast<double>(a.pool_mib) * 1048576.0) /
-                                                                    (slot_bytes * static_cast<double>(N))) + 1);
-    const int64_t slots = groups * N;
+    const int64_t slots = pool_slots(N), groups = slots / N;
     std::vector<float> pool(static_cast<size_t>(slots * cfg.num_heads * cfg.head_k * cfg.head_v), 0.01f);
     kda::CaseSpec spec;
     spec.cfg = cfg;
@@ -240,8 +263,13 @@ const BenchRegistration kRegistration("kda", [](CLI::App& bench) -> std::functio
                   "FMA peak is measured for the same level");
   cmd->add_option("--heads", a->heads, "Heads H")->capture_default_str()->check(CLI::Range(1, 1024));
   cmd->add_option("--head-dim", a->head_dim, "K = V")->capture_default_str()->check(CLI::Range(1, 512));
-  cmd->add_option("--prefill-t", a->prefill_t, "Prefill lengths T")->capture_default_str();
-  cmd->add_option("--decode-n", a->decode_n, "Decode batch sizes N")->capture_default_str();
+  // Checked by CLI11, so `--prefill-t -5` is a flag error, not a failure deep in the library.
+  cmd->add_option("--prefill-t", a->prefill_t, "Prefill lengths T (1 to 1048576)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--decode-n", a->decode_n, "Decode batch sizes N (1 to 65536)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
   cmd->add_option("--iters", a->iters, "Timed iterations per case")->capture_default_str()->check(CLI::Range(1, 1000));
   cmd->add_option("--pool-mib", a->pool_mib, "Decode: state MiB rotated over (defeats the cache)")
       ->capture_default_str()

@@ -10,6 +10,7 @@
 #include <set>
 
 #include "checkpoint_cli.hpp"
+#include "moe_layer.hpp"
 #include "k3/checkpoint.hpp"
 #include "k3/safetensors.hpp"
 
@@ -118,7 +119,8 @@ int run_inspect(const InspectArgs& a) {
   nlohmann::json load = nullptr;
   std::string load_error;
   if (a.layer >= 0) {
-    auto w = load_moe_layer(a.path, a.layer, a.ep_size, a.ep_rank);
+    const Status ep = check_ep_flags(a.ep_size, a.ep_rank, a.path);
+    auto w = ep.is_ok() ? load_moe_layer(a.path, a.layer, a.ep_size, a.ep_rank) : Result<MoeLayerWeights>(ep);
     if (!w) {
       load_error = w.status().message();
     } else {
@@ -167,12 +169,20 @@ int run_inspect(const InspectArgs& a) {
   }
 
   if (!a.summary) {
+    // Names and file names come from the files: control characters are printed as \xNN, never
+    // raw (they could move the cursor, clear the screen or fake other rows).
     size_t w = 4;
-    for (const auto& r : rows) w = std::max(w, r.name.size());
-    std::printf("%-*s  %-7s  %-14s  %12s  %s\n", static_cast<int>(w), "name", "dtype", "shape", "bytes", "file");
+    std::vector<std::string> names;
+    names.reserve(rows.size());
     for (const auto& r : rows) {
-      std::printf("%-*s  %-7s  %-14s  %12lld  %s\n", static_cast<int>(w), r.name.c_str(), r.dtype.c_str(),
-                  r.shape.c_str(), static_cast<long long>(r.bytes), r.file.c_str());
+      names.push_back(st::printable_name(r.name));
+      w = std::max(w, names.back().size());
+    }
+    std::printf("%-*s  %-7s  %-14s  %12s  %s\n", static_cast<int>(w), "name", "dtype", "shape", "bytes", "file");
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const auto& r = rows[i];
+      std::printf("%-*s  %-7s  %-14s  %12lld  %s\n", static_cast<int>(w), names[i].c_str(), r.dtype.c_str(),
+                  r.shape.c_str(), static_cast<long long>(r.bytes), st::printable_name(r.file).c_str());
     }
     std::printf("\n");
   }
@@ -189,9 +199,10 @@ int run_inspect(const InspectArgs& a) {
   if (cfg) {
     const auto& c = cfg.value();
     std::printf("config: %s, hidden %lld, experts K %lld x N %lld, E %d, top-%d, %s routing, act %s, %s\n",
-                c.model_type.c_str(), static_cast<long long>(c.hidden_size), static_cast<long long>(c.expert_hidden),
-                static_cast<long long>(c.intermediate), c.num_experts, c.top_k, c.scoring_func.c_str(),
-                c.hidden_act.c_str(), c.quant_format.empty() ? "unquantized" : c.quant_format.c_str());
+                st::printable_name(c.model_type).c_str(), static_cast<long long>(c.hidden_size),
+                static_cast<long long>(c.expert_hidden), static_cast<long long>(c.intermediate), c.num_experts, c.top_k,
+                st::printable_name(c.scoring_func).c_str(), st::printable_name(c.hidden_act).c_str(),
+                c.quant_format.empty() ? "unquantized" : st::printable_name(c.quant_format).c_str());
   } else {
     std::printf("config: %s\n", cfg.status().message().c_str());
   }

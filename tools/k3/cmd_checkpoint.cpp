@@ -1,5 +1,6 @@
 // `k3 checkpoint synth|inspect`: write a seeded synthetic Kimi-K3 checkpoint (k3/checkpoint_synth.hpp)
 // and list the tensors of any safetensors checkpoint (checkpoint_inspect.cpp).
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <filesystem>
@@ -11,26 +12,53 @@
 
 namespace k3::tool {
 
+namespace {
+constexpr int64_t kMaxListValue = (1 << 24) - 1;  // largest id in a list such as --layers
+constexpr int64_t kMaxListRange = 4096;           // most values one a-b range may expand to
+}  // namespace
+
 Result<std::vector<int>> parse_int_list(const std::string& s, const char* option) {
   std::vector<int> out;
   const auto bad = [&] {
     return invalid_argument(std::string(option) + " '" + s + "' must be a comma-separated list of integers or a-b ranges");
   };
   size_t i = 0;
+  std::string too_big;  // the number that exceeded kMaxListValue
   auto read_int = [&](int* v) {
     const size_t start = i;
     int64_t x = 0;
-    while (i < s.size() && std::isdigit(static_cast<unsigned char>(s[i])) && x < (1 << 24)) x = x * 10 + (s[i++] - '0');
-    *v = static_cast<int>(x);
-    return i > start && x < (1 << 24);
+    while (i < s.size() && std::isdigit(static_cast<unsigned char>(s[i])) && x <= kMaxListValue) x = x * 10 + (s[i++] - '0');
+    while (i < s.size() && std::isdigit(static_cast<unsigned char>(s[i]))) ++i;  // the rest of a huge number
+    *v = static_cast<int>(std::min<int64_t>(x, kMaxListValue));
+    if (x > kMaxListValue) too_big = s.substr(start, i - start);
+    return i > start && x <= kMaxListValue;
   };
   while (i < s.size()) {
     int a = 0, b = 0;
-    if (!read_int(&a)) return bad();
+    const size_t start = i;
+    if (!read_int(&a)) {
+      if (!too_big.empty()) {
+        return invalid_argument(std::string(option) + " '" + s + "': " + too_big + " is above the limit of " +
+                                std::to_string(kMaxListValue));
+      }
+      return bad();
+    }
     b = a;
     if (i < s.size() && s[i] == '-') {
       ++i;
-      if (!read_int(&b) || b < a || b - a > 4096) return bad();
+      if (!read_int(&b)) {
+        if (!too_big.empty()) {
+          return invalid_argument(std::string(option) + " '" + s + "': " + too_big + " is above the limit of " +
+                                  std::to_string(kMaxListValue));
+        }
+        return bad();
+      }
+      if (b < a) return bad();
+      if (b - a + 1 > kMaxListRange) {
+        return invalid_argument(std::string(option) + " '" + s + "': the range " + s.substr(start, i - start) +
+                                " is too large (" + std::to_string(int64_t{b} - a + 1) + " values, limit " +
+                                std::to_string(kMaxListRange) + " per range)");
+      }
     }
     for (int v = a; v <= b; ++v) out.push_back(v);
     if (i < s.size()) {

@@ -47,10 +47,14 @@ std::vector<int64_t> squeeze(const st::TensorInfo& t, size_t rank) {
 
 Result<std::vector<float>> to_f32(const st::File& f, const st::TensorInfo& t) {
   const auto b = f.bytes(t);
+  // Sizes come from the file: checked before allocating (parse_header already bounds numel).
+  K3_RETURN_IF_ERROR(kda::check_buffer_bytes("tensor '" + st::printable_name(t.name) + "' as FP32", t.numel(), 4));
   const size_t n = static_cast<size_t>(t.numel());
   std::vector<float> out(n);
   switch (t.dtype) {
-    case st::DType::kF32: std::memcpy(out.data(), b.data(), n * 4); break;
+    case st::DType::kF32:
+      if (n > 0) std::memcpy(out.data(), b.data(), n * 4);  // empty: data() may be null
+      break;
     case st::DType::kF64:
       for (size_t i = 0; i < n; ++i) {
         double d;
@@ -99,8 +103,9 @@ Result<const st::TensorInfo*> need(const st::File& f, const char* name) {
 
 Status load_act(const st::File& f, const st::TensorInfo& t, std::vector<uint16_t>& b16, std::vector<float>& f32) {
   if (t.dtype == st::DType::kBF16) {
+    K3_RETURN_IF_ERROR(kda::check_buffer_bytes("tensor '" + st::printable_name(t.name) + "'", t.numel(), 2));
     b16.resize(static_cast<size_t>(t.numel()));
-    std::memcpy(b16.data(), f.bytes(t).data(), b16.size() * 2);
+    if (!b16.empty()) std::memcpy(b16.data(), f.bytes(t).data(), b16.size() * 2);  // empty: data() may be null
     return Status::ok();
   }
   auto v = to_f32(f, t);
@@ -139,6 +144,12 @@ Result<Loaded> load(const st::File& f, const RunArgs& a) {
   L.cfg.num_heads = H;
   L.cfg.head_k = K;
   L.cfg.head_v = V;
+  // H, K, V within the library's limits before any size product is formed from them (a [0, H, K]
+  // tensor holds no bytes whatever H and K are).
+  if (Status st = kda::validate_config(L.cfg); !st.is_ok()) {
+    return invalid_argument("tensors 'q' " + dims(q.value()->shape) + " / 'v' " + dims(v.value()->shape) + ": " +
+                            st.message());
+  }
   K3_RETURN_IF_ERROR(load_act(f, *q.value(), L.q16, L.q32));
   K3_RETURN_IF_ERROR(load_act(f, *k.value(), L.k16, L.k32));
   K3_RETURN_IF_ERROR(load_act(f, *v.value(), L.v16, L.v32));
@@ -203,7 +214,11 @@ Result<Loaded> load(const st::File& f, const RunArgs& a) {
                                 ", expected I64 or I32");
       }
     }
-    L.seqs = std::max<int64_t>(1, static_cast<int64_t>(L.cu_seqlens.size()) - 1);
+    // A cu_seqlens tensor that is present must be valid (an empty one is not "one sequence").
+    if (Status st = kda::check_cu_seqlens(L.cu_seqlens, T); !st.is_ok()) {
+      return invalid_argument(f.path() + ": tensor " + st.message());
+    }
+    L.seqs = static_cast<int64_t>(L.cu_seqlens.size()) - 1;
   }
   auto layout = kda::parse_state_layout(a.layout);
   if (!layout.is_ok()) return layout.status();
@@ -251,7 +266,17 @@ int run(const RunArgs& a) {
   const Loaded& L = loaded.value();
   const kda::KdaInputs in = L.inputs();
   const auto& c = L.cfg;
-  const int64_t o_size = L.tokens * c.num_heads * c.head_v, s_size = L.seqs * c.num_heads * c.head_k * c.head_v;
+  // Output sizes come from the file's shapes (N from cu_seqlens): checked before allocating.
+  const auto o_elems = kda::checked_product("output 'o' [T, H, V]", {L.tokens, c.num_heads, c.head_v});
+  const auto s_elems = kda::checked_product("output 'final_state' [N, H, K, V]", {L.seqs, c.num_heads, c.head_k, c.head_v});
+  if (!o_elems.is_ok()) return fail(o_elems.status());
+  if (!s_elems.is_ok()) return fail(s_elems.status());
+  const int64_t elem = a.backend == "fp64-reference" ? 8 : 4;
+  K3_RETURN_IF_ERROR_INT(kda::check_buffer_bytes("output 'o' [T, H, V] = " + dims({L.tokens, c.num_heads, c.head_v}),
+                                                 o_elems.value(), elem));
+  K3_RETURN_IF_ERROR_INT(kda::check_buffer_bytes(
+      "output 'final_state' [N, H, K, V] = " + dims({L.seqs, c.num_heads, c.head_k, c.head_v}), s_elems.value(), elem));
+  const int64_t o_size = o_elems.value(), s_size = s_elems.value();
   const bool kf = c.layout == kda::StateLayout::kKFirst;
   const std::vector<int64_t> o_shape = {L.tokens, c.num_heads, c.head_v};
   const std::vector<int64_t> s_shape = {L.seqs, c.num_heads, kf ? c.head_k : c.head_v, kf ? c.head_v : c.head_k};

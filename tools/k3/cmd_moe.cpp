@@ -180,6 +180,7 @@ int run_moe(const MoeRunArgs& a) {
     }
     backend = b.value();
   }
+  if (Status s = check_ep_flags(a.ep_size, a.ep_rank, a.checkpoint); !s.is_ok()) return fail(s);
   auto layer = load_moe_layer(a.checkpoint, a.layer, a.ep_size, a.ep_rank);
   if (!layer.is_ok()) return fail(layer.status());
   auto rc = routing_from_config(layer->config);

@@ -6,6 +6,7 @@
 
 #include "k3/atomic_file.hpp"
 #include "k3/build_info.hpp"
+#include "k3/system.hpp"
 #include "command.hpp"
 
 namespace k3::tool {
@@ -37,6 +38,13 @@ int main(int argc, char** argv) {
   }
   for (auto& [sub, run] : runners) {
     if (sub->parsed()) {
+      // A K3_ISA that is unknown or above what the CPU has is an error for every command: it must
+      // never make the CPU backend silently unavailable (and `moe run` / `validate` fall back to
+      // the slow reference backend).
+      if (const auto isa = k3::active_isa_level(); !isa.is_ok()) {
+        std::fprintf(stderr, "k3 %s: %s\n", sub->get_name().c_str(), isa.status().to_string().c_str());
+        return 2;
+      }
       try {
         return run();
       } catch (const std::exception& e) {

@@ -32,7 +32,8 @@ Status run_cpu_moe(const MoeProblem& p, const MoeWeightsView& w, const MoeInputs
 }
 
 Status cpu_available() {
-  auto isa = active_isa_level();  // a bad K3_ISA makes the backend unavailable, with the reason
+  // A bad K3_ISA never gets here from the k3 tool: main() refuses it before any command runs.
+  auto isa = active_isa_level();
   return isa.is_ok() ? Status::ok() : isa.status();
 }
 

@@ -2,12 +2,30 @@
 
 #include <string>
 
+#include "k3/safetensors.hpp"
+
 namespace k3::tool {
+
+Status check_ep_flags(int ep_size, int ep_rank, const std::string& checkpoint) {
+  const std::string flags = "--ep-size " + std::to_string(ep_size) + " --ep-rank " + std::to_string(ep_rank);
+  if (ep_size < 1) return invalid_argument(flags + ": --ep-size must be >= 1, got " + std::to_string(ep_size));
+  if (ep_rank < 0 || ep_rank >= ep_size) {
+    return invalid_argument(flags + ": --ep-rank must be in [0, " + std::to_string(ep_size) + ") (below --ep-size), got " +
+                            std::to_string(ep_rank));
+  }
+  auto cfg = load_model_config(checkpoint);
+  if (!cfg.is_ok()) return Status::ok();  // the loader reports the config itself
+  if (cfg->num_experts % ep_size != 0) {
+    return invalid_argument(flags + ": --ep-size must divide the checkpoint's " + std::to_string(cfg->num_experts) +
+                            " experts (num_experts in " + cfg->source + "), got " + std::to_string(ep_size));
+  }
+  return Status::ok();
+}
 
 Result<Activation> activation_from_config(const MoeModelConfig& c) {
   auto kind = parse_activation(c.hidden_act);
   if (!kind.is_ok()) {
-    return unsupported(c.source + ": hidden_act '" + c.hidden_act +
+    return unsupported(c.source + ": hidden_act '" + st::printable_name(c.hidden_act) +
                        "' is not a fused-MoE activation of k3 (situ, swiglu, silu)");
   }
   Activation a;

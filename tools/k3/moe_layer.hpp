@@ -2,12 +2,20 @@
 // layer, activation and routing from its config.json (never from flags).
 #pragma once
 
+#include <string>
+
 #include "k3/checkpoint.hpp"
 #include "k3/moe.hpp"
 #include "k3/routing.hpp"
 #include "k3/status.hpp"
 
 namespace k3::tool {
+
+// The --ep-size / --ep-rank flags of a command that loads `checkpoint`: ep_size >= 1, ep_rank in
+// [0, ep_size), and ep_size divides the checkpoint's num_experts (read from its config.json; if
+// that cannot be read the loader reports it). Errors name the flags and their values, not the
+// config file, which is not what is wrong.
+Status check_ep_flags(int ep_size, int ep_rank, const std::string& checkpoint);
 
 // Activation from hidden_act ("situ" with the config's betas, "swiglu", "silu"); anything else is
 // an error naming the value and the config file.

@@ -46,6 +46,10 @@ void validate_on_checkpoint(const ValidateOptions& o, const std::vector<Recipe>&
                             std::vector<ValidateRow>& rows) {
   const std::string tag = "ckpt L" + std::to_string(o.layer) + " ep" + std::to_string(o.ep_size) + "r" +
                           std::to_string(o.ep_rank);
+  if (const Status ep = check_ep_flags(o.ep_size, o.ep_rank, o.checkpoint); !ep.is_ok()) {
+    rows.push_back(fail_row(tag + " flags", ep.to_string()));
+    return;
+  }
   auto layer = load_moe_layer(o.checkpoint, o.layer, o.ep_size, o.ep_rank);
   if (!layer.is_ok()) {
     rows.push_back(fail_row(tag + " load", layer.status().to_string()));

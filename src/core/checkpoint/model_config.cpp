@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <cmath>
+#include <cstdio>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,7 @@
 #include "core/io/json_guard.hpp"
 #include "k3/atomic_file.hpp"
 #include "k3/checkpoint.hpp"
+#include "k3/safetensors.hpp"
 
 namespace k3 {
 
@@ -62,11 +64,36 @@ class Keys {
   Status get_float(float* out, const char* key, const char* alt = nullptr) const {
     const Json* v = find(key, alt);
     if (!v) return missing(key, alt);
-    if (!v->is_number() || !std::isfinite(v->get<double>())) {
-      return mistyped(obj_.contains(key) ? key : alt, *v, "a finite number");
+    // Range-checked as a double first: converting a double beyond FLT_MAX to float is undefined.
+    if (!v->is_number() || !std::isfinite(v->get<double>()) ||
+        std::fabs(v->get<double>()) > static_cast<double>(std::numeric_limits<float>::max())) {
+      return mistyped(obj_.contains(key) ? key : alt, *v, "a finite number within the FP32 range");
     }
-    *out = v->get<float>();
+    *out = static_cast<float>(v->get<double>());
     return Status::ok();
+  }
+  // A finite number whose FP32 value lies in [lo, hi] (so it neither overflows to inf nor
+  // underflows to 0 when rounded).
+  Status get_float_in(float* out, float lo, float hi, const char* key) const {
+    const Json* v = find(key);
+    if (v != nullptr && v->is_number() && std::isfinite(v->get<double>()) &&
+        !(std::fabs(v->get<double>()) <= static_cast<double>(std::numeric_limits<float>::max()))) {
+      return invalid_argument(where_ + ": \"" + key + "\" = " + detail::json_quote(*v) +
+                              " is outside the accepted range [" + fmt(lo) + ", " + fmt(hi) + "] (overflows FP32)");
+    }
+    K3_RETURN_IF_ERROR(get_float(out, key));
+    const double d = v->get<double>();
+    if (!(d >= static_cast<double>(lo) && d <= static_cast<double>(hi)) || !(*out >= lo && *out <= hi)) {
+      return invalid_argument(where_ + ": \"" + key + "\" = " + detail::json_quote(*find(key)) +
+                              " is outside the accepted range [" + fmt(lo) + ", " + fmt(hi) + "]" +
+                              (*out == 0.0f && d != 0.0 ? " (underflows to 0 in FP32)" : ""));
+    }
+    return Status::ok();
+  }
+  static std::string fmt(float v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", static_cast<double>(v));
+    return buf;
   }
   Status get_bool(bool* out, const char* key, const char* alt = nullptr) const {
     const Json* v = find(key, alt);
@@ -115,8 +142,11 @@ Result<MoeModelConfig> parse_impl(const std::string& json_text, const std::strin
     return invalid_argument(source + ": JSON nests " + std::to_string(depth) + " levels deep (limit " +
                             std::to_string(detail::kMaxJsonDepth) + ")");
   }
-  const Json root = Json::parse(json_text, nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded()) return invalid_argument(source + ": not valid JSON");
+  Json root;
+  detail::StrictJsonError err;
+  if (!detail::parse_strict_json(json_text, /*only_spaces=*/false, /*base=*/0, &root, &err)) {
+    return invalid_argument(source + ": " + err.message);
+  }
   if (!root.is_object()) return invalid_argument(source + ": must be a JSON object");
 
   MoeModelConfig cfg;
@@ -147,8 +177,9 @@ Result<MoeModelConfig> parse_impl(const std::string& json_text, const std::strin
   K3_RETURN_IF_ERROR(k.get_string(&cfg.scoring_func, "moe_router_activation_func", "scoring_func"));
   K3_RETURN_IF_ERROR(k.get_string(&cfg.hidden_act, "hidden_act"));
   if (cfg.hidden_act == "situ") {
-    K3_RETURN_IF_ERROR(k.get_float(&cfg.situ_beta, "activation_situ_beta"));
-    K3_RETURN_IF_ERROR(k.get_float(&cfg.situ_linear_beta, "activation_situ_linear_beta"));
+    K3_RETURN_IF_ERROR(k.get_float_in(&cfg.situ_beta, kMinSituBeta, kMaxSituBeta, "activation_situ_beta"));
+    K3_RETURN_IF_ERROR(
+        k.get_float_in(&cfg.situ_linear_beta, kMinSituBeta, kMaxSituBeta, "activation_situ_linear_beta"));
   }
   K3_RETURN_IF_ERROR(k.get_int(&cfg.num_hidden_layers, 1, 1 << 20, "num_hidden_layers"));
   K3_RETURN_IF_ERROR(k.get_int(&cfg.first_k_dense_replace, 0, 1 << 20, "first_k_dense_replace"));
@@ -167,7 +198,7 @@ Result<MoeModelConfig> parse_impl(const std::string& json_text, const std::strin
                             " exceeds num_hidden_layers = " + std::to_string(cfg.num_hidden_layers));
   }
   if (cfg.scoring_func != "sigmoid" && cfg.scoring_func != "softmax") {
-    return invalid_argument(k.where() + ": router scoring function '" + cfg.scoring_func +
+    return invalid_argument(k.where() + ": router scoring function '" + st::printable_name(cfg.scoring_func) +
                             "' is not supported (expected sigmoid or softmax)");
   }
   // quantization_config sits next to the text facts (Kimi-K3) or at the top level.

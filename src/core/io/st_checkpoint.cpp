@@ -75,15 +75,18 @@ Status load_index(const fs::path& index_path, std::map<std::string, std::string>
     return io_error(ip + ": JSON nests " + std::to_string(depth) + " levels deep (limit " +
                     std::to_string(detail::kMaxJsonDepth) + ")");
   }
-  const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return io_error(ip + ": not valid JSON");
+  nlohmann::json j;
+  detail::StrictJsonError err;
+  if (!detail::parse_strict_json(text, /*only_spaces=*/false, /*base=*/0, &j, &err)) {
+    return io_error(ip + ": " + err.message);
+  }
   if (!j.is_object()) return io_error(ip + ": must be a JSON object");
   const auto wm = j.find("weight_map");
   if (wm == j.end()) return io_error(ip + ": missing \"weight_map\"");
   if (!wm->is_object()) return io_error(ip + ": \"weight_map\" must be an object of tensor -> shard file");
   for (const auto& [name, file] : wm->items()) {
     if (!file.is_string() || !plain_file_name(file.get<std::string>())) {
-      return io_error(ip + ": tensor '" + name + "': shard " + detail::json_quote(file) +
+      return io_error(ip + ": tensor '" + st::printable_name(name) + "': shard " + detail::json_quote(file) +
                       " must be a file name inside the checkpoint directory");
     }
     (*map)[name] = file.get<std::string>();

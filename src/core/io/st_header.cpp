@@ -6,7 +6,6 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <set>
 
 #include "core/io/json_guard.hpp"
 #include "k3/safetensors.hpp"
@@ -50,7 +49,7 @@ std::optional<int64_t> non_negative_int(const Json& v) {
 
 Result<TensorInfo> parse_entry(const std::string& source, const std::string& name, const Json& v,
                                uint64_t data_size) {
-  const std::string where = source + ": tensor '" + name + "': ";
+  const std::string where = source + ": tensor '" + printable_name(name) + "': ";
   if (!v.is_object()) return io_error(where + "entry must be a JSON object, got " + detail::json_quote(v));
   TensorInfo t;
   t.name = name;
@@ -114,7 +113,8 @@ Status parse_metadata(const std::string& source, const Json& v, std::map<std::st
   if (!v.is_object()) return io_error(source + ": \"__metadata__\" must be an object, got " + detail::json_quote(v));
   for (const auto& [k, val] : v.items()) {
     if (!val.is_string()) {
-      return io_error(source + ": \"__metadata__\" entry '" + k + "' must be a string, got " + detail::json_quote(val));
+      return io_error(source + ": \"__metadata__\" entry '" + printable_name(k) + "' must be a string, got " +
+                      detail::json_quote(val));
     }
     (*out)[k] = val.get<std::string>();
   }
@@ -147,21 +147,27 @@ Result<std::vector<TensorInfo>> parse_header_impl(std::span<const uint8_t> image
     return io_error(source + ": header JSON nests " + std::to_string(depth) + " levels deep (limit " +
                     std::to_string(kMaxJsonDepth) + ")");
   }
-  std::set<std::string> seen;
-  std::string duplicate;
-  Json::parser_callback_t on_event = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    if (event == Json::parse_event_t::key && depth == 1 && parsed.is_string()) {
-      auto key = parsed.get<std::string>();
-      if (!seen.insert(key).second && duplicate.empty()) duplicate = std::move(key);
+  if (const int64_t n = detail::json_top_level_members(text); n > kMaxTensors) {
+    return io_error(source + ": header has " + num(n) + " entries, above the limit of " + num(kMaxTensors) +
+                    " (kMaxTensors)");
+  }
+  Json header;
+  detail::StrictJsonError err;
+  if (!detail::parse_strict_json(text, /*only_spaces=*/true, /*base=*/8, &header, &err)) {
+    if (err.duplicate && err.dup.top_key.empty()) {
+      return io_error(source + ": tensor '" + printable_name(err.dup.key) + "': name appears more than once (at byte " +
+                      num(static_cast<uint64_t>(8 + err.dup.offset)) + ")");
     }
-    return true;
-  };
-  const Json header = Json::parse(text.begin(), text.end(), on_event, /*allow_exceptions=*/false);
-  if (header.is_discarded()) return io_error(source + ": header is not valid JSON (" + num(header_len) + " bytes)");
+    if (err.duplicate) {
+      return io_error(source + ": tensor '" + printable_name(err.dup.top_key) + "': key \"" +
+                      printable_name(err.dup.key) + "\" appears more than once (at byte " +
+                      num(static_cast<uint64_t>(8 + err.dup.offset)) + ")");
+    }
+    return io_error(source + ": header " + (err.syntax ? "is " : "") + err.message);
+  }
   if (!header.is_object()) {
     return io_error(source + ": header must be a JSON object, got " + std::string(header.type_name()));
   }
-  if (!duplicate.empty()) return io_error(source + ": tensor '" + duplicate + "': name appears more than once");
 
   std::vector<TensorInfo> tensors;
   tensors.reserve(header.size());
@@ -186,8 +192,9 @@ Result<std::vector<TensorInfo>> parse_header_impl(std::span<const uint8_t> image
   for (const auto& t : tensors) {
     if (t.end == t.begin) continue;
     if (reach != nullptr && t.begin < reach->end) {
-      return io_error(source + ": tensor '" + t.name + "': data_offsets [" + num(t.begin) + ", " + num(t.end) +
-                      "] overlap tensor '" + reach->name + "' [" + num(reach->begin) + ", " + num(reach->end) + "]");
+      return io_error(source + ": tensor '" + printable_name(t.name) + "': data_offsets [" + num(t.begin) + ", " +
+                      num(t.end) + "] overlap tensor '" + printable_name(reach->name) + "' [" + num(reach->begin) +
+                      ", " + num(reach->end) + "]");
     }
     if (reach == nullptr || t.end > reach->end) reach = &t;
   }
@@ -222,9 +229,36 @@ Result<DType> parse_dtype(const std::string& name) {
 }
 
 int64_t TensorInfo::numel() const {
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return 0;
   int64_t n = 1;
-  for (const int64_t d : shape) n *= d;
+  for (const int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(n, d, &n)) return -1;
+  }
   return n;
+}
+
+std::string printable_name(std::string_view name) {
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  out.reserve(name.size());
+  const auto esc = [&](unsigned char c) {
+    out += "\\x";
+    out += hex[c >> 4];
+    out += hex[c & 15];
+  };
+  for (size_t i = 0; i < name.size(); ++i) {
+    const auto c = static_cast<unsigned char>(name[i]);
+    if (c < 0x20 || c == 0x7f || c == '\\') {
+      esc(c);
+    } else if (c == 0xC2 && i + 1 < name.size() && static_cast<unsigned char>(name[i + 1]) >= 0x80 &&
+               static_cast<unsigned char>(name[i + 1]) <= 0x9F) {  // U+0080-U+009F (C1 controls)
+      esc(c);
+      esc(static_cast<unsigned char>(name[++i]));
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
 }
 
 std::string shape_string(const std::vector<int64_t>& shape) {

@@ -30,17 +30,17 @@ Status Writer::check_new(const std::string& name, DType dtype, const std::vector
                          int64_t* nbytes) const {
   if (name.empty()) return invalid_argument("safetensors writer: tensor name must not be empty");
   if (name == "__metadata__") return invalid_argument("safetensors writer: '__metadata__' is reserved");
-  if (names_.count(name)) return invalid_argument("safetensors writer: tensor '" + name + "' added twice");
+  if (names_.count(name)) return invalid_argument("safetensors writer: tensor '" + printable_name(name) + "' added twice");
   if (!valid_utf8(name)) return invalid_argument("safetensors writer: a tensor name is not valid UTF-8");
   int64_t n = dtype_size(dtype);
-  if (n == 0) return invalid_argument("safetensors writer: tensor '" + name + "': unknown dtype");
+  if (n == 0) return invalid_argument("safetensors writer: tensor '" + printable_name(name) + "': unknown dtype");
   for (const int64_t d : shape) {
     if (d < 0) {
-      return invalid_argument("safetensors writer: tensor '" + name + "': shape " + shape_string(shape) +
+      return invalid_argument("safetensors writer: tensor '" + printable_name(name) + "': shape " + shape_string(shape) +
                               " has a negative dim");
     }
     if (__builtin_mul_overflow(n, d, &n)) {
-      return invalid_argument("safetensors writer: tensor '" + name + "': shape " + shape_string(shape) +
+      return invalid_argument("safetensors writer: tensor '" + printable_name(name) + "': shape " + shape_string(shape) +
                               " overflows 64-bit byte counts");
     }
   }
@@ -52,7 +52,7 @@ Status Writer::add(const std::string& name, DType dtype, std::vector<int64_t> sh
   int64_t nbytes = 0;
   K3_RETURN_IF_ERROR(check_new(name, dtype, shape, &nbytes));
   if (static_cast<int64_t>(bytes.size()) != nbytes) {
-    return invalid_argument("safetensors writer: tensor '" + name + "': shape " + shape_string(shape) + " x " +
+    return invalid_argument("safetensors writer: tensor '" + printable_name(name) + "': shape " + shape_string(shape) + " x " +
                             dtype_name(dtype) + " needs " + std::to_string(nbytes) + " bytes, got " +
                             std::to_string(bytes.size()));
   }
@@ -64,9 +64,9 @@ Status Writer::add(const std::string& name, DType dtype, std::vector<int64_t> sh
 Status Writer::add_deferred(const std::string& name, DType dtype, std::vector<int64_t> shape, Fill fill) {
   int64_t nbytes = 0;
   K3_RETURN_IF_ERROR(check_new(name, dtype, shape, &nbytes));
-  if (!fill) return invalid_argument("safetensors writer: tensor '" + name + "': empty fill function");
+  if (!fill) return invalid_argument("safetensors writer: tensor '" + printable_name(name) + "': empty fill function");
   if (nbytes > kChunkCap) {
-    return invalid_argument("safetensors writer: deferred tensor '" + name + "' of " + std::to_string(nbytes) +
+    return invalid_argument("safetensors writer: deferred tensor '" + printable_name(name) + "' of " + std::to_string(nbytes) +
                             " bytes exceeds the " + std::to_string(kChunkCap) + "-byte limit of one fill");
   }
   entries_.push_back({name, dtype, std::move(shape), nbytes, {}, std::move(fill)});

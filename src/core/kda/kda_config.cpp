@@ -1,4 +1,6 @@
 // KDA configuration names, limits and the shape checks every backend shares.
+#include <unistd.h>
+
 #include <cmath>
 #include <string>
 
@@ -65,6 +67,57 @@ float KdaConfig::effective_scale() const {
   return scale > 0.0f ? scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_k)));
 }
 
+Result<int64_t> checked_product(const std::string& what, std::initializer_list<int64_t> factors) {
+  int64_t n = 1;
+  bool overflow = false;
+  for (const int64_t f : factors) {
+    if (f < 0 || __builtin_mul_overflow(n, f, &n)) overflow = true;
+  }
+  if (overflow) {
+    std::string fs;
+    for (const int64_t f : factors) fs += (fs.empty() ? "" : " x ") + num(f);
+    return invalid_argument(what + ": size " + fs + " is negative or overflows 64-bit element counts");
+  }
+  return n;
+}
+
+Status check_buffer_bytes(const std::string& what, int64_t count, int64_t elem_bytes) {
+  auto bytes = checked_product(what, {count, elem_bytes});
+  if (!bytes.is_ok()) return bytes.status();
+  const int64_t b = bytes.value();
+  if (b > kMaxBufferBytes) {
+    return out_of_range(what + " needs " + num(b) + " bytes, above the limit of " + num(kMaxBufferBytes) +
+                              " bytes (kda::kMaxBufferBytes)");
+  }
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0) {
+    int64_t phys = 0;
+    if (!__builtin_mul_overflow(static_cast<int64_t>(pages), static_cast<int64_t>(page), &phys) && b > phys) {
+      return out_of_range(what + " needs " + num(b) + " bytes, more than this machine's " + num(phys) +
+                                " bytes of physical memory");
+    }
+  }
+  return Status::ok();
+}
+
+Status check_cu_seqlens(std::span<const int64_t> cu, int64_t t) {
+  if (cu.size() < 2) {
+    return invalid_argument("cu_seqlens has " + num(cu.size()) + " entries, needs at least 2 ([N + 1], N >= 1)");
+  }
+  if (cu[0] != 0) return invalid_argument("cu_seqlens[0] = " + num(cu[0]) + " must be 0");
+  for (size_t i = 1; i < cu.size(); ++i) {
+    if (cu[i] < cu[i - 1]) {
+      return invalid_argument("cu_seqlens[" + num(i) + "] = " + num(cu[i]) + " is below cu_seqlens[" + num(i - 1) +
+                              "] = " + num(cu[i - 1]) + " (must be non-decreasing)");
+    }
+  }
+  if (cu.back() != t) {
+    return invalid_argument("cu_seqlens[" + num(cu.size() - 1) + "] (the last entry) = " + num(cu.back()) +
+                            " must equal the token count T = " + num(t));
+  }
+  return Status::ok();
+}
+
 Status validate_config(const KdaConfig& c) {
   if (c.num_heads < 1 || c.num_heads > kMaxHeads) {
     return invalid_argument("num_heads = " + num(c.num_heads) + " must be in [1, " + num(kMaxHeads) + "]");
@@ -118,21 +171,12 @@ Result<PrefillShape> detail::validate_prefill_sizes(const KdaConfig& c, const Kd
   if (in.cu_seqlens.empty()) {
     s.num_seqs = 1;
   } else {
-    const auto& cu = in.cu_seqlens;
-    if (cu.size() < 2) return invalid_argument("cu_seqlens has " + num(cu.size()) + " entries, needs at least 2");
-    if (cu[0] != 0) return invalid_argument("cu_seqlens[0] = " + num(cu[0]) + " must be 0");
-    for (size_t i = 1; i < cu.size(); ++i) {
-      if (cu[i] < cu[i - 1]) {
-        return invalid_argument("cu_seqlens[" + num(i) + "] = " + num(cu[i]) + " is below cu_seqlens[" + num(i - 1) +
-                                "] = " + num(cu[i - 1]) + " (must be non-decreasing)");
-      }
-    }
-    if (cu.back() != t) {
-      return invalid_argument("cu_seqlens[N] = " + num(cu.back()) + " must equal the token count T = " + num(t));
-    }
-    s.num_seqs = static_cast<int64_t>(cu.size()) - 1;
+    K3_RETURN_IF_ERROR(check_cu_seqlens(in.cu_seqlens, t));
+    s.num_seqs = static_cast<int64_t>(in.cu_seqlens.size()) - 1;
   }
-  const int64_t state = s.num_seqs * h * dk * dv;
+  auto state_elems = checked_product("state [N, H, K, V]", {s.num_seqs, h, dk, dv});
+  if (!state_elems.is_ok()) return state_elems.status();
+  const int64_t state = state_elems.value();
   const char* sshape = c.layout == StateLayout::kKFirst ? "([N, H, K, V])" : "([N, H, V, K])";
   if (!in.initial_state.empty()) {
     K3_RETURN_IF_ERROR(check_size("initial_state", static_cast<int64_t>(in.initial_state.size()), state, sshape));

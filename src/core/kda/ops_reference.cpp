@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "k3/kda.hpp"
 #include "k3/kda_ops.hpp"
 
 namespace k3::kda {
@@ -29,16 +30,8 @@ Status detail::validate_conv(const ConvArgs& a, int64_t* num_tokens, int64_t* nu
   if (!a.bias.empty() && sz(a.bias.size()) != D) return size_error("bias", sz(a.bias.size()), D, "([D])");
   int64_t n = 1;
   if (!a.cu_seqlens.empty()) {
-    const auto& cu = a.cu_seqlens;
-    if (cu.size() < 2 || cu[0] != 0 || cu.back() != T) {
-      return invalid_argument("cu_seqlens must have N + 1 >= 2 entries from 0 to T = " + num(T));
-    }
-    for (size_t i = 1; i < cu.size(); ++i) {
-      if (cu[i] < cu[i - 1]) {
-        return invalid_argument("cu_seqlens[" + num(sz(i)) + "] = " + num(cu[i]) + " is below the entry before it");
-      }
-    }
-    n = sz(cu.size()) - 1;
+    K3_RETURN_IF_ERROR(check_cu_seqlens(a.cu_seqlens, T));
+    n = sz(a.cu_seqlens.size()) - 1;
   }
   if (!a.conv_state.empty() && sz(a.conv_state.size()) != n * D * (W - 1)) {
     return size_error("conv_state", sz(a.conv_state.size()), n * D * (W - 1), "([N, D, W - 1])");

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Replays the hostile-input cases in one command: malformed / hostile safetensors headers and
+# config.json files, absurd KDA shapes and cu_seqlens, bad K3_ISA and flag values, control
+# characters in tensor names, and the output-file safety tests (atomic writes, output = input,
+# FIFOs, /dev/null). Prints one line per suite and the total count; exits non-zero on any failure.
+# Usage: scripts/hostile.sh [BUILD_DIR]   (default: build; builds k3_tests there first)
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+build="${1:-$root/build}"
+if [[ ! -d "$build" ]]; then
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DK3_CUDA=OFF -DK3_BUILD_BENCH=OFF >/dev/null
+fi
+cmake --build "$build" --target k3_tests k3_cli -j "${K3_BUILD_JOBS:-1}" >/dev/null
+
+filter='HostileCli.*:HostileEpFlags.*:HostileSafetensors.*:HostileConfig.*'
+filter+=':SafetensorsMalformed.*:SafetensorsCorpus.*:ModelConfigCorpus.*:ModelConfig.MistypedAndInconsistentValues'
+filter+=':OutputFiles.*:MoeOutputFiles.*:AtomicFile.*:AtomicFileDeathTest.*'
+filter+=':KdaRun.ErrorsNameTheTensor:KdaCli.BenchRejectsBadOptions'
+
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+status=0
+"$build/tests/k3_tests" --gtest_filter="$filter" --gtest_brief=1 >"$log" 2>&1 || status=$?
+grep -E '^\[  (FAILED|PASSED)|^\[==========\]' "$log" || true
+passed="$(grep -oE '^\[  PASSED  \] [0-9]+' "$log" | grep -oE '[0-9]+$' || echo 0)"
+failed="$(grep -cE '^\[  FAILED  \] [A-Za-z]' "$log" || true)"
+echo "hostile cases: ${passed} passed, ${failed} failed"
+if [[ $status -ne 0 ]]; then
+  grep -B2 -A20 -E '^\[  FAILED  \]' "$log" | head -200
+fi
+exit $status
