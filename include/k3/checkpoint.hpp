@@ -1,6 +1,6 @@
 // k3/checkpoint.hpp — Kimi-K3 (and DeepSeek-V3-style) MoE checkpoints: the model facts from
 // config.json and one MoE layer's routed experts for one expert-parallel rank, loaded into the
-// FC1 / FC2 tensors of k3/moe.hpp (spec/moe.md, "Checkpoint tensors").
+// FC1 / FC2 tensors of k3/moe.hpp (docs/moe.md, "Checkpoint tensors").
 //
 // Tensor names (w1 = gate, w3 = up, w2 = down; MXFP4 codes packed two per byte, E8M0 scales):
 //   {P}model.layers.{L}.block_sparse_moe.experts.{E}.w{1,2,3}.weight_packed   U8 [rows, cols/2]

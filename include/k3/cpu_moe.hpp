@@ -1,4 +1,4 @@
-// k3/cpu_moe.hpp — the CPU fused-MoE backend (spec/moe.md, "the fused-MoE contract").
+// k3/cpu_moe.hpp — the CPU fused-MoE backend (docs/moe.md, "the fused-MoE contract").
 //
 // Three steps, in the style of CUTLASS's can_implement / get_workspace_size / run:
 //   plan     checks the shape, the ISA level and the thread count, chooses the blocking and

@@ -1,4 +1,4 @@
-// k3/cuda_moe.hpp — the CUDA fused-MoE backend: plan / prepack / run (spec/moe.md contract).
+// k3/cuda_moe.hpp — the CUDA fused-MoE backend: plan / prepack / run (docs/moe.md contract).
 //
 // STATUS: compiled for sm_90a and sm_120a in CI; NOT YET RUN ON A GPU. Every kernel behind this
 // API is unverified on hardware until scripts/device-check.sh has passed on a device; `k3 info`
@@ -29,7 +29,7 @@ struct DeviceCaps {
   std::vector<int> compiled_archs;   // e.g. {90, 120}: architectures built into this binary
 };
 
-// The bounded list of kernel instances (spec/architecture.md, principle 4).
+// The bounded list of kernel instances (a fixed, small list keeps CI builds short).
 enum class MoePath : uint8_t {
   kDecode,   // few rows per expert: tile 16 rows, weights streamed once per active expert
   kPrefill,  // many rows per expert: tile 64 rows

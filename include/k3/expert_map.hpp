@@ -1,5 +1,5 @@
 // k3/expert_map.hpp — expert parallelism and the permute step of a fused MoE, as plain host
-// functions (spec/moe.md: "Expert parallelism", "Execution facts"). The CPU and CUDA backends use
+// functions (docs/moe.md: "Expert parallelism", "Execution facts"). The CPU and CUDA backends use
 // these for their sort-by-expert / gather / scatter steps, and the benchmarks for the routing
 // histogram.
 //

@@ -1,4 +1,4 @@
-// k3/kda.hpp — Kimi Delta Attention (KDA) core: references and the CPU backend (spec/kda.md).
+// k3/kda.hpp — Kimi Delta Attention (KDA) core: references and the CPU backend (docs/kda.md).
 //
 // Per head (key dim K, value dim V, FP32 state S [K, V]) and token t:
 //   S <- Diag(exp(g_t)) S;  v' = beta_t (v_t - S^T k_t);  S <- S + k_t v'^T;  o_t = S^T (scale q_t)

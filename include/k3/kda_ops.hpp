@@ -1,4 +1,4 @@
-// k3/kda_ops.hpp — the small ops around the KDA core (spec/kda.md, "The K3 layer around the
+// k3/kda_ops.hpp — the small ops around the KDA core (docs/kda.md, "The K3 layer around the
 // core"): the causal depthwise convolution + SiLU on q, k and v with its rolling state, and the
 // gated per-head RMSNorm of the output. FP32 tensors, token-major, non-owning views.
 // Each op has an FP64 reference (computed in double, rounded once to FP32) and a CPU op (FP32

@@ -1,5 +1,5 @@
 // k3/limits.hpp — the machine's measured limits, taken in the same run as a benchmark so that
-// results can be reported as fractions of them (spec/validation.md, benchmark protocol).
+// results can be reported as fractions of them (docs/moe.md, benchmark protocol).
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// k3/moe.hpp — the types that define a fused-MoE problem (spec/moe.md, "the fused-MoE contract").
+// k3/moe.hpp — the types that define a fused-MoE problem (docs/moe.md, "the fused-MoE contract").
 // Shared by the oracles (src/core/ref), the CPU backend (src/cpu) and the CUDA backend (src/cuda).
 // Everything here is a plain value or a non-owning view; nothing allocates.
 #pragma once

@@ -1,5 +1,5 @@
 // k3/moe_case.hpp — seeded, self-contained fused-MoE problems (weights, x, routing) for the
-// validation matrix, benchmarks and tests (spec/validation.md, "The correctness matrix").
+// validation matrix, benchmarks and tests (docs/moe.md, "The correctness matrix").
 //
 // The weights are generated directly as MXFP4 codes and E8M0 scales (no pre-quantization floats
 // exist, so no oracle can read them): element codes follow a rounded N(0, 2.5) in element units,

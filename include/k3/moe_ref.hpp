@@ -1,4 +1,4 @@
-// k3/moe_ref.hpp — the FP64 oracles of the fused-MoE contract (spec/moe.md, spec/validation.md).
+// k3/moe_ref.hpp — the FP64 oracles of the fused-MoE contract (docs/moe.md).
 //
 // Two oracles, both computed from exactly the same inputs a backend gets (the BF16 x, the packed
 // MXFP4 weights and their E8M0 scales, the routing ids and weights); neither ever sees

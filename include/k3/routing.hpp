@@ -1,4 +1,4 @@
-// k3/routing.hpp — the Kimi-K3 / DeepSeek-V3 ("noaux_tc") router (spec/moe.md, "Routing").
+// k3/routing.hpp — the Kimi-K3 / DeepSeek-V3 ("noaux_tc") router (docs/moe.md, "Routing").
 //
 // Per token, all in FP32:
 //   s      = sigmoid(logits) = 1 / (1 + exp(-logit))        per expert (k3::sigmoid_f32)

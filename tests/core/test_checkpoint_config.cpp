@@ -15,7 +15,7 @@ namespace {
 
 #define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << "message: " << (msg)
 
-// The Kimi-K3 config facts of spec/moe.md, written out by hand.
+// The Kimi-K3 config facts of docs/moe.md, written out by hand.
 nlohmann::json kimi_config() {
   return nlohmann::json::parse(R"({
     "architectures": ["KimiK3ForConditionalGeneration"],

@@ -30,7 +30,7 @@ TEST(E2M1, EveryCodeDecodesAndRoundTrips) {
 }
 
 TEST(E2M1, RoundingThresholdsTieToEven) {
-  // spec/formats.md: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4
+  // docs/formats.md: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4
   const std::pair<float, float> ties[] = {{0.25f, 0.f}, {0.75f, 1.f}, {1.25f, 1.f}, {1.75f, 2.f},
                                           {2.5f, 2.f},  {3.5f, 4.f},  {5.f, 4.f}};
   for (auto [x, want] : ties) {

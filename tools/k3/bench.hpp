@@ -1,5 +1,5 @@
 // `k3 bench <target>`: benchmarks report medians with spread and fractions of the machine's
-// limits measured in the same run (spec/validation.md). Each target (limits, moe, kda, ...)
+// limits measured in the same run (docs/moe.md). Each target (limits, moe, kda, ...)
 // registers itself from its own tools/k3/bench_*.cpp.
 #pragma once
 

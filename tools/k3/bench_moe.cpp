@@ -1,5 +1,5 @@
 // `k3 bench moe`: the CPU fused-MoE backend over an M sweep, as fractions of the machine's
-// limits measured in the same run (spec/validation.md, benchmark protocol):
+// limits measured in the same run (docs/moe.md, benchmark protocol):
 //   decode  (M <= 64):  MXFP4 weight bytes streamed per second / read bandwidth
 //   prefill (M >= 128): FLOP/s / peak of the dot-product instruction the kernel uses
 // Both fractions are printed for every M; the "bound" column names the one that applies.

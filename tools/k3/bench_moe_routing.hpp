@@ -1,4 +1,4 @@
-// Routing distributions of `k3 bench moe` (spec/validation.md, benchmark protocol) and the
+// Routing distributions of `k3 bench moe` (docs/moe.md, benchmark protocol) and the
 // replay file format.
 //
 // Replay file (little-endian): 8 bytes magic "K3IDS001", int64 tokens, int64 top_k, then

@@ -67,7 +67,7 @@ std::vector<ValidateRow> run_formats(const ValidateOptions& opt) {
     bad += !std::isnan(e8m0_to_f32(0xFF));
     rows.push_back(row("e8m0 codes decode/encode (256)", bad == 0, bad ? std::to_string(bad) + " mismatches" : ""));
 
-    // Worked examples of spec/formats.md: (element, amax, FLOOR code, RCEIL code).
+    // Worked examples of docs/formats.md: (element, amax, FLOOR code, RCEIL code).
     struct Example { MxElement e; float amax; int floor_code, rceil_code; };
     const Example ex[] = {{MxElement::kE4M3, 480.f, 127, 128}, {MxElement::kE4M3, 300.f, 127, 127},
                           {MxElement::kE2M1, 7.f, 127, 128}};

@@ -1,4 +1,4 @@
-// `k3 validate --op kda`: the stress matrix of spec/kda.md against the FP32 and FP64
+// `k3 validate --op kda`: the stress matrix of docs/kda.md against the FP32 and FP64
 // token-recurrent references: resets (g = -1000), D 60 / 100 / 128, T 63 / 500 / 1000 / 1500 /
 // 8192, varlen with a 15-token sequence, the K3 shape H = 96, K = V = 128; decode and verify on
 // a state pool (untouched slots bit-identical); chunked vs recurrent; thread-count determinism;

@@ -1,4 +1,4 @@
-// `k3 validate --op moe`: the fused-MoE correctness matrix of spec/validation.md for every usable
+// `k3 validate --op moe`: the fused-MoE correctness matrix of docs/moe.md for every usable
 // backend, against the FP64 contract oracle (tight tolerances) and, at Kimi shapes, the seeds'
 // BF16 reference (recipe noise, reported as the seed metrics). Suites: smoke, real, nonfinite,
 // determinism, all. See docs/moe.md.

@@ -37,7 +37,7 @@ struct KdaCase {
 
 KdaCase make_case(const CaseSpec& spec);
 
-// err_ratio = RMS(out - ref) / RMS(ref) (spec/kda.md), plus max |out - ref| and cosine.
+// err_ratio = RMS(out - ref) / RMS(ref) (docs/kda.md), plus max |out - ref| and cosine.
 struct ErrorStats {
   double err_ratio = 0, max_abs = 0, cosine = 1;
 };

@@ -1,4 +1,4 @@
-// Token-recurrent KDA references in FP64 and FP32: the recurrence of spec/kda.md, literally.
+// Token-recurrent KDA references in FP64 and FP32: the recurrence of docs/kda.md, literally.
 // Threads over (sequence, head); each pair is computed by one thread in token order, so the
 // results do not depend on the thread count.
 #include <cmath>

@@ -20,7 +20,7 @@ namespace {
 
 std::string num(int64_t v) { return std::to_string(v); }
 
-// The ranking of spec/moe.md plus the NaN policy: a before b when a's key is larger, NaN keys
+// The ranking of docs/moe.md plus the NaN policy: a before b when a's key is larger, NaN keys
 // last, equal keys by lower index. A total order, so any correct sort gives the same result.
 struct Better {
   const float* key;

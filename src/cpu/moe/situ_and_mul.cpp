@@ -1,4 +1,4 @@
-// situ_and_mul: the standalone SiTU gated activation (spec/moe.md), row-strided input.
+// situ_and_mul: the standalone SiTU gated activation (docs/moe.md), row-strided input.
 #include <string>
 
 #include "cpu/moe/elementwise.hpp"
