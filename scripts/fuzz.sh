@@ -3,7 +3,9 @@
 #   scripts/fuzz.sh [SECONDS] [TARGET] [extra libFuzzer flags...]
 #   SECONDS default 60; TARGET: safetensors (default: the safetensors header parser) or model_config
 # Builds build-fuzz/fuzz/fuzz_TARGET, seeds it with tests/data/TARGET_corpus (read only), keeps the
-# inputs it discovers in build-fuzz/corpus_TARGET; crashers land in build-fuzz/artifacts/.
+# inputs it discovers in fuzz/corpus/TARGET (in the repository: commit it so the corpus grows from
+# session to session; minimize with `build-fuzz/fuzz/fuzz_TARGET -merge=1 NEW_DIR fuzz/corpus/TARGET`);
+# crashers land in build-fuzz/artifacts/.
 # A crasher, once fixed, belongs in tests/data/TARGET_corpus (bad_* or valid_*), which the unit
 # tests replay on every build (SafetensorsCorpus.ReplaysEveryFile, ModelConfigCorpus.ReplaysEveryFile).
 set -euo pipefail
@@ -20,7 +22,7 @@ esac
 cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_C_COMPILER=clang-14 -DK3_FUZZ=ON -DK3_CUDA=OFF \
   -DK3_BUILD_TESTS=OFF -DK3_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build-fuzz --target "fuzz_$target" -j2
-mkdir -p "build-fuzz/corpus_$target" build-fuzz/artifacts
-exec "./build-fuzz/fuzz/fuzz_$target" "build-fuzz/corpus_$target" "tests/data/${target}_corpus" "${dict[@]}" \
+mkdir -p "fuzz/corpus/$target" build-fuzz/artifacts
+exec "./build-fuzz/fuzz/fuzz_$target" "fuzz/corpus/$target" "tests/data/${target}_corpus" "${dict[@]}" \
   -max_len=4096 -timeout=5 -rss_limit_mb=2048 -max_total_time="$secs" -artifact_prefix=build-fuzz/artifacts/ \
   -print_final_stats=1 "$@"
