@@ -59,12 +59,10 @@ Operands random_rows(int64_t rows, int64_t len, bool bf16) {
 
 TileGemmFn gemm_fn() { return level() == k3::IsaLevel::kAvx512Bf16 ? tile_gemm_bf16() : tile_gemm_fp32(level()); }
 
-// Decode: rows = 1..4 over FC1 tiles (K = 3584) streamed from a 256 MiB buffer (far beyond the
-// LLC). Counter: MXFP4 bytes per second.
-void BM_DequantDotStream(benchmark::State& state) {
-  const int64_t rows = state.range(0), blocks = 3584 / kBlock;
-  const int64_t tile = blocks * record_bytes(kFc1Groups);
-  const int64_t tiles = (int64_t{256} << 20) / tile;
+// Decode: rows over FC1 tiles (K = 3584) taken in turn from `tiles` of them. Counter: MXFP4
+// bytes per second.
+void dequant_dot(benchmark::State& state, int64_t rows, int64_t tiles) {
+  const int64_t blocks = 3584 / kBlock, tile = blocks * record_bytes(kFc1Groups);
   const auto rec = random_records(tiles, blocks, kFc1Groups);
   auto ops = random_rows(rows, 3584, level() == k3::IsaLevel::kAvx512Bf16);
   std::vector<float> totals(static_cast<size_t>(kRowGroup * 64));
@@ -78,27 +76,16 @@ void BM_DequantDotStream(benchmark::State& state) {
     t = (t + 1) % tiles;
   }
   state.SetBytesProcessed(state.iterations() * tile);
+}
+
+// Streamed from a 256 MiB buffer (far beyond the LLC).
+void BM_DequantDotStream(benchmark::State& state) {
+  dequant_dot(state, state.range(0), (int64_t{256} << 20) / ((3584 / kBlock) * record_bytes(kFc1Groups)));
 }
 BENCHMARK(BM_DequantDotStream)->Arg(1)->Arg(2)->Arg(4)->ArgNames({"rows"});
 
-// Decode kernel speed without the memory system: the same tiles, 8 of them (L2-resident).
-void BM_DequantDotCached(benchmark::State& state) {
-  const int64_t rows = state.range(0), blocks = 3584 / kBlock;
-  const int64_t tile = blocks * record_bytes(kFc1Groups), tiles = 8;
-  const auto rec = random_records(tiles, blocks, kFc1Groups);
-  auto ops = random_rows(rows, 3584, level() == k3::IsaLevel::kAvx512Bf16);
-  std::vector<float> totals(static_cast<size_t>(kRowGroup * 64));
-  std::vector<uint8_t> panel(kPanelScratchBytes + 64);
-  const TileGemmFn fn = gemm_fn();
-  int64_t t = 0;
-  for (auto _ : state) {
-    TileGemm g{rec.data() + t * tile, blocks, kFc1Groups, ops.rows.data(), rows, totals.data(), panel.data()};
-    fn(g);
-    benchmark::DoNotOptimize(totals.data());
-    t = (t + 1) % tiles;
-  }
-  state.SetBytesProcessed(state.iterations() * tile);
-}
+// The same kernel without the memory system: 8 tiles (L2-resident).
+void BM_DequantDotCached(benchmark::State& state) { dequant_dot(state, state.range(0), 8); }
 BENCHMARK(BM_DequantDotCached)->Arg(1)->Arg(2)->Arg(3)->Arg(4)->Arg(6)->ArgNames({"rows"});
 
 // Prefill: many rows against one cache-resident tile (FC1: G = 4, K = 3584; FC2: G = 2,
