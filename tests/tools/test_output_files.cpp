@@ -33,23 +33,13 @@ namespace {
 namespace fs = std::filesystem;
 using k3::test::CliRun;
 using k3::test::run_cli;
+using k3::test::run_sh;
 using k3::test::TempDir;
 
 #define EXPECT_HAS(haystack, needle) EXPECT_NE((haystack).find(needle), std::string::npos) << (haystack)
 
-// Runs a shell command line (stdout + stderr); `timeout` guards the tests of inputs that used to
-// block (a FIFO opened for reading waits for a writer).
-CliRun run_sh(const std::string& cmd) {
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return {-1, "popen failed: " + cmd};
-  std::string out;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
-
+// run_sh (cli_run.hpp): `timeout` guards the tests of inputs that used to block (a FIFO opened for
+// reading waits for a writer).
 std::string k3_cmd(const std::string& args) { return "timeout 60 " + std::string(K3_CLI_PATH) + " " + args; }
 
 std::string slurp(const std::string& path) {
