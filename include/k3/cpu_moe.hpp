@@ -85,12 +85,27 @@ class PackedWeights {
   float situ_beta(int64_t expert) const { return situ_beta_[static_cast<size_t>(expert)]; }
   float situ_linear_beta(int64_t expert) const { return situ_linear_beta_[static_cast<size_t>(expert)]; }
 
+  // A weight block with elements whose exact FP32 value overflows to +-Inf (E8M0 codes 253 and 254
+  // under large E2M1 codes). The kernels compute scale * (sum of unscaled products), which keeps
+  // such products finite, so run() adds each listed block's Inf class afterwards (+-Inf, or NaN
+  // for Inf * 0, Inf * NaN and +Inf + -Inf), as the contract's FP32 dequantization gives.
+  struct InfBlock {
+    int32_t expert = 0, tile = 0, block = 0;
+    int32_t column = 0;     // in the tile's outputs: FC1 gate rows 0..31, up rows 32..63; FC2 0..31
+    uint32_t inf_mask = 0;  // bit e: element e of the block overflows
+    uint32_t neg_mask = 0;  // bit e: ... and is negative
+  };
+  // The listed blocks of one tile (matrix 1 = FC1, 2 = FC2), in (block, column) order; empty for
+  // every tile of ordinary weights.
+  std::span<const InfBlock> inf_blocks(int matrix, int64_t expert, int64_t tile) const;
+
  private:
   friend Result<PackedWeights> prepack(const MoePlan& plan, const MoeWeightsView& weights);
   MoeShape shape_;
   int64_t fc1_expert_bytes_ = 0, fc2_expert_bytes_ = 0;
   std::vector<uint8_t> fc1_, fc2_;
   std::vector<float> situ_beta_, situ_linear_beta_;
+  std::vector<InfBlock> fc1_inf_, fc2_inf_;  // sorted by (expert, tile, block, column)
 };
 
 // Checkpoint layout (k3/moe.hpp MoeWeightsView) -> tiled layout. Checks every buffer size.

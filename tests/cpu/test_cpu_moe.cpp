@@ -280,6 +280,114 @@ TEST(CpuMoe, InfAndHugeInputsGiveTheOraclesNanInfClassOnEveryLevel) {
   }
 }
 
+// Sets element el of row `row` (reduction length red) of expert e's packed E2M1 matrix.
+void set_e2m1(std::vector<uint8_t>& q, int64_t rows, int64_t red, int64_t e, int64_t row, int64_t el, uint8_t code) {
+  uint8_t& b = q[static_cast<size_t>((e * rows + row) * (red / 2) + el / 2)];
+  b = el % 2 ? static_cast<uint8_t>((b & 0x0F) | (code << 4)) : static_cast<uint8_t>((b & 0xF0) | code);
+}
+
+TEST(CpuMoe, OverflowingWeightBlocksGiveTheOraclesInfTimesZeroNan) {
+  // E8M0 codes 253 / 254 under large E2M1 codes dequantize to +-Inf in FP32 (the contract): such
+  // an element times a zero activation is NaN, times a nonzero one +-Inf, and +Inf + -Inf is NaN.
+  // The kernels scale after the block sum, so run() must add these classes; before it did, the
+  // zero-activation products vanished and the outputs stayed finite. Three placements, each in a
+  // case of its own (an Inf in GEMM1 poisons the whole token downstream).
+  const int64_t k = 64, n = 96;
+  enum Where { kGate, kUp, kFc2 };
+  for (Where where : {kGate, kUp, kFc2}) {
+    for (IsaLevel isa : supported_levels()) {
+      for (Recipe rec : {Recipe::kW4A8, Recipe::kW4A16}) {
+        for (ActivationKind act : {ActivationKind::kSiTU, ActivationKind::kSwiGLU, ActivationKind::kSiLU}) {
+          auto c = test::random_moe_case(k, n, 4, 2, 8, 1, 0, 91);
+          for (auto& id : c.ids) id = id < 0 ? 1 : id;
+          for (int64_t e = 0; e < 4; ++e) {
+            if (where == kGate) {  // gate row 5, block 1: +6 * 2^127 (Inf) at element 3
+              c.f1s[static_cast<size_t>((e * 2 * n + 5) * (k / 32) + 1)] = 254;
+              set_e2m1(c.f1q, 2 * n, k, e, 5, 32 + 3, 0x7);
+            } else if (where == kUp) {  // up row N + 40, block 0: +6 and -4 at 2^126 (both Inf)
+              c.f1s[static_cast<size_t>((e * 2 * n + n + 40) * (k / 32))] = 253;
+              set_e2m1(c.f1q, 2 * n, k, e, n + 40, 0, 0x7);
+              set_e2m1(c.f1q, 2 * n, k, e, n + 40, 1, 0xE);
+            } else {  // FC2 row 33, block 2: 2 * 2^127 (Inf) at element 7, the rest zero (the
+                      // unscaled block sum times 2^127 stays finite for activations below 1)
+              c.f2s[static_cast<size_t>((e * k + 33) * (n / 32) + 2)] = 254;
+              for (int64_t el = 0; el < 32; ++el) set_e2m1(c.f2q, k, n, e, 33, 64 + el, el == 7 ? 0x4 : 0x0);
+            }
+          }
+          if (where == kGate) {
+            c.x[static_cast<size_t>(0 * k + 35)] = 0;       // token 0: Inf * 0
+            c.x[static_cast<size_t>(5 * k + 35)] = 0x0001;  // token 5: Inf * a BF16 subnormal (W4A8: MXFP8 0)
+          } else if (where == kUp) {
+            c.x[static_cast<size_t>(2 * k + 1)] = 0;        // token 2: Inf * 0
+            c.x[static_cast<size_t>(3 * k + 0)] = 0x3F80;   // token 3: +Inf and -Inf products
+            c.x[static_cast<size_t>(3 * k + 1)] = 0x3F80;
+            c.x[static_cast<size_t>(4 * k + 0)] = 0x3F80;   // token 4: two +Inf products
+            c.x[static_cast<size_t>(4 * k + 1)] = 0xBF80;
+          }
+          c.p.recipe = rec;
+          c.p.activation.kind = act;
+          cpu::MoeOptions o;
+          o.isa = isa;
+          const std::string what = std::string(where == kGate ? "gate" : where == kUp ? "up" : "fc2") + " " +
+                                   isa_level_name(isa) + " " + recipe_name(rec) + " " + activation_name(act);
+          const auto got = run_fp32(c, o);
+          ASSERT_FALSE(got.empty()) << what;
+          c.p.out_dtype = OutDType::kFP32;
+          const auto ref = test::contract_oracle(c);
+          ASSERT_EQ(got.size(), ref.size());
+          int64_t nonfinite = 0;
+          for (size_t i = 0; i < got.size(); ++i) {
+            nonfinite += std::isfinite(ref[i]) ? 0 : 1;
+            ASSERT_EQ(std::isnan(got[i]), std::isnan(ref[i])) << what << " element " << i;
+            ASSERT_EQ(std::isinf(got[i]), std::isinf(ref[i])) << what << " element " << i;
+            if (std::isinf(ref[i])) {
+              ASSERT_EQ(std::signbit(got[i]), std::signbit(ref[i])) << what << " element " << i;
+            }
+          }
+          EXPECT_GT(nonfinite, 0) << what << ": the case must reach a nonfinite oracle output";
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuMoe, PrepackListsExactlyTheOverflowingBlocks) {
+  const int64_t k = 64, n = 96;
+  auto c = test::random_moe_case(k, n, 4, 2, 1, 2, 1, 92);  // EP2 rank 1: 2 local experts
+  c.f1s[static_cast<size_t>((1 * 2 * n + n + 40) * (k / 32))] = 253;  // expert 1, up row 40, block 0
+  set_e2m1(c.f1q, 2 * n, k, 1, n + 40, 0, 0x7);                       // 6 * 2^126: Inf
+  set_e2m1(c.f1q, 2 * n, k, 1, n + 40, 1, 0xE);                       // -4 * 2^126: -Inf
+  set_e2m1(c.f1q, 2 * n, k, 1, n + 40, 2, 0x5);                       // 3 * 2^126: finite
+  for (int64_t el = 3; el < 32; ++el) set_e2m1(c.f1q, 2 * n, k, 1, n + 40, el, 0x1);
+  c.f2s[static_cast<size_t>((0 * k + 33) * (n / 32) + 2)] = 254;  // expert 0, row 33, block 2
+  for (int64_t el = 0; el < 32; ++el) set_e2m1(c.f2q, k, n, 0, 33, 64 + el, el == 9 ? 0xC : 0x3);  // -2: -Inf
+  c.f2s[static_cast<size_t>((0 * k + 34) * (n / 32))] = 254;  // 1.5 * 2^127 at most: finite, not listed
+  for (int64_t el = 0; el < 32; ++el) set_e2m1(c.f2q, k, n, 0, 34, el, 0x3);
+  auto plan = cpu::plan(c.p, {});
+  ASSERT_TRUE(plan.is_ok());
+  auto w = cpu::prepack(plan.value(), c.wv());
+  ASSERT_TRUE(w.is_ok()) << w.status().to_string();
+  int64_t listed = 0;
+  for (int m = 1; m <= 2; ++m) {
+    for (int64_t e = 0; e < 2; ++e) {
+      for (int64_t j = 0; j < (m == 1 ? n : k) / 32; ++j) listed += static_cast<int64_t>(w->inf_blocks(m, e, j).size());
+    }
+  }
+  EXPECT_EQ(listed, 2);
+  const auto a = w->inf_blocks(1, 1, 1);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(a[0].block, 0);
+  EXPECT_EQ(a[0].column, 32 + 8);
+  EXPECT_EQ(a[0].inf_mask, 0x3u);
+  EXPECT_EQ(a[0].neg_mask, 0x2u);
+  const auto b = w->inf_blocks(2, 0, 1);
+  ASSERT_EQ(b.size(), 1u);
+  EXPECT_EQ(b[0].block, 2);
+  EXPECT_EQ(b[0].column, 1);
+  EXPECT_EQ(b[0].inf_mask, 1u << 9);
+  EXPECT_EQ(b[0].neg_mask, 1u << 9);
+}
+
 TEST(CpuMoe, ExtremeButValidScalesAreExact) {
   // Weight scale codes far from 127 (exact FP32 factors), W4A8 activations with MXFP8 scale codes
   // below 10 (their BF16 dequantization would be subnormal), and W4A16 rows with BF16 subnormals:

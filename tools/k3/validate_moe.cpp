@@ -279,6 +279,25 @@ void nonfinite(const ValidateOptions& o, Runner& run) {
     }
   }
   run.check_all("nonfinite local-w nan", e.value(), false);
+  // Weight elements whose FP32 value overflows: local expert 0's gate row 5 gets +6 * 2^127 (+Inf)
+  // at element 35, which meets x = 0 in token 0 (Inf * 0 = NaN) and nonzero x elsewhere (+-Inf);
+  // local expert 1's FC2 row 33 gets -4 * 2^127 (-Inf) at element 0. Tokens routed to neither stay finite.
+  auto w = make_moe_case(smoke_spec(8, RoutingPattern::kUniform, o.seed + 202));
+  if (!w.is_ok()) {
+    run.rows.push_back(make_row("nonfinite", "-", false, w.status().to_string()));
+    return;
+  }
+  const int64_t wk = w->problem.shape.hidden, wn = w->problem.shape.intermediate;
+  const int64_t row1 = 5, row2 = 1 * wk + 33;
+  w->fc1_scale[static_cast<size_t>(row1 * (wk / 32) + 1)] = 254;
+  uint8_t& b1 = w->fc1_q[static_cast<size_t>(row1 * (wk / 2) + 16 + 1)];  // block 1, element 3 (high nibble)
+  b1 = static_cast<uint8_t>((b1 & 0x0F) | 0x70);
+  w->fc2_scale[static_cast<size_t>(row2 * (wn / 32))] = 254;
+  uint8_t& b2 = w->fc2_q[static_cast<size_t>(row2 * (wn / 2))];  // block 0, element 0 (low nibble)
+  b2 = static_cast<uint8_t>((b2 & 0xF0) | 0xE);
+  w->topk_ids[0] = static_cast<int32_t>(w->problem.shape.first_local_expert());  // token 0 meets expert 0
+  w->x[35] = 0;
+  run.check_all("nonfinite w-overflow inf*0", w.value(), false);
 }
 
 // Three runs (1, 2 and 3 OpenMP threads) must give the same bytes.

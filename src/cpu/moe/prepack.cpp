@@ -2,6 +2,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -66,6 +68,43 @@ Status pack_tile(const char* what, int64_t expert, const Matrix& m, int groups, 
     }
   }
   return Status::ok();
+}
+
+// The FP32 dequantization of an E2M1 element overflows only under scale codes 253 and 254.
+constexpr uint8_t kFirstOverflowScale = 253;
+
+// Appends the blocks of one matrix of one expert that hold elements whose exact FP32 value is
+// +-Inf; place(row) gives the row's (tile, column) in the tiled layout.
+template <typename Place>
+void find_inf_blocks(const Matrix& m, int64_t rows, int64_t expert, Place place,
+                     std::vector<PackedWeights::InfBlock>& out) {
+  const int64_t blocks = m.red / kBlock;
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t sc = m.s[row * blocks + b];
+      if (sc < kFirstOverflowScale) continue;
+      const uint8_t* q = m.q + row * (m.red / 2) + b * kPairs;
+      uint32_t inf = 0, neg = 0;
+      for (int el = 0; el < kBlock; ++el) {
+        const uint8_t code = el & 1 ? fp4_high(q[el / 2]) : fp4_low(q[el / 2]);
+        if (std::isinf(mx_decode_element(code, sc, MxElement::kE2M1))) {
+          inf |= 1u << el;
+          if (code & 0x8) neg |= 1u << el;
+        }
+      }
+      if (inf == 0) continue;
+      const auto [tile, column] = place(row);
+      out.push_back({static_cast<int32_t>(expert), static_cast<int32_t>(tile), static_cast<int32_t>(b),
+                     static_cast<int32_t>(column), inf, neg});
+    }
+  }
+}
+
+bool inf_block_less(const PackedWeights::InfBlock& a, const PackedWeights::InfBlock& b) {
+  if (a.expert != b.expert) return a.expert < b.expert;
+  if (a.tile != b.tile) return a.tile < b.tile;
+  if (a.block != b.block) return a.block < b.block;
+  return a.column < b.column;
 }
 
 Status need(const char* name, size_t have, int64_t want) {
@@ -137,7 +176,41 @@ Result<PackedWeights> prepack(const MoePlan& plan, const MoeWeightsView& w) {
     std::vector<uint8_t> scratch(static_cast<size_t>(std::max(tile1_bytes, tile2_bytes)));
     return pack_task(first_bad, scratch.data());
   }
+  // Blocks with overflowing elements (rare: only scale codes 253 / 254), per expert, then merged
+  // in expert order.
+  std::vector<std::vector<PackedWeights::InfBlock>> inf1(static_cast<size_t>(e_local)), inf2(inf1.size());
+#pragma omp parallel for num_threads(plan.threads) schedule(dynamic, 1)
+  for (int64_t e = 0; e < e_local; ++e) {
+    auto& a = inf1[static_cast<size_t>(e)];
+    auto& b = inf2[static_cast<size_t>(e)];
+    find_inf_blocks(Matrix{w.fc1_q.data() + e * 2 * n * (k / 2), w.fc1_scale.data() + e * 2 * n * (k / kBlock), k},
+                    2 * n, e,
+                    [n](int64_t row) {
+                      const int64_t r = row < n ? row : row - n;
+                      return std::pair<int64_t, int64_t>{r / kBlock, (row < n ? 0 : kBlock) + r % kBlock};
+                    },
+                    a);
+    find_inf_blocks(Matrix{w.fc2_q.data() + e * k * (n / 2), w.fc2_scale.data() + e * k * (n / kBlock), n}, k, e,
+                    [](int64_t row) { return std::pair<int64_t, int64_t>{row / kBlock, row % kBlock}; }, b);
+    std::sort(a.begin(), a.end(), inf_block_less);
+    std::sort(b.begin(), b.end(), inf_block_less);
+  }
+  for (int64_t e = 0; e < e_local; ++e) {
+    out.fc1_inf_.insert(out.fc1_inf_.end(), inf1[static_cast<size_t>(e)].begin(), inf1[static_cast<size_t>(e)].end());
+    out.fc2_inf_.insert(out.fc2_inf_.end(), inf2[static_cast<size_t>(e)].begin(), inf2[static_cast<size_t>(e)].end());
+  }
   return out;
+}
+
+std::span<const PackedWeights::InfBlock> PackedWeights::inf_blocks(int matrix, int64_t expert, int64_t tile) const {
+  const std::vector<InfBlock>& v = matrix == 1 ? fc1_inf_ : fc2_inf_;
+  if (v.empty()) return {};
+  const InfBlock key{static_cast<int32_t>(expert), static_cast<int32_t>(tile), 0, 0, 0, 0};
+  auto tile_less = [](const InfBlock& a, const InfBlock& b) {
+    return a.expert != b.expert ? a.expert < b.expert : a.tile < b.tile;
+  };
+  const auto [lo, hi] = std::equal_range(v.begin(), v.end(), key, tile_less);
+  return {v.data() + (lo - v.begin()), static_cast<size_t>(hi - lo)};
 }
 
 }  // namespace k3::cpu

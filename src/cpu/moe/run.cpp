@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <span>
 #include <string>
 
 #include "cpu/moe/elementwise.hpp"
@@ -119,6 +120,38 @@ inline float unshift_value(float t, float unshift) {
   return v;
 }
 
+// Adds the Inf class of each listed weight block (PackedWeights::InfBlock) to the GEMM totals of
+// rows [0, nr): over the block's overflowing elements w and the row's operand x at their
+// positions, w * x is +-Inf for a nonzero finite or infinite x and NaN for x = 0 or NaN; the
+// block contributes NaN when any product is NaN or both signs occur, else the common Inf.
+// (The operand rows are exact scaled copies of the contract's values: scaling keeps zero, sign
+// and NaN, except that an FP32-level row with magnitudes >= 2^120 is scaled down and a value of
+// it below 2^-126 * 2^-(shift) may become zero; such a product then counts as Inf * 0.)
+void add_inf_blocks(const Pass& p, std::span<const PackedWeights::InfBlock> blocks, const void* const* rows,
+                    int64_t nr, float* totals, int64_t width) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < nr; ++i) {
+    for (const auto& ib : blocks) {
+      bool pos = false, neg = false, nan = false;
+      for (int el = 0; el < kBlock && !nan; ++el) {
+        if (((ib.inf_mask >> el) & 1u) == 0) continue;
+        const int64_t idx = int64_t{ib.block} * kBlock + el;
+        const float x = p.bf16 ? bf16_to_f32(static_cast<const uint16_t*>(rows[i])[idx])
+                               : static_cast<const float*>(rows[i])[idx];
+        if (x == 0.f || std::isnan(x)) {
+          nan = true;
+        } else if (std::signbit(x) != (((ib.neg_mask >> el) & 1u) != 0)) {
+          neg = true;
+        } else {
+          pos = true;
+        }
+      }
+      float& t = totals[i * width + ib.column];
+      t += nan || (pos && neg) ? std::numeric_limits<float>::quiet_NaN() : (neg ? -inf : inf);
+    }
+  }
+}
+
 ActParams act_params(const MoePlan& plan, const PackedWeights& w, int64_t e) {
   const Activation& a = plan.problem.activation;
   ActParams ap;
@@ -155,6 +188,7 @@ void gemm1_task(const Pass& p, int64_t e, int64_t j) {
     for (int64_t i = 0; i < nr; ++i) rows[i] = x_op + row_token[r0 + i] * p.k * p.ob;
     g.num_rows = nr;
     p.gemm(g);
+    if (const auto inf = p.w.inf_blocks(1, e, j); !inf.empty()) add_inf_blocks(p, inf, rows, nr, totals, width);
     for (int64_t i = 0; i < nr; ++i) {
       const int64_t r = r0 + i;
       const float unshift = exp2i(-x_shift[row_token[r]]);
@@ -222,6 +256,9 @@ void gemm2_task(const Pass& p, int64_t e, int64_t j) {
     for (int64_t i = 0; i < nr; ++i) rows[i] = h_op + (r0 + i) * p.n * p.ob;
     g.num_rows = nr;
     p.gemm(g);
+    if (const auto inf = p.w.inf_blocks(2, e, j); !inf.empty()) {
+      add_inf_blocks(p, inf, rows, nr, totals, kFc2Groups * kLanes);
+    }
     for (int64_t i = 0; i < nr; ++i) {
       const float unshift = exp2i(-h_shift[r0 + i]);
       float* dst = y + (r0 + i) * p.k + j * kBlock;
