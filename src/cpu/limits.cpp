@@ -6,7 +6,9 @@
 // GCC 12 reports its own _mm512_undefined_* helpers (used by _mm512_reduce_add_ps) as
 // "used uninitialized": a false positive inside avx512fintrin.h.
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 #include <immintrin.h>
 #include <omp.h>
@@ -112,7 +114,12 @@ __attribute__((target("avx2,fma"))) double fma256_loop(int64_t iters) {
 
 // The scalar level's limit: 12 independent FP32 multiply + add chains in scalar (SSE) registers,
 // not vectorized (the scalar kernels are not), 2 FLOP per chain and iteration.
-__attribute__((optimize("no-tree-vectorize"))) double scalar_muladd_loop(int64_t iters) {
+#if defined(__clang__)
+#define K3_NO_VECTORIZE
+#else
+#define K3_NO_VECTORIZE __attribute__((optimize("no-tree-vectorize")))
+#endif
+K3_NO_VECTORIZE double scalar_muladd_loop(int64_t iters) {
   float a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0, a8 = 0, a9 = 0, a10 = 0, a11 = 0;
   const float x = 0.999f, y = 1e-9f;
   for (int64_t i = 0; i < iters; ++i) {

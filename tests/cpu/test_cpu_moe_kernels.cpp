@@ -197,7 +197,7 @@ TEST(CpuMoeKernels, PrepackedLayoutHoldsEveryCodeAndScaleOnce) {
     }
   };
   for (int64_t e = 0; e < el; ++e) {
-    check(packed->fc1(e), kFc1Groups, n / 32, k, [n](int64_t j, int g) { return (g >= 2 ? n : 0) + j * 32 + (g & 1) * 16; },
+    check(packed->fc1(e), kFc1Groups, n / 32, k, [n = n](int64_t j, int g) { return (g >= 2 ? n : 0) + j * 32 + (g & 1) * 16; },
           f1q, f1s, e, 2 * n);
     check(packed->fc2(e), kFc2Groups, k / 32, n, [](int64_t j, int g) { return j * 32 + g * 16; }, f2q, f2s, e, k);
   }

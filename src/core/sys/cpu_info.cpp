@@ -29,7 +29,7 @@ CpuInfo detect() {
 #ifdef K3_X86
   unsigned a = 0, b = 0, c = 0, d = 0;
   char brand[49] = {};
-  if (__get_cpuid_max(0x80000000u, nullptr) >= 0x80000004u) {
+  if (static_cast<unsigned>(__get_cpuid_max(0x80000000u, nullptr)) >= 0x80000004u) {
     for (unsigned i = 0; i < 3; ++i) {
       __get_cpuid(0x80000002u + i, &a, &b, &c, &d);
       std::memcpy(brand + 16 * i, &a, 4);

@@ -8,8 +8,14 @@
 #include "core/kda/kda_math.hpp"
 #include "cpu/kda/kernels.hpp"
 
+// GCC: a target pragma; clang (TSan and fuzz builds) has no GCC target pragma, it attaches the
+// same attribute to every function of the region.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#endif
 
 namespace k3::kda::cpu {
 namespace avx2_impl {
@@ -63,7 +69,11 @@ struct VF {
 }  // namespace avx2_impl
 }  // namespace k3::kda::cpu
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 namespace k3::kda::cpu {
 const KernelTable& kernels_avx2() { return avx2_impl::table(); }

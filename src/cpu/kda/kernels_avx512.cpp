@@ -12,9 +12,17 @@
 // GCC 12 reports its own _mm512_undefined_* helpers (inside _mm512_reduce_add_ps) as
 // "used uninitialized": a false positive inside avx512fintrin.h.
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+// GCC: a target pragma; clang (TSan and fuzz builds) has no GCC target pragma, it attaches the
+// same attribute to every function of the region.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+#endif
 
 namespace k3::kda::cpu {
 namespace avx512_impl {
@@ -64,7 +72,11 @@ struct VF {
 }  // namespace avx512_impl
 }  // namespace k3::kda::cpu
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 namespace k3::kda::cpu {
 const KernelTable& kernels_avx512() { return avx512_impl::table(); }

@@ -21,7 +21,9 @@
 
 // GCC 12 reports its own _mm512_undefined_* helpers as "used uninitialized" (avx512fintrin.h).
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 #define K3_TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 
