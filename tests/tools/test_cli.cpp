@@ -24,6 +24,17 @@ TEST(Cli, InfoJsonHasTheFacts) {
   EXPECT_TRUE(j["cuda"].contains("devices"));
 }
 
+TEST(Cli, StartsWithoutLoadingCublas) {
+  // cuBLAS (hundreds of MB) is opened only by the CUDA bench baseline, never at start-up: the
+  // binary must not list it (or cuBLASLt) as a needed library.
+  const auto r = k3::test::run_sh(std::string("readelf -d ") + K3_CLI_PATH);
+  ASSERT_EQ(r.code, 0) << r.out;
+  ASSERT_NE(r.out.find("(NEEDED)"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("libcublas"), std::string::npos) << r.out;
+  const auto v = run_cli("--version");
+  EXPECT_EQ(v.code, 0) << v.out;
+}
+
 TEST(Cli, InfoTextNamesCudaDevicesOrTheirAbsence) {
   const auto r = run_cli("info");
   ASSERT_EQ(r.code, 0) << r.out;

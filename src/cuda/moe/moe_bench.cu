@@ -1,7 +1,10 @@
 // Device timing helpers (k3/cuda_bench.hpp). NOT YET RUN ON A GPU.
-#include <cublas_v2.h>
+#include <cublas_v2.h>  // types and prototypes only: the library is opened at run time (below)
+#include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -40,6 +43,52 @@ Result<DeviceTiming> time_events(Fn&& fn, int warmup, int iters) {
   }
   std::sort(t.begin(), t.end());
   return DeviceTiming{t[t.size() / 2], t.front(), t.back(), iters};
+}
+
+// cuBLAS is needed only for the BF16 baseline of `k3 bench moe --backend cuda`. Linking it would
+// load ~700 MB of libraries at every start of every k3 command (and fail on machines without
+// them), so it is opened here, on first use: the soname of the toolkit k3 was built with, then
+// other majors, then lib64/ and lib/ of $CUDA_HOME and /usr/local/cuda.
+struct CublasApi {
+  decltype(&::cublasCreate_v2) create = nullptr;
+  decltype(&::cublasDestroy_v2) destroy = nullptr;
+  // The exported cublasGemmEx (the header adds an inline C++ overload taking a cudaDataType
+  // compute type, so the signature is spelled out).
+  cublasStatus_t (*gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*,
+                            const void*, cudaDataType, int, const void*, cudaDataType, int, const void*, void*,
+                            cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t) = nullptr;
+};
+
+Result<CublasApi> load_cublas() {
+  static const Result<CublasApi> loaded = []() -> Result<CublasApi> {
+    const std::string own = "libcublas.so." + std::to_string(CUBLAS_VER_MAJOR);
+    std::vector<std::string> names = {own, "libcublas.so.13", "libcublas.so.12", "libcublas.so"};
+    const char* dirs[] = {std::getenv("CUDA_HOME"), "/usr/local/cuda"};
+    for (const char* dir : dirs) {
+      if (dir != nullptr && *dir != 0) {
+        names.push_back(std::string(dir) + "/lib64/" + own);
+        names.push_back(std::string(dir) + "/lib/" + own);
+      }
+    }
+    std::string tried;
+    for (const auto& name : names) {
+      void* lib = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (lib == nullptr) {
+        tried += (tried.empty() ? "" : ", ") + name;
+        continue;
+      }
+      CublasApi api;
+      api.create = reinterpret_cast<decltype(api.create)>(dlsym(lib, "cublasCreate_v2"));
+      api.destroy = reinterpret_cast<decltype(api.destroy)>(dlsym(lib, "cublasDestroy_v2"));
+      api.gemm_ex = reinterpret_cast<decltype(api.gemm_ex)>(dlsym(lib, "cublasGemmEx"));
+      if (api.create && api.destroy && api.gemm_ex) return api;
+      dlclose(lib);
+      tried += (tried.empty() ? "" : ", ") + name + " (symbols missing)";
+    }
+    return unavailable("cuBLAS (for the BF16 baseline) could not be opened; tried " + tried +
+                       "; add its folder to LD_LIBRARY_PATH");
+  }();
+  return loaded;
 }
 
 Status from_cublas(cublasStatus_t st, const char* what) {
@@ -125,12 +174,15 @@ Result<DeviceTiming> time_cublas_baseline(const MoeProblem& p, std::span<const i
   K3_CUDA_TRY(cudaMemcpy(w2.get(), hw2.data(), hw2.size() * 2, cudaMemcpyHostToDevice), "copy w2");
   K3_CUDA_TRY(cudaMemcpy(a.get(), ha.data(), ha.size() * 2, cudaMemcpyHostToDevice), "copy a");
   K3_CUDA_TRY(cudaMemset(h.get(), 0x3C, max_rows * n * 2), "init h");
+  auto api = load_cublas();
+  if (!api.is_ok()) return api.status();
+  const CublasApi& cb = api.value();
   cublasHandle_t handle;
-  K3_RETURN_IF_ERROR(from_cublas(cublasCreate(&handle), "cublasCreate"));
+  K3_RETURN_IF_ERROR(from_cublas(cb.create(&handle), "cublasCreate"));
   const float one = 1.0f, zero = 0.0f;
   // Column-major view: C^T [cols, rows] = W [cols, red] (row-major = col-major transposed) x A^T.
   auto gemm = [&](const uint16_t* w, const uint16_t* act, float* c, int64_t rows, int64_t cols, int64_t red) {
-    return from_cublas(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(cols), static_cast<int>(rows),
+    return from_cublas(cb.gemm_ex(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(cols), static_cast<int>(rows),
                                     static_cast<int>(red), &one, w, CUDA_R_16BF, static_cast<int>(red), act,
                                     CUDA_R_16BF, static_cast<int>(red), &zero, c, CUDA_R_32F, static_cast<int>(cols),
                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
@@ -147,7 +199,7 @@ Result<DeviceTiming> time_cublas_baseline(const MoeProblem& p, std::span<const i
         return Status::ok();
       },
       warmup, iters);
-  cublasDestroy(handle);
+  cb.destroy(handle);
   return result;
 }
 
