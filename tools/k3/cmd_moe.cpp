@@ -24,7 +24,7 @@
 #include "k3/formats.hpp"
 #include "k3/routing.hpp"
 #include "k3/safetensors.hpp"
-#include "moe_backends.hpp"
+#include "backend_options.hpp"
 #include "moe_layer.hpp"
 #include "paths.hpp"
 
@@ -171,7 +171,7 @@ int run_moe(const MoeRunArgs& a) {
   if (!recipe.is_ok()) return fail(recipe.status());
   auto dtype = parse_out_dtype(a.out_dtype);
   if (!dtype.is_ok()) return fail(dtype.status());
-  const MoeBackendAdapter* backend = &default_moe_backend();
+  const MoeBackend* backend = &default_moe_backend();
   if (!a.backend.empty()) {
     auto b = find_moe_backend(a.backend);
     if (!b.is_ok()) return fail(b.status());
@@ -196,7 +196,7 @@ int run_moe(const MoeRunArgs& a) {
   std::vector<uint8_t> out(in->m * p.shape.hidden * out_dtype_size(p.out_dtype));
   const MoeInputsView view{in->m, in->x, in->topk_ids, in->topk_weights};
   const auto t0 = std::chrono::steady_clock::now();
-  if (const Status st = run_moe_backend(*backend, p, layer->view(), view, out); !st.is_ok()) return fail(st);
+  if (const Status st = k3::run_moe(*backend, p, layer->view(), view, out, backend_options()); !st.is_ok()) return fail(st);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   st::Writer w;

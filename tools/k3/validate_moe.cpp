@@ -14,7 +14,7 @@
 #include "k3/moe_case.hpp"
 #include "k3/moe_compare.hpp"
 #include "k3/moe_ref.hpp"
-#include "moe_backends.hpp"
+#include "backend_options.hpp"
 #include "validate.hpp"
 #include "validate_moe_checkpoint.hpp"
 
@@ -34,7 +34,7 @@ ValidateRow make_row(const std::string& case_name, const std::string& backend, b
 struct Selection {
   std::vector<Recipe> recipes;
   std::vector<ActivationKind> acts;
-  std::vector<const MoeBackendAdapter*> backends;
+  std::vector<const MoeBackend*> backends;
 };
 
 // Recipes, activations and backends to check; option errors become FAIL rows.
@@ -55,7 +55,7 @@ Selection select(const ValidateOptions& o, std::vector<ValidateRow>& rows) {
     rows.push_back(make_row("option --activation", "-", false, a.status().message()));
   }
   if (o.backend == "all") {
-    for (const auto& b : moe_backend_registry()) {
+    for (const auto& b : moe_backends()) {
       if (b.available().is_ok()) s.backends.push_back(&b);
     }
   } else if (auto b = find_moe_backend(o.backend); !b.is_ok()) {
@@ -89,7 +89,7 @@ void check_requirements(const ValidateOptions& o, const Selection& sel, std::vec
       continue;
     }
     if (sel.backends.empty()) rows.push_back(make_row("require " + cap, "-", false, "no backend selected"));
-    for (const MoeBackendAdapter* b : sel.backends) {
+    for (const MoeBackend* b : sel.backends) {
       MoeProblem p;
       if (recipe.is_ok()) p.recipe = recipe.value();
       if (act.is_ok()) p.activation.kind = act.value();
@@ -109,14 +109,14 @@ struct Runner {
   }
 
   // Runs one backend; on error adds a FAIL row and returns false.
-  bool run_backend(const MoeBackendAdapter& b, const MoeCase& c, const std::string& name, std::vector<uint8_t>& out) {
+  bool run_backend(const MoeBackend& b, const MoeCase& c, const std::string& name, std::vector<uint8_t>& out) {
     out.assign(c.m * c.problem.shape.hidden * out_dtype_size(c.problem.out_dtype), 0xA5);  // poison
-    const Status st = run_moe_backend(b, c.problem, c.weights(), c.inputs(), out);
+    const Status st = k3::run_moe(b, c.problem, c.weights(), c.inputs(), out, backend_options());
     if (!st.is_ok()) rows.push_back(make_row(label(name, c.problem), b.name, false, st.to_string()));
     return st.is_ok();
   }
 
-  bool supported(const MoeBackendAdapter& b, const MoeCase& c, const std::string& name) {
+  bool supported(const MoeBackend& b, const MoeCase& c, const std::string& name) {
     if (!b.supports) return true;
     const Status st = b.supports(c.problem);
     if (!st.is_ok()) {
@@ -137,7 +137,7 @@ struct Runner {
       return;
     }
     const auto zero_rows = rows_without_local_slot(c.problem.shape, c.inputs());
-    for (const MoeBackendAdapter* b : sel.backends) {
+    for (const MoeBackend* b : sel.backends) {
       std::vector<uint8_t> out;
       if (!supported(*b, c, name) || !run_backend(*b, c, name, out)) continue;
       auto add = [&](const std::string& case_name, const std::vector<double>& against, const MoeTolerance& tol,
@@ -318,7 +318,7 @@ void determinism(const ValidateOptions& o, Runner& run) {
       c->problem.recipe = r;
       c->problem.activation.kind = a;
       const std::string name = "determinism m64 x3";
-      for (const MoeBackendAdapter* b : run.sel.backends) {
+      for (const MoeBackend* b : run.sel.backends) {
         if (!run.supported(*b, c.value(), name)) continue;
         std::string digests[3];
         bool ok = true;

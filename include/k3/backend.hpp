@@ -1,0 +1,75 @@
+// k3/backend.hpp — the backends of each op, in one place (the library's backend registry).
+//
+// Every op (fused MoE, KDA) has a fixed list of backends, highest priority first. Each entry has
+// a name, a priority, available() (ok, or the reason it cannot run here: "not compiled",
+// "no CUDA device", "not implemented for this op"), supports(problem) (ok, or why this problem
+// is outside what it computes) and the entry points. The `k3` tool, the tests, the benchmarks and
+// the bindings all ask the registry; nothing outside it names a backend's functions.
+//
+// Options come in through BackendOptions; backends never read environment variables (the `k3`
+// tool reads K3_NUM_THREADS and K3_ISA and passes them here).
+//
+// The list is built explicitly (no static-initialisation registration, which a linker drops from
+// static archives). Adding a backend: docs/architecture.md, "Adding a backend".
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "k3/kda.hpp"
+#include "k3/moe.hpp"
+#include "k3/status.hpp"
+#include "k3/system.hpp"
+
+namespace k3 {
+
+struct BackendOptions {
+  int threads = 0;              // CPU threads; 0: default_thread_count()
+  std::optional<IsaLevel> isa;  // CPU SIMD level; unset: best_isa_level()
+};
+
+// ---- fused MoE -------------------------------------------------------------------------------
+struct MoeBackend {
+  std::string name;  // "reference", "cpu", "cuda"
+  int priority = 0;  // default = highest priority whose available() is ok
+  std::function<Status()> available;
+  std::function<Status(const MoeProblem&)> supports;
+  // One call: out = M*K elements of the problem's out_dtype (little-endian bytes). Serving loops
+  // that keep plans, packed weights and workspaces use the backend's own API (k3/cpu_moe.hpp,
+  // k3/cuda_moe.hpp); this entry is for tools, validation and bindings.
+  std::function<Status(const MoeProblem&, const MoeWeightsView&, const MoeInputsView&, std::span<uint8_t> out,
+                       const BackendOptions&)>
+      run;
+};
+
+std::span<const MoeBackend> moe_backends();  // highest priority first, then by name
+// The backend called `name`; the error names the known ones.
+Result<const MoeBackend*> find_moe_backend(std::string_view name);
+// The usable backend of highest priority ("reference" is always usable).
+const MoeBackend& default_moe_backend();
+// Checks the buffers (validate_moe_buffers), out's size and supports(), then runs.
+Status run_moe(const MoeBackend& b, const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in,
+               std::span<uint8_t> out, const BackendOptions& opt = {});
+
+// ---- Kimi Delta Attention --------------------------------------------------------------------
+struct KdaBackend {
+  std::string name;  // "reference" (FP32 recurrence), "cpu", "cuda"
+  int priority = 0;
+  std::function<Status()> available;
+  std::function<Status(const kda::KdaConfig&)> supports;
+  std::function<Status(const kda::KdaConfig&, const kda::KdaInputs&, const kda::KdaOutputs&, const BackendOptions&)>
+      prefill;
+  // Empty when the backend has no decode / verify entry (the registry then reports it).
+  std::function<Status(const kda::KdaConfig&, const kda::DecodeArgs&, const BackendOptions&)> decode;
+  std::function<Status(const kda::KdaConfig&, const kda::VerifyArgs&, const BackendOptions&)> verify;
+};
+
+std::span<const KdaBackend> kda_backends();
+Result<const KdaBackend*> find_kda_backend(std::string_view name);
+const KdaBackend& default_kda_backend();
+
+}  // namespace k3

@@ -1,0 +1,176 @@
+// The backend registry (k3/backend.hpp): the fixed, ordered list of backends of each op.
+#include <algorithm>
+#include <new>
+#include <vector>
+
+#include "k3/backend.hpp"
+#include "k3/cpu_moe.hpp"
+#include "k3/cuda.hpp"
+#include "k3/cuda_moe.hpp"
+#include "k3/moe_ref.hpp"
+
+namespace k3 {
+namespace {
+
+Status always() { return Status::ok(); }
+
+// ---- MoE -------------------------------------------------------------------------------------
+
+// The FP64 contract oracle rounded once to the output dtype: the slowest backend and the
+// definition of the others.
+Status moe_reference(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out,
+                     const BackendOptions&) {
+  std::vector<double> acc;
+  try {
+    acc.resize(static_cast<size_t>(in.m * p.shape.hidden));
+  } catch (const std::bad_alloc&) {
+    return unavailable("reference backend: out of memory for M*K = " + std::to_string(in.m * p.shape.hidden) +
+                       " FP64 values");
+  }
+  K3_RETURN_IF_ERROR(moe_oracle(p, w, in, OracleKind::kContract, acc));
+  round_output(acc, p.out_dtype, out);
+  return Status::ok();
+}
+
+// One call: plan for exactly this M, prepack, run.
+Status moe_cpu(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out,
+               const BackendOptions& opt) {
+  cpu::MoeOptions o;
+  o.max_tokens = std::max<int64_t>(1, in.m);
+  o.threads = opt.threads;
+  o.isa = opt.isa;
+  auto plan = cpu::plan(p, o);
+  if (!plan.is_ok()) return plan.status();
+  auto packed = cpu::prepack(plan.value(), w);
+  if (!packed.is_ok()) return packed.status();
+  std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));
+  return cpu::run(plan.value(), packed.value(), in, ws, out);
+}
+
+Status cuda_available() {
+  auto devs = cuda::devices();
+  if (!devs.is_ok()) return devs.status();
+  if (!devs.value()[0].runnable) {
+    return unavailable("CUDA device 0 (" + devs.value()[0].name + ") is not among the compiled architectures " +
+                       cuda::compiled_archs());
+  }
+  return Status::ok();
+}
+
+Status moe_cuda(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out,
+                const BackendOptions&) {
+  return cuda::run_host(p, w, in, out);
+}
+
+// Priorities: cpu 10 > cuda 5 > reference 0. The CUDA kernels have never run on a GPU, so they
+// are used only when asked for by name until the device check has passed on a device.
+std::vector<MoeBackend> make_moe_backends() {
+  std::vector<MoeBackend> v;
+  v.push_back({"cpu", 10, always, [](const MoeProblem&) { return Status::ok(); }, moe_cpu});
+  v.push_back({"cuda", 5, cuda_available, [](const MoeProblem&) { return Status::ok(); }, moe_cuda});
+  v.push_back({"reference", 0, always, [](const MoeProblem&) { return Status::ok(); }, moe_reference});
+  return v;
+}
+
+// ---- KDA -------------------------------------------------------------------------------------
+
+kda::CpuOptions kda_cpu_options(const BackendOptions& opt) {
+  kda::CpuOptions o;
+  o.threads = opt.threads;
+  if (opt.isa) {
+    o.use_isa_override = true;
+    o.isa = *opt.isa;
+  }
+  return o;
+}
+
+Status kda_not_on_cuda() {
+  return unavailable("KDA has no CUDA backend yet (the CUDA build covers the fused MoE only)");
+}
+
+std::vector<KdaBackend> make_kda_backends() {
+  std::vector<KdaBackend> v;
+  KdaBackend cpu;
+  cpu.name = "cpu";
+  cpu.priority = 10;
+  cpu.available = always;
+  cpu.supports = [](const kda::KdaConfig& c) { return kda::validate_config(c); };
+  cpu.prefill = [](const kda::KdaConfig& c, const kda::KdaInputs& in, const kda::KdaOutputs& out,
+                   const BackendOptions& o) { return kda::prefill(c, in, out, kda_cpu_options(o)); };
+  cpu.decode = [](const kda::KdaConfig& c, const kda::DecodeArgs& a, const BackendOptions& o) {
+    return kda::decode(c, a, kda_cpu_options(o));
+  };
+  cpu.verify = [](const kda::KdaConfig& c, const kda::VerifyArgs& a, const BackendOptions& o) {
+    return kda::verify(c, a, kda_cpu_options(o));
+  };
+  v.push_back(std::move(cpu));
+  KdaBackend cuda;
+  cuda.name = "cuda";
+  cuda.priority = 5;
+  cuda.available = kda_not_on_cuda;
+  cuda.supports = [](const kda::KdaConfig&) { return kda_not_on_cuda(); };
+  v.push_back(std::move(cuda));
+  KdaBackend ref;
+  ref.name = "reference";  // the FP32 token recurrence, prefill only
+  ref.priority = 0;
+  ref.available = always;
+  ref.supports = [](const kda::KdaConfig& c) { return kda::validate_config(c); };
+  ref.prefill = [](const kda::KdaConfig& c, const kda::KdaInputs& in, const kda::KdaOutputs& out,
+                   const BackendOptions&) { return kda::reference_fp32(c, in, out); };
+  v.push_back(std::move(ref));
+  return v;
+}
+
+template <typename B>
+Result<const B*> find_in(std::span<const B> list, std::string_view name, const char* op) {
+  std::string known;
+  for (const auto& b : list) {
+    if (b.name == name) return &b;
+    known += (known.empty() ? "" : ", ") + b.name;
+  }
+  return invalid_argument(std::string(op) + " backend '" + std::string(name) + "' is not known (known: " + known +
+                          ")");
+}
+
+template <typename B>
+const B& default_in(std::span<const B> list) {
+  for (const auto& b : list) {
+    if (b.available().is_ok()) return b;
+  }
+  return list.back();  // "reference", always available
+}
+
+}  // namespace
+
+std::span<const MoeBackend> moe_backends() {
+  static const std::vector<MoeBackend> list = make_moe_backends();
+  return list;
+}
+
+Result<const MoeBackend*> find_moe_backend(std::string_view name) { return find_in(moe_backends(), name, "moe"); }
+
+const MoeBackend& default_moe_backend() { return default_in(moe_backends()); }
+
+Status run_moe(const MoeBackend& b, const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in,
+               std::span<uint8_t> out, const BackendOptions& opt) {
+  K3_RETURN_IF_ERROR(validate_moe_buffers(p, w, in));
+  const int64_t want = in.m * p.shape.hidden * out_dtype_size(p.out_dtype);
+  if (static_cast<int64_t>(out.size()) != want) {
+    return invalid_argument("out has " + std::to_string(out.size()) + " bytes, expected M*K*" +
+                            std::to_string(out_dtype_size(p.out_dtype)) + " = " + std::to_string(want));
+  }
+  K3_RETURN_IF_ERROR(b.available());
+  K3_RETURN_IF_ERROR(b.supports(p));
+  return b.run(p, w, in, out, opt);
+}
+
+std::span<const KdaBackend> kda_backends() {
+  static const std::vector<KdaBackend> list = make_kda_backends();
+  return list;
+}
+
+Result<const KdaBackend*> find_kda_backend(std::string_view name) { return find_in(kda_backends(), name, "kda"); }
+
+const KdaBackend& default_kda_backend() { return default_in(kda_backends()); }
+
+}  // namespace k3

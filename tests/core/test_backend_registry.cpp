@@ -1,0 +1,168 @@
+// The backend registry (k3/backend.hpp): order, lookup errors, defaults, the options passed in,
+// and that each MoE / KDA backend computes what its own API computes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <set>
+#include <vector>
+
+#include "k3/backend.hpp"
+#include "k3/cpu_moe.hpp"
+#include "k3/moe_case.hpp"
+
+namespace k3 {
+namespace {
+
+MoeCase small_case(uint64_t seed) {
+  MoeCaseSpec s;
+  s.problem.shape = {64, 96, 8, 2, 1, 0};
+  s.problem.out_dtype = OutDType::kFP32;
+  s.m = 5;
+  s.seed = seed;
+  auto c = make_moe_case(s);
+  EXPECT_TRUE(c.is_ok()) << c.status().to_string();
+  return std::move(c.value());
+}
+
+TEST(BackendRegistry, MoeBackendsAreOrderedNamedAndFindable) {
+  const auto list = moe_backends();
+  ASSERT_EQ(list.size(), 3u);
+  EXPECT_EQ(list[0].name, "cpu");
+  EXPECT_EQ(list[1].name, "cuda");
+  EXPECT_EQ(list[2].name, "reference");
+  for (size_t i = 1; i < list.size(); ++i) EXPECT_GT(list[i - 1].priority, list[i].priority);
+  for (const auto& b : list) {
+    ASSERT_TRUE(b.available && b.supports && b.run) << b.name;
+    auto f = find_moe_backend(b.name);
+    ASSERT_TRUE(f.is_ok());
+    EXPECT_EQ(f.value(), &b);
+  }
+  auto bad = find_moe_backend("tpu");
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("'tpu'"), std::string::npos) << bad.status().message();
+  EXPECT_NE(bad.status().message().find("cpu, cuda, reference"), std::string::npos) << bad.status().message();
+  EXPECT_TRUE(default_moe_backend().available().is_ok());
+  EXPECT_EQ(default_moe_backend().name, "cpu");  // priority 10 and always usable
+}
+
+TEST(BackendRegistry, CpuAndReferenceAgreeAndThreadsDoNotChangeBits) {
+  const MoeCase c = small_case(5);
+  const int64_t bytes = c.m * 64 * 4;
+  std::vector<uint8_t> ref(static_cast<size_t>(bytes)), a(ref.size()), b(ref.size());
+  ASSERT_TRUE(run_moe(*find_moe_backend("reference").value(), c.problem, c.weights(), c.inputs(), ref).is_ok());
+  BackendOptions one, two;
+  one.threads = 1;
+  two.threads = 2;
+  const MoeBackend& cpu = *find_moe_backend("cpu").value();
+  ASSERT_TRUE(run_moe(cpu, c.problem, c.weights(), c.inputs(), a, one).is_ok());
+  ASSERT_TRUE(run_moe(cpu, c.problem, c.weights(), c.inputs(), b, two).is_ok());
+  EXPECT_EQ(a, b);
+  double err = 0, norm = 0;
+  for (int64_t i = 0; i < c.m * 64; ++i) {
+    float x, y;
+    std::memcpy(&x, a.data() + 4 * i, 4);
+    std::memcpy(&y, ref.data() + 4 * i, 4);
+    err += (x - y) * (x - y);
+    norm += y * y;
+  }
+  EXPECT_LT(std::sqrt(err / norm), 1e-5);
+}
+
+TEST(BackendRegistry, OptionsReachTheCpuBackend) {
+  const MoeCase c = small_case(6);
+  std::vector<uint8_t> out(static_cast<size_t>(c.m * 64 * 4));
+  const MoeBackend& cpu = *find_moe_backend("cpu").value();
+  BackendOptions o;
+  o.threads = 100000;  // out of range: must be refused by the plan, naming the value
+  Status st = run_moe(cpu, c.problem, c.weights(), c.inputs(), out, o);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("100000"), std::string::npos) << st.message();
+  if (best_isa_level() != IsaLevel::kAvx512Bf16) {
+    BackendOptions hi;
+    hi.isa = IsaLevel::kAvx512Bf16;
+    st = run_moe(cpu, c.problem, c.weights(), c.inputs(), out, hi);
+    ASSERT_FALSE(st.is_ok());
+    EXPECT_NE(st.message().find("avx512bf16"), std::string::npos) << st.message();
+  }
+  BackendOptions scalar;
+  scalar.isa = IsaLevel::kScalar;
+  std::vector<uint8_t> s(out.size()), d(out.size());
+  ASSERT_TRUE(run_moe(cpu, c.problem, c.weights(), c.inputs(), s, scalar).is_ok());
+  ASSERT_TRUE(run_moe(cpu, c.problem, c.weights(), c.inputs(), d).is_ok());
+  if (best_isa_level() != IsaLevel::kAvx512Bf16) {
+    EXPECT_EQ(s, d);  // the FP32 levels are bit-identical
+  }
+}
+
+TEST(BackendRegistry, RunMoeChecksBuffersAndAvailability) {
+  const MoeCase c = small_case(7);
+  std::vector<uint8_t> out(static_cast<size_t>(c.m * 64 * 4 - 1));
+  Status st = run_moe(*find_moe_backend("reference").value(), c.problem, c.weights(), c.inputs(), out);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("out has"), std::string::npos) << st.message();
+  const MoeBackend& cuda = *find_moe_backend("cuda").value();
+  if (!cuda.available().is_ok()) {  // no device (or not compiled): the reason, never a crash
+    out.resize(out.size() + 1);
+    st = run_moe(cuda, c.problem, c.weights(), c.inputs(), out);
+    ASSERT_FALSE(st.is_ok());
+    EXPECT_EQ(st.message(), cuda.available().message());
+  }
+}
+
+TEST(BackendRegistry, KdaBackendsSayWhatTheyCanDo) {
+  const auto list = kda_backends();
+  ASSERT_EQ(list.size(), 3u);
+  EXPECT_EQ(list[0].name, "cpu");
+  EXPECT_EQ(default_kda_backend().name, "cpu");
+  const KdaBackend& cuda = *find_kda_backend("cuda").value();
+  ASSERT_FALSE(cuda.available().is_ok());
+  EXPECT_NE(cuda.available().message().find("no CUDA backend"), std::string::npos);
+  const KdaBackend& ref = *find_kda_backend("reference").value();
+  EXPECT_TRUE(ref.prefill && !ref.decode && !ref.verify);
+  auto bad = find_kda_backend("gpu");
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("kda backend 'gpu'"), std::string::npos) << bad.status().message();
+
+  // cpu prefill against the FP32 reference on a small varlen batch.
+  kda::KdaConfig cfg;
+  cfg.num_heads = 2;
+  cfg.head_k = 16;
+  cfg.head_v = 16;
+  cfg.gate = kda::GateMode::kLogDecay;
+  const int64_t t = 21, h = 2, k = 16;
+  std::vector<float> q(t * h * k), kk(q.size()), v(q.size()), g(q.size()), beta(t * h);
+  uint32_t x = 1;
+  auto rnd = [&x] { x = x * 1664525u + 1013904223u; return static_cast<float>(x >> 8) / 16777216.f - 0.5f; };
+  for (auto& e : q) e = rnd();
+  for (auto& e : kk) e = rnd();
+  for (auto& e : v) e = rnd();
+  for (auto& e : g) e = -0.1f + 0.05f * rnd();
+  for (auto& e : beta) e = rnd();
+  const std::vector<int64_t> cu = {0, 4, 21};
+  kda::KdaInputs in;
+  in.q = kda::ActSpan::of(std::span<const float>(q));
+  in.k = kda::ActSpan::of(std::span<const float>(kk));
+  in.v = kda::ActSpan::of(std::span<const float>(v));
+  in.g = g;
+  in.beta = beta;
+  in.cu_seqlens = cu;
+  std::vector<float> o1(q.size()), o2(q.size());
+  ASSERT_TRUE(ref.supports(cfg).is_ok());
+  ASSERT_TRUE(ref.prefill(cfg, in, {o1, {}}, {}).is_ok());
+  const KdaBackend& cpu = *find_kda_backend("cpu").value();
+  ASSERT_TRUE(cpu.prefill(cfg, in, {o2, {}}, {}).is_ok());
+  double err = 0, norm = 0;
+  for (size_t i = 0; i < o1.size(); ++i) {
+    err += (o1[i] - o2[i]) * (o1[i] - o2[i]);
+    norm += o1[i] * o1[i];
+  }
+  EXPECT_LT(std::sqrt(err / norm), 1e-5);
+  kda::KdaConfig bad_cfg = cfg;
+  bad_cfg.num_heads = 0;
+  EXPECT_FALSE(cpu.supports(bad_cfg).is_ok());
+}
+
+}  // namespace
+}  // namespace k3
