@@ -92,8 +92,8 @@ inline void fill_bias(const HeadCtx& x, float* bias) {
 }
 
 // q (L2-normalized, scaled), k (L2-normalized), v, the log decay g and beta of token t; rows
-// padded with zeros. `bias` is the padded dt_bias row. Non-finite inputs are reported in `p`
-// (and `vbad`, [vp]) and replaced by 0.
+// padded with zeros. `bias` is the padded dt_bias row. Non-finite inputs are reported in `p` and
+// replaced by 0; v is checked only when `vbad` ([vp], the bad columns) is given.
 inline float prep_token(const HeadCtx& x, int64_t t, const float* bias, float* q, float* k, float* v, float* g,
                         TokenPoison& p, float* vbad) {
   const int64_t K = x.head_k, V = x.head_v, kp = x.lay.kp, vp = x.lay.vp;
@@ -102,12 +102,21 @@ inline float prep_token(const HeadCtx& x, int64_t t, const float* bias, float* q
   load_row(x.k16, x.k32, qk_off, K, kp, k);
   load_row(x.v16, x.v32, (t * x.num_heads + x.head) * V, V, vp, v);
   p = TokenPoison{};
-  if (!row_finite(q, kp)) {
+  // Non-finite checks, a pass over a row only where needed: with the L2 norm, the finite sum of
+  // squares it computes anyway proves the row finite.
+  float qq = 0.0f, kk = 0.0f;
+  if (x.l2norm) {
+    qq = dot(q, q, kp);
+    kk = dot(k, k, kp);
+  }
+  if (!(x.l2norm && std::isfinite(qq)) && !row_finite(q, kp)) {
     p.q = true;
     fill_row(q, 0.0f, kp);
+    qq = 0.0f;
   }
-  if (!row_finite(k, kp)) p.whole = true;
-  if (!row_finite(v, vp)) {
+  if (!(x.l2norm && std::isfinite(kk)) && !row_finite(k, kp)) p.whole = true;
+  // v: the chunked path only (vbad given); the recurrent path sees a non-finite v in v'.
+  if (vbad != nullptr && !row_finite(v, vp)) {
     p.v = true;
     for (int64_t j = 0; j < vp; ++j) {
       const bool bad = !std::isfinite(v[j]);
@@ -115,11 +124,14 @@ inline float prep_token(const HeadCtx& x, int64_t t, const float* bias, float* q
       if (bad) v[j] = 0.0f;
     }
   }
-  if (p.whole) fill_row(k, 0.0f, kp);
+  if (p.whole) {
+    fill_row(k, 0.0f, kp);
+    kk = 0.0f;
+  }
   if (x.l2norm) {
     // eps inside the square root, as fla's l2norm
-    scale_row(q, x.scale / std::sqrt(dot(q, q, kp) + 1e-6f), kp);
-    scale_row(k, 1.0f / std::sqrt(dot(k, k, kp) + 1e-6f), kp);
+    scale_row(q, x.scale / std::sqrt(qq + 1e-6f), kp);
+    scale_row(k, 1.0f / std::sqrt(kk + 1e-6f), kp);
   } else {
     scale_row(q, x.scale, kp);
   }
@@ -155,19 +167,14 @@ inline float prep_token(const HeadCtx& x, int64_t t, const float* bias, float* q
 }
 
 // Recurrent path: the poisoned columns of v' become NaN, which makes the same columns of the
-// state and of this token's output NaN in pass 2. A non-finite v' from the state (a non-finite
-// entry in the column, or an overflow) becomes NaN too, so that poison is NaN, never +-Inf.
-inline void poison_vnew(const HeadCtx& x, const TokenPoison& p, const float* vbad, float* vnew, int64_t vw) {
+// state and of this token's output NaN in pass 2. A non-finite v' comes from a non-finite v, a
+// non-finite state entry in its column (or an overflow): it becomes NaN, never +-Inf.
+inline void poison_vnew(const HeadCtx& x, const TokenPoison& p, float* vnew, int64_t vw) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const int64_t V = x.head_v;
   if (p.whole) {
     fill_row(vnew, nan, V);
     return;
-  }
-  if (p.v) {
-    for (int64_t j = 0; j < V; ++j) {
-      if (vbad[j] != 0.0f) vnew[j] = nan;
-    }
   }
   if (!row_finite(vnew, vw)) {
     for (int64_t j = 0; j < V; ++j) {
@@ -252,7 +259,7 @@ inline void recurrent_impl(const HeadCtx& x, int64_t t0, int64_t t1, float* s, i
   const ScratchLayout& L = x.lay;
   float *q = scratch + L.q, *k = scratch + L.k, *v = scratch + L.v, *g = scratch + L.g;
   float *alpha = scratch + L.alpha, *ak = scratch + L.ak, *vnew = scratch + L.vnew, *out = scratch + L.out;
-  float *bias = scratch + L.bias, *vbad = scratch + L.vbad;
+  float* bias = scratch + L.bias;
   const int64_t K = x.head_k, kp = L.kp;
   constexpr int64_t kBlock = 4 * kW;
   fill_bias(x, bias);
@@ -261,13 +268,13 @@ inline void recurrent_impl(const HeadCtx& x, int64_t t0, int64_t t1, float* s, i
   for (int64_t t = t0; t < t1; ++t) {
     if (t + kAhead < t1) prefetch_token(x, t + kAhead);
     TokenPoison p;
-    const float beta = prep_token(x, t, bias, q, k, v, g, p, vbad);
+    const float beta = prep_token(x, t, bias, q, k, v, g, p, nullptr);
     exp_row(g, alpha, kp);
     mul_rows(alpha, k, ak, kp);
     int64_t j = 0;
     for (; j + kBlock <= vw; j += kBlock) rec_pass1<4>(s, lds, K, j, ak, v, beta, vnew);
     for (; j < vw; j += kW) rec_pass1<1>(s, lds, K, j, ak, v, beta, vnew);
-    poison_vnew(x, p, vbad, vnew, vw);
+    poison_vnew(x, p, vnew, vw);
     j = 0;
     for (; j + kBlock <= vw; j += kBlock) rec_pass2<4>(s, lds, K, j, alpha, k, q, vnew, out);
     for (; j < vw; j += kW) rec_pass2<1>(s, lds, K, j, alpha, k, q, vnew, out);
