@@ -262,7 +262,9 @@ Status prefill(const CpuPlan& p, const KdaInputs& in, const KdaOutputs& out, std
   // chunk over all of them (the same arithmetic per head as above: identical bits).
   for (int64_t n = 0; n < N; ++n) {
     if (!is_chunked(n)) continue;
-    const auto [t0, t1] = seq_range(n);
+    // Plain variables, not a structured binding: clang (the fuzz targets' compiler) does not let
+    // an OpenMP region refer to one.
+    const int64_t t0 = seq_range(n).first, t1 = seq_range(n).second;
 #pragma omp parallel num_threads(p.threads)
     {
       const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
