@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes the fuzzing seed corpora: tests/data/safetensors_corpus/ (tiny valid_* and malformed bad_*
-safetensors files) and tests/data/model_config_corpus/ (config.json texts). The unit tests
+safetensors files), tests/data/model_config_corpus/ (config.json texts) and
+tests/data/kda_input_corpus/ (`k3 kda run` input files, KdaInputCorpus.ReplaysEveryFile). The unit tests
 SafetensorsCorpus.ReplaysEveryFile / ModelConfigCorpus.ReplaysEveryFile require every valid_* file
 to parse and every bad_* file to give an error; scripts/fuzz.sh starts from these corpora.
 Re-running it rewrites the generated files (fuzzer crashers added by hand are kept)."""
@@ -126,6 +127,105 @@ def write_configs():
             f.write(text)
 
 
+# ---- KDA input files (`k3 kda run --input`, fuzz target kda_input) -----------------------------
+KDA_OUT = os.path.join(DATA, "kda_input_corpus")
+KDA_FMT = {"F32": "<f", "F64": "<d", "I64": "<q", "I32": "<i", "U8": "<B"}
+
+
+def f16(x):
+    return struct.pack("<e", x)
+
+
+def bf16(x):
+    return struct.pack("<f", x)[2:]
+
+
+def st_file(tensors, metadata=None):
+    """tensors: name -> (dtype, shape, values); packed contiguously in the given order."""
+    header, data = {}, b""
+    if metadata:
+        header["__metadata__"] = metadata
+    for name, (dtype, shape, values) in tensors.items():
+        if dtype == "BF16":
+            raw = b"".join(bf16(v) for v in values)
+        elif dtype == "F16":
+            raw = b"".join(f16(v) for v in values)
+        else:
+            raw = b"".join(struct.pack(KDA_FMT[dtype], v) for v in values)
+        header[name] = t(dtype, shape, len(data), len(data) + len(raw))
+        data += raw
+    return image(json.dumps(header, separators=(",", ":")), data)
+
+
+def ramp(n, scale=0.25, offset=0.0):
+    return [offset + scale * ((i * 7) % 5 - 2) for i in range(n)]
+
+
+def kda(T=2, H=1, K=2, V=3, act="F32", drop=(), extra=None, metadata=None, beta="beta", batch=False):
+    """A small `k3 kda run` input: q, k, v [T, H, K|V], g [T, H, K] (log decays), beta [T, H]."""
+    b = [1] if batch else []
+    ts = {"q": (act, b + [T, H, K], ramp(T * H * K)), "k": (act, b + [T, H, K], ramp(T * H * K, 0.5, 0.1)),
+          "v": (act, b + [T, H, V], ramp(T * H * V, 1.0)), "g": ("F32", b + [T, H, K], [-0.5] * (T * H * K)),
+          beta: ("F32", b + [T, H], ramp(T * H))}
+    for name in drop:
+        ts.pop(name)
+    ts.update(extra or {})
+    return st_file(ts, metadata)
+
+
+INF, NAN = float("inf"), float("nan")
+KDA_FILES = {
+    # ---- valid: load_input_file accepts them and the references run ----
+    "valid_log_decay_f32": kda(),
+    "valid_batch_dim_beta_logits": kda(batch=True, beta="beta_logits"),
+    "valid_safe_bf16_varlen": kda(T=3, H=2, K=2, V=2, act="BF16", extra={
+        "A_log": ("F32", [2], [0.1, -0.3]), "dt_bias": ("F32", [2, 2], [0.0, 0.5, -0.5, 1.0]),
+        "cu_seqlens": ("I64", [4], [0, 1, 1, 3]), "initial_state": ("F32", [3, 2, 2, 2], ramp(24, 0.1))}),
+    "valid_softplus_v_first_f16": kda(T=2, H=1, K=2, V=3, act="F16", metadata={"gate": "softplus", "layout": "v_first"},
+                                      extra={"A_log": ("F64", [4], [0.5, 0.0, 0.0, 0.0]),
+                                             "cu_seqlens": ("I32", [2], [0, 2]),
+                                             "initial_state": ("F32", [1, 1, 3, 2], ramp(6, 0.1))}),
+    "valid_no_tokens": kda(T=0, H=2, K=4, V=4),
+    "valid_nonfinite_values": kda(T=3, H=1, K=2, V=2, extra={
+        "g": ("F32", [3, 1, 2], [-0.5, INF, -INF, -0.5, NAN, -0.1]),
+        "v": ("F32", [3, 1, 2], [1.0, INF, 0.5, -0.5, 0.25, 1.0]),
+        "initial_state": ("F32", [1, 1, 2, 2], [0.0, NAN, 0.5, -INF])}),
+    # ---- bad: load_input_file refuses them (tests/core/test_kda_input_corpus.cpp: the messages) ----
+    "bad_missing_q": kda(drop=("q",)),
+    "bad_q_rank": kda(extra={"q": ("F32", [2, 2], ramp(4))}),
+    "bad_v_tokens": kda(extra={"v": ("F32", [3, 1, 3], ramp(9))}),
+    "bad_k_shape": kda(extra={"k": ("F32", [2, 1, 3], ramp(6))}),
+    "bad_q_dtype": kda(extra={"q": ("I32", [2, 1, 2], [1, 2, 3, 4])}),
+    "bad_beta_both": kda(extra={"beta_logits": ("F32", [2, 1], [0.0, 0.0])}),
+    "bad_beta_missing": kda(drop=("beta",)),
+    "bad_beta_shape": kda(extra={"beta": ("F32", [1, 2], [0.0, 0.0])}),
+    "bad_gate_unknown": kda(metadata={"gate": "sigmoid"}),
+    "bad_layout_unknown": kda(metadata={"layout": "h_first"}),
+    "bad_safe_without_a_log": kda(metadata={"gate": "safe"}),
+    "bad_a_log_with_log_decay": kda(metadata={"gate": "log_decay"}, extra={"A_log": ("F32", [1], [0.0])}),
+    "bad_a_log_short": kda(H=2, extra={"A_log": ("F32", [1], [0.0]), "q": ("F32", [2, 2, 2], ramp(8)),
+                                       "k": ("F32", [2, 2, 2], ramp(8)), "v": ("F32", [2, 2, 3], ramp(12)),
+                                       "g": ("F32", [2, 2, 2], [0.0] * 8), "beta": ("F32", [2, 2], ramp(4))}),
+    "bad_a_log_range": kda(extra={"A_log": ("F32", [1], [100.0])}),
+    "bad_a_log_nan": kda(extra={"A_log": ("F32", [1], [NAN])}),
+    "bad_dt_bias_shape": kda(extra={"A_log": ("F32", [1], [0.0]), "dt_bias": ("F32", [3], [0.0] * 3)}),
+    "bad_cu_seqlens_decreasing": kda(extra={"cu_seqlens": ("I64", [3], [0, 2, 1])}),
+    "bad_cu_seqlens_last": kda(extra={"cu_seqlens": ("I64", [2], [0, 3])}),
+    "bad_cu_seqlens_empty": kda(extra={"cu_seqlens": ("I64", [0], [])}),
+    "bad_cu_seqlens_dtype": kda(extra={"cu_seqlens": ("U8", [2], [0, 2])}),
+    "bad_initial_state_shape": kda(extra={"initial_state": ("F32", [1, 1, 3, 2], [0.0] * 6)}),
+    "bad_too_many_heads": kda(T=0, H=2000, K=4, V=4),
+    "bad_final_state_too_big": kda(T=0, H=1024, K=512, V=512, extra={"cu_seqlens": ("I64", [300], [0] * 300)}),
+}
+
+
+def write_kda_inputs():
+    os.makedirs(KDA_OUT, exist_ok=True)
+    for name, data in KDA_FILES.items():
+        with open(os.path.join(KDA_OUT, name + ".safetensors"), "wb") as f:
+            f.write(data)
+
+
 def write_reference_file():
     """valid_reference_writer: written by the reference implementation (PyPI `safetensors`, Rust
     core; committed output of safetensors 0.8.0). SafetensorsFile.ReadsTheReferenceWritersOutput
@@ -148,7 +248,9 @@ def main():
             f.write(data)
     write_reference_file()
     write_configs()
-    print(f"wrote {len(FILES)} files to {os.path.normpath(OUT)}, {len(CONFIGS)} to {os.path.normpath(CONFIG_OUT)}")
+    write_kda_inputs()
+    print(f"wrote {len(FILES)} files to {os.path.normpath(OUT)}, {len(CONFIGS)} to {os.path.normpath(CONFIG_OUT)}, "
+          f"{len(KDA_FILES)} to {os.path.normpath(KDA_OUT)}")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,14 @@ inline constexpr int64_t kMaxHeadDim = 512;
 // Log-space decays below this are clamped to it: exp() of it is 0 in FP32 and FP64 alike, and
 // the clamp keeps differences of cumulative sums finite (no -inf - -inf).
 inline constexpr float kMinLogDecay = -1.0e4f;
+// Non-finite values (docs/kda.md, "Non-finite values"): a log decay above this (NaN and +inf
+// included) poisons the token's write like a non-finite k or beta: exp(88) = 1.65e38 is the
+// largest decay factor every backend represents (exp overflows FP32 at 88.72).
+inline constexpr float kMaxLogDecay = 88.0f;
+// A_log (the gated modes) must lie in this range, so that exp(A_log) is a normal FP32 number in
+// every backend (refused otherwise: validate_prefill names the entry and its value).
+inline constexpr float kMinALog = -87.0f;
+inline constexpr float kMaxALog = 88.0f;
 // Tokens per chunk of the chunked CPU prefill.
 inline constexpr int64_t kChunk = 16;
 
@@ -125,7 +133,9 @@ struct PrefillShape {
   int64_t num_seqs = 0;    // N
 };
 // Checks every span against the configuration; the message names the tensor, the expected and
-// the actual size (or the offending cu_seqlens entry).
+// the actual size (or the offending cu_seqlens entry), and a_log[h] (h < H) against
+// [kMinALog, kMaxALog]. Non-finite values in the other tensors are not errors: they follow the
+// policy of docs/kda.md ("Non-finite values"), the same in every backend.
 Result<PrefillShape> validate_prefill(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out);
 
 // ---- references (token-recurrent, exactly the recurrence above) ----------------------------

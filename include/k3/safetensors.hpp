@@ -78,6 +78,9 @@ Result<std::vector<TensorInfo>> parse_header(std::span<const uint8_t> image, con
 class File {
  public:
   static Result<File> open(const std::string& path);  // validates everything (see above)
+  // A File over an in-memory image (validated like open; `source` names it in messages). The
+  // bytes are not copied: they must outlive the File. Used by the fuzz targets and tests.
+  static Result<File> view(std::span<const uint8_t> image, const std::string& source);
   File(File&& other) noexcept;
   File& operator=(File&& other) noexcept;
   File(const File&) = delete;
@@ -94,9 +97,11 @@ class File {
  private:
   File() = default;
   void release();
+  Status index_image();  // parses the header of map_[0, size_) into tensors_ / index_ / metadata_
 
   std::string path_;
-  const uint8_t* map_ = nullptr;  // whole file, PROT_READ
+  const uint8_t* map_ = nullptr;  // whole file, PROT_READ (or the caller's image: see owns_map_)
+  bool owns_map_ = false;         // true: map_ is an mmap of the file, unmapped by the destructor
   uint64_t size_ = 0;
   uint64_t data_start_ = 0;       // 8 + header length
   std::vector<TensorInfo> tensors_;

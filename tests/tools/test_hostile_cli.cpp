@@ -2,7 +2,10 @@
 // error naming the argument, the limit and the value (never a silent fallback or a crash).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -85,6 +88,85 @@ void write_kda_input(const std::string& path, int64_t T, int64_t H, int64_t K, i
     ASSERT_TRUE(w.add("cu_seqlens", k3::st::DType::kI64, {static_cast<int64_t>(cu->size())}, bytes_of(*cu)).is_ok());
   }
   ASSERT_TRUE(w.write(path).is_ok());
+}
+
+// `kda run` with g = +inf, a NaN gate and an Inf v: every backend, algorithm and SIMD level gives the
+// same NaN pattern in o and final_state (docs/kda.md, "Non-finite values") and no +-Inf. Before
+// the policy, the cpu and fp32-reference backends put NaN and Inf in different places.
+TEST(HostileCli, KdaRunNonfiniteInputsGiveTheSameNanPatternOnEveryBackend) {
+  k3::test::TempDir dir("hostile_nonfinite");
+  const std::string in = dir.file("in.safetensors");
+  const int64_t T = 40, H = 2, K = 16, V = 16;
+  std::vector<float> q(T * H * K), k(T * H * K), v(T * H * V), g(T * H * K), beta(T * H);
+  for (size_t i = 0; i < q.size(); ++i) {
+    q[i] = static_cast<float>(static_cast<int>(i * 37 % 11) - 5) * 0.1f;
+    k[i] = static_cast<float>(static_cast<int>(i * 53 % 13) - 6) * 0.1f;
+    g[i] = -0.05f * static_cast<float>(i % 7 + 1);
+  }
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(static_cast<int>(i * 29 % 9) - 4) * 0.25f;
+  for (size_t i = 0; i < beta.size(); ++i) beta[i] = 0.3f + 0.05f * static_cast<float>(i % 5);
+  const float inf = std::numeric_limits<float>::infinity();
+  g[(21 * H + 1) * K + 2] = inf;                                  // head 1 from token 21: all NaN
+  g[(30 * H + 0) * K + 5] = std::numeric_limits<float>::quiet_NaN();  // head 0 from token 30
+  v[(9 * H + 0) * V + 3] = -inf;                                  // head 0, column 3 from token 9
+  k3::st::Writer w;
+  ASSERT_TRUE(w.add("q", k3::st::DType::kF32, {T, H, K}, bytes_of(q)).is_ok());
+  ASSERT_TRUE(w.add("k", k3::st::DType::kF32, {T, H, K}, bytes_of(k)).is_ok());
+  ASSERT_TRUE(w.add("v", k3::st::DType::kF32, {T, H, V}, bytes_of(v)).is_ok());
+  ASSERT_TRUE(w.add("g", k3::st::DType::kF32, {T, H, K}, bytes_of(g)).is_ok());
+  ASSERT_TRUE(w.add("beta", k3::st::DType::kF32, {T, H}, bytes_of(beta)).is_ok());
+  ASSERT_TRUE(w.write(in).is_ok());
+  struct Run {
+    const char* args;
+    const char* isa;
+  };
+  const Run runs[] = {{"--backend fp64-reference", nullptr}, {"--backend fp32-reference", nullptr},
+                      {"--backend cpu --algorithm chunked", nullptr}, {"--backend cpu --algorithm recurrent", nullptr},
+                      {"--backend cpu --algorithm chunked", "scalar"}, {"--backend cpu --algorithm recurrent", "scalar"}};
+  std::vector<char> want_o, want_s;
+  for (const Run& r : runs) {
+    std::optional<ScopedEnv> env;
+    if (r.isa != nullptr) env.emplace("K3_ISA", r.isa);
+    const std::string out = dir.file("out.safetensors");
+    const auto res = run_cli(std::string("kda run ") + r.args + " --input " + in + " --output " + out);
+    ASSERT_EQ(res.code, 0) << r.args << "\n" << res.out;
+    auto f = k3::st::File::open(out);
+    ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+    auto nan_pattern = [&](const char* name) {
+      const k3::st::TensorInfo* t = f->find(name);
+      std::vector<char> nan;
+      const auto b = f->bytes(*t);
+      for (int64_t i = 0; i < t->numel(); ++i) {
+        double x;
+        if (t->dtype == k3::st::DType::kF64) {
+          std::memcpy(&x, b.data() + 8 * i, 8);
+        } else {
+          float y;
+          std::memcpy(&y, b.data() + 4 * i, 4);
+          x = y;
+        }
+        EXPECT_FALSE(std::isinf(x)) << r.args << " " << name << "[" << i << "]";
+        nan.push_back(std::isnan(x) ? 1 : 0);
+      }
+      return nan;
+    };
+    const auto o = nan_pattern("o"), s = nan_pattern("final_state");
+    if (want_o.empty()) {
+      want_o = o, want_s = s;
+      // The policy's pattern: head 1 from token 21, head 0 column 3 from token 9, head 0 from 30.
+      auto at = [&](int64_t t, int64_t h, int64_t j) { return want_o[(t * H + h) * V + j]; };
+      EXPECT_EQ(at(20, 1, 0), 0);
+      EXPECT_EQ(at(21, 1, 0), 1);
+      EXPECT_EQ(at(8, 0, 3), 0);
+      EXPECT_EQ(at(9, 0, 3), 1);
+      EXPECT_EQ(at(29, 0, 4), 0);
+      EXPECT_EQ(at(30, 0, 4), 1);
+      for (char x : want_s) EXPECT_EQ(x, 1);
+    } else {
+      EXPECT_EQ(o, want_o) << r.args << (r.isa ? " K3_ISA=scalar" : "");
+      EXPECT_EQ(s, want_s) << r.args << (r.isa ? " K3_ISA=scalar" : "");
+    }
+  }
 }
 
 TEST(HostileCli, KdaRunCuSeqlensIsCheckedWithIndexAndValues) {

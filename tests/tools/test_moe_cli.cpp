@@ -9,6 +9,8 @@
 #include <array>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -152,6 +154,60 @@ TEST_F(MoeCli, RunWithGivenIdsKeepsThemAndMasksRemoteSlots) {
   int nonzero = 0;
   for (int64_t i = 0; i < 2 * k; ++i) nonzero += out[i] != 0;
   EXPECT_GT(nonzero, 0);
+}
+
+// config.json with scoring_func = softmax: k3's router only implements sigmoid, so logits are
+// refused (the message names scoring_func, its value, the config file and why), but topk_ids +
+// topk_weights need no routing and run exactly as with a sigmoid config.
+TEST_F(MoeCli, SoftmaxScoringRunsGivenIdsAndRefusesLogitsToRoute) {
+  const int64_t m = 2, k = 64;
+  const std::vector<float> x(m * k, 0.25f), lg(m * 8, 0.f), wts = {0.5f, 0.3f, 0.2f, 0.6f, 0.3f, 0.1f};
+  const std::vector<int32_t> ids = {0, 5, 7, 1, 2, 6};
+  st::Writer wi;
+  ASSERT_TRUE(wi.add("x", st::DType::kF32, {m, k}, bytes_of(x)).is_ok());
+  ASSERT_TRUE(wi.add("topk_ids", st::DType::kI32, {m, 3}, bytes_of(ids)).is_ok());
+  ASSERT_TRUE(wi.add("topk_weights", st::DType::kF32, {m, 3}, bytes_of(wts)).is_ok());
+  ASSERT_TRUE(wi.write(io_.file("ids.safetensors")).is_ok());
+  st::Writer wl;
+  ASSERT_TRUE(wl.add("x", st::DType::kF32, {m, k}, bytes_of(x)).is_ok());
+  ASSERT_TRUE(wl.add("logits", st::DType::kF32, {m, 8}, bytes_of(lg)).is_ok());
+  ASSERT_TRUE(wl.write(io_.file("logits.safetensors")).is_ok());
+  auto run = [&](const std::string& in, const std::string& out) {
+    return run_cli("moe run --checkpoint " + ckpt() + " --layer 1 --backend reference --input " + io_.file(in) +
+                   " --output " + io_.file(out));
+  };
+  const auto sig = run("ids.safetensors", "sig.safetensors");  // the synthetic config says sigmoid
+  ASSERT_EQ(sig.code, 0) << sig.out;
+
+  const std::string cfg_path = dir_.file("config.json");
+  std::ifstream cfg_in(cfg_path);
+  auto cfg = nlohmann::json::parse(cfg_in);
+  nlohmann::json& text = cfg.contains("text_config") ? cfg["text_config"] : cfg;
+  ASSERT_EQ(text["moe_router_activation_func"], "sigmoid");
+  text["moe_router_activation_func"] = "softmax";
+  test::write_text(cfg_path, cfg.dump(1));
+
+  const auto soft = run("ids.safetensors", "soft.safetensors");
+  ASSERT_EQ(soft.code, 0) << soft.out;
+  auto a = st::File::open(io_.file("sig.safetensors"));
+  auto b = st::File::open(io_.file("soft.safetensors"));
+  ASSERT_TRUE(a.is_ok() && b.is_ok());
+  EXPECT_EQ(read_tensor<uint8_t>(a.value(), "out"), read_tensor<uint8_t>(b.value(), "out"));
+  EXPECT_EQ(read_tensor<int32_t>(b.value(), "topk_ids"), ids);
+
+  const auto bad = run("logits.safetensors", "never.safetensors");
+  EXPECT_EQ(bad.code, 1) << bad.out;
+  for (const std::string& want : std::vector<std::string>{io_.file("logits.safetensors") + ": holds router 'logits'",
+                                 cfg_path + ": scoring_func = 'softmax' cannot be routed by k3",
+                                 "implements only scoring_func = 'sigmoid'",
+                                 "'topk_ids' + 'topk_weights' instead of 'logits' needs no routing"}) {
+    EXPECT_NE(bad.out.find(want), std::string::npos) << want << "\n" << bad.out;
+  }
+  EXPECT_FALSE(std::filesystem::exists(io_.file("never.safetensors")));
+  // validate --checkpoint routes synthetic logits: refused with the same reason.
+  const auto val = run_cli("validate --op moe --suite smoke --backend reference --checkpoint " + ckpt() + " --layer 1");
+  EXPECT_EQ(val.code, 1) << val.out;
+  EXPECT_NE(val.out.find("scoring_func = 'softmax' cannot be routed by k3"), std::string::npos) << val.out;
 }
 
 TEST_F(MoeCli, RunErrorsNameTheFileAndTensor) {

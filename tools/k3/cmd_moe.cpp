@@ -77,7 +77,9 @@ Status check_2d(const st::File& f, const st::TensorInfo& t, int64_t want_rows, i
   return Status::ok();
 }
 
-Result<UserInputs> read_inputs(const std::string& path, const MoeLayerWeights& layer, const RoutingConfig& rc) {
+// Routing facts are read from the config only when the file holds logits: with topk_ids /
+// topk_weights nothing is routed, so the config's scoring_func (softmax included) does not matter.
+Result<UserInputs> read_inputs(const std::string& path, const MoeLayerWeights& layer) {
   auto file = st::File::open(path);
   if (!file.is_ok()) return file.status();
   const st::File& f = file.value();
@@ -106,6 +108,12 @@ Result<UserInputs> read_inputs(const std::string& path, const MoeLayerWeights& l
     return invalid_argument(path + ": holds both 'logits' and 'topk_ids'/'topk_weights'; give one routing source");
   }
   if (logits != nullptr) {
+    auto routing = routing_from_config(layer.config);
+    if (!routing.is_ok()) {
+      return Status(routing.status().code(), path + ": holds router 'logits', which k3 would have to route: " +
+                                                 routing.status().message());
+    }
+    const RoutingConfig& rc = routing.value();
     K3_RETURN_IF_ERROR(check_2d(f, *logits, u.m, rc.num_experts, "E (num_experts)"));
     std::vector<float> lg(u.m * rc.num_experts);
     const auto lb = f.bytes(*logits);
@@ -183,11 +191,9 @@ int run_moe(const MoeRunArgs& a) {
   if (Status s = check_ep_flags(a.ep_size, a.ep_rank, a.checkpoint); !s.is_ok()) return fail(s);
   auto layer = load_moe_layer(a.checkpoint, a.layer, a.ep_size, a.ep_rank);
   if (!layer.is_ok()) return fail(layer.status());
-  auto rc = routing_from_config(layer->config);
-  if (!rc.is_ok()) return fail(rc.status());
   auto prob = problem_from_layer(layer.value(), recipe.value(), dtype.value());
   if (!prob.is_ok()) return fail(prob.status());
-  auto in = read_inputs(a.input, layer.value(), rc.value());
+  auto in = read_inputs(a.input, layer.value());
   if (!in.is_ok()) return fail(in.status());
   MoeProblem p = prob.value();
   p.shape.top_k = in->top_k;  // user-supplied ids may carry any number of slots

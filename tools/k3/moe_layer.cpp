@@ -37,7 +37,10 @@ Result<Activation> activation_from_config(const MoeModelConfig& c) {
 
 Result<RoutingConfig> routing_from_config(const MoeModelConfig& c) {
   if (c.scoring_func != "sigmoid") {
-    return unsupported(c.source + ": scoring_func '" + c.scoring_func + "' is not supported (k3 routes with sigmoid)");
+    return unsupported(c.source + ": scoring_func = '" + st::printable_name(c.scoring_func) +
+                       "' cannot be routed by k3: its router implements only scoring_func = 'sigmoid' (sigmoid "
+                       "scores + e_score_correction_bias, Kimi-K3 / DeepSeek-V3 style); an input with "
+                       "'topk_ids' + 'topk_weights' instead of 'logits' needs no routing");
   }
   RoutingConfig r;
   r.num_experts = c.num_experts;

@@ -20,7 +20,9 @@ Status check_ep_flags(int ep_size, int ep_rank, const std::string& checkpoint);
 // Activation from hidden_act ("situ" with the config's betas, "swiglu", "silu"); anything else is
 // an error naming the value and the config file.
 Result<Activation> activation_from_config(const MoeModelConfig& c);
-// The routing facts; scoring_func must be "sigmoid" (k3's router).
+// The routing facts, for commands that route logits; scoring_func must be "sigmoid" (the only
+// scoring k3's router implements): anything else is an error naming the value, the config file
+// and that reason. Inputs that bring topk_ids / topk_weights are not routed and need none of it.
 Result<RoutingConfig> routing_from_config(const MoeModelConfig& c);
 // The problem of a loaded layer under a recipe and output dtype.
 Result<MoeProblem> problem_from_layer(const MoeLayerWeights& l, Recipe recipe, OutDType out_dtype);

@@ -49,15 +49,35 @@ Result<File> File::open(const std::string& path) {
   File f;
   f.path_ = path;
   f.map_ = static_cast<const uint8_t*>(map);
+  f.owns_map_ = true;
   f.size_ = size;
-  auto parsed = parse_header(std::span<const uint8_t>(f.map_, static_cast<size_t>(size)), path, &f.metadata_);
-  if (!parsed) return parsed.status();  // f's destructor unmaps
-  f.tensors_ = std::move(parsed.value());
-  uint64_t header_len = 0;
-  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | f.map_[i];
-  f.data_start_ = 8 + header_len;
-  for (size_t i = 0; i < f.tensors_.size(); ++i) f.index_.emplace(f.tensors_[i].name, i);
+  K3_RETURN_IF_ERROR(f.index_image());  // on error f's destructor unmaps
   return f;
+}
+
+Result<File> File::view(std::span<const uint8_t> image, const std::string& source) {
+  if (image.size() < 8) {
+    return io_error(source + ": file is " + std::to_string(image.size()) +
+                    " bytes, too short for the 8-byte header length (truncated?)");
+  }
+  File f;
+  f.path_ = source;
+  f.map_ = image.data();
+  f.owns_map_ = false;
+  f.size_ = image.size();
+  K3_RETURN_IF_ERROR(f.index_image());
+  return f;
+}
+
+Status File::index_image() {
+  auto parsed = parse_header(std::span<const uint8_t>(map_, static_cast<size_t>(size_)), path_, &metadata_);
+  if (!parsed) return parsed.status();
+  tensors_ = std::move(parsed.value());
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | map_[i];
+  data_start_ = 8 + header_len;
+  for (size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
+  return Status::ok();
 }
 
 File::File(File&& other) noexcept { *this = std::move(other); }
@@ -67,6 +87,7 @@ File& File::operator=(File&& other) noexcept {
     release();
     path_ = std::move(other.path_);
     map_ = other.map_;
+    owns_map_ = other.owns_map_;
     size_ = other.size_;
     data_start_ = other.data_start_;
     tensors_ = std::move(other.tensors_);
@@ -81,8 +102,9 @@ File& File::operator=(File&& other) noexcept {
 File::~File() { release(); }
 
 void File::release() {
-  if (map_ != nullptr) ::munmap(const_cast<uint8_t*>(map_), static_cast<size_t>(size_));
+  if (map_ != nullptr && owns_map_) ::munmap(const_cast<uint8_t*>(map_), static_cast<size_t>(size_));
   map_ = nullptr;
+  owns_map_ = false;
   size_ = 0;
 }
 

@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <string>
 
 #include "core/kda/kda_math.hpp"
@@ -12,6 +13,11 @@ namespace k3::kda {
 namespace {
 std::string num(int64_t v) { return std::to_string(v); }
 std::string num(size_t v) { return std::to_string(v); }
+std::string num(float v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.9g", static_cast<double>(v));
+  return b;
+}
 
 Status check_size(const char* name, int64_t actual, int64_t expected, const char* shape) {
   if (actual != expected) {
@@ -166,6 +172,14 @@ Result<PrefillShape> detail::validate_prefill_sizes(const KdaConfig& c, const Kd
     }
     if (!in.dt_bias.empty()) {
       K3_RETURN_IF_ERROR(check_size("dt_bias", static_cast<int64_t>(in.dt_bias.size()), h * dk, "([H, K])"));
+    }
+    for (int64_t i = 0; i < h; ++i) {
+      const float a = in.a_log[static_cast<size_t>(i)];
+      if (!(a >= kMinALog && a <= kMaxALog)) {  // NaN fails too
+        return invalid_argument("a_log[" + num(i) + "] = " + num(a) + " is outside [" + num(kMinALog) + ", " +
+                                num(kMaxALog) +
+                                "] (exp(a_log) must be a normal FP32 number; gate = " + gate_mode_name(c.gate) + ")");
+      }
     }
   }
   if (in.cu_seqlens.empty()) {

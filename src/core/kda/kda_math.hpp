@@ -43,4 +43,11 @@ T log_decay(GateMode mode, T f, T a, T bias, T lower_bound) {
   return g < T(kMinLogDecay) ? T(kMinLogDecay) : g;
 }
 
+// The non-finite policy (docs/kda.md, "Non-finite values"): a log decay g (after the gate and
+// the clamp) poisons the token's write when it is NaN or above kMaxLogDecay (+inf included).
+template <typename T>
+bool decay_poisons(T g) {
+  return !(g <= T(kMaxLogDecay));
+}
+
 }  // namespace k3::kda::detail

@@ -2,6 +2,7 @@
 // Threads over (sequence, head); each pair is computed by one thread in token order, so the
 // results do not depend on the thread count.
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "core/kda/kda_math.hpp"
@@ -16,6 +17,7 @@ void reference_unit(const KdaConfig& c, const KdaInputs& in, int64_t n, int64_t 
   const int64_t H = c.num_heads, K = c.head_k, V = c.head_v;
   const bool kfirst = c.layout == StateLayout::kKFirst;
   std::vector<T> s(K * V, T(0)), q(K), k(K), v(V), g(K), kv(V);  // s: [K, V]
+  std::vector<char> vbad(V);
   const int64_t state_off = (n * H + h) * K * V;
   if (!in.initial_state.empty()) {
     for (int64_t d = 0; d < K; ++d) {
@@ -29,12 +31,22 @@ void reference_unit(const KdaConfig& c, const KdaInputs& in, int64_t n, int64_t 
   const T lb = static_cast<T>(c.gate_lower_bound);
   // K^-0.5 in the reference's own precision (effective_scale() is its FP32 rounding).
   const T scale = c.scale > 0.0f ? static_cast<T>(c.scale) : T(1) / std::sqrt(static_cast<T>(K));
+  const T nan = std::numeric_limits<T>::quiet_NaN();
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t qk_off = (t * H + h) * K, v_off = (t * H + h) * V;
-    T qq = 0, kk = 0;
+    // Non-finite inputs (docs/kda.md, "Non-finite values"): the token is computed with them
+    // replaced by 0 and the entries that depend on them are set to NaN below.
+    bool q_bad = false, whole = false;
     for (int64_t d = 0; d < K; ++d) {
       q[d] = static_cast<T>(detail::act_at(in.q, qk_off + d));
       k[d] = static_cast<T>(detail::act_at(in.k, qk_off + d));
+      q_bad = q_bad || !std::isfinite(q[d]);
+      whole = whole || !std::isfinite(k[d]);
+    }
+    T qq = 0, kk = 0;
+    for (int64_t d = 0; d < K; ++d) {
+      if (q_bad) q[d] = T(0);
+      if (whole) k[d] = T(0);
       qq += q[d] * q[d];
       kk += k[d] * k[d];
     }
@@ -46,10 +58,20 @@ void reference_unit(const KdaConfig& c, const KdaInputs& in, int64_t n, int64_t 
       k[d] = k[d] * kn;
       const T bias = gated && !in.dt_bias.empty() ? static_cast<T>(in.dt_bias[h * K + d]) : T(0);
       g[d] = detail::log_decay<T>(c.gate, static_cast<T>(in.g[qk_off + d]), a, bias, lb);
+      whole = whole || detail::decay_poisons(g[d]);
     }
-    for (int64_t j = 0; j < V; ++j) v[j] = static_cast<T>(detail::act_at(in.v, v_off + j));
+    for (int64_t j = 0; j < V; ++j) {
+      v[j] = static_cast<T>(detail::act_at(in.v, v_off + j));
+      vbad[j] = !std::isfinite(v[j]);
+      if (vbad[j]) v[j] = T(0);
+    }
     const T braw = static_cast<T>(in.beta[t * H + h]);
-    const T beta = c.beta_logits ? detail::sigmoid<T>(braw) : braw;
+    T beta = c.beta_logits ? detail::sigmoid<T>(braw) : braw;
+    whole = whole || !std::isfinite(beta);
+    if (whole) {  // k, the decay or beta: the whole write is poisoned
+      for (int64_t d = 0; d < K; ++d) k[d] = g[d] = T(0);
+      beta = T(0);
+    }
     // Decay first, then the prediction of v by the decayed state.
     for (int64_t j = 0; j < V; ++j) kv[j] = T(0);
     for (int64_t d = 0; d < K; ++d) {
@@ -59,7 +81,13 @@ void reference_unit(const KdaConfig& c, const KdaInputs& in, int64_t n, int64_t 
         kv[j] += s[d * V + j] * k[d];
       }
     }
-    for (int64_t j = 0; j < V; ++j) v[j] = beta * (v[j] - kv[j]);  // v'
+    for (int64_t j = 0; j < V; ++j) {
+      v[j] = beta * (v[j] - kv[j]);  // v'
+      // A poisoned column: a non-finite v, the whole write, or a non-finite state entry in the
+      // column (it makes the prediction kv[j] non-finite). NaN in v' makes the column of the state
+      // and of o NaN below.
+      if (whole || vbad[j] || !std::isfinite(v[j])) v[j] = nan;
+    }
     // Delta-rule write, then the output, which includes this token's write.
     for (int64_t j = 0; j < V; ++j) kv[j] = T(0);
     for (int64_t d = 0; d < K; ++d) {
@@ -68,7 +96,7 @@ void reference_unit(const KdaConfig& c, const KdaInputs& in, int64_t n, int64_t 
         kv[j] += s[d * V + j] * q[d];
       }
     }
-    for (int64_t j = 0; j < V; ++j) o[v_off + j] = kv[j];
+    for (int64_t j = 0; j < V; ++j) o[v_off + j] = q_bad ? nan : kv[j];
   }
   if (final_state != nullptr) {
     for (int64_t d = 0; d < K; ++d) {

@@ -33,6 +33,7 @@ ScratchLayout scratch_layout(int64_t head_k, int64_t head_v) {
   };
   l.q = take(l.kp), l.k = take(l.kp), l.v = take(l.vp), l.g = take(l.kp), l.alpha = take(big), l.ak = take(big);
   l.vnew = take(l.vp), l.out = take(l.vp), l.bias = take(l.kp), l.tmp = take(big);
+  l.vbad = take(l.vp), l.pstart = take(l.vp);
   l.cq = take(c * l.kp), l.ck = take(c * l.kp), l.cg = take(c * l.kp), l.cqg = take(c * l.kp);
   l.ckg = take(c * l.kp), l.cki = take(c * l.kp), l.ckl = take(c * l.kp);
   l.cr1 = take(c * l.kp), l.cr2 = take(c * l.kp), l.cr3 = take(c * l.kp);
@@ -261,7 +262,9 @@ Status prefill(const CpuPlan& p, const KdaInputs& in, const KdaOutputs& out, std
   // chunk over all of them (the same arithmetic per head as above: identical bits).
   for (int64_t n = 0; n < N; ++n) {
     if (!is_chunked(n)) continue;
-    const auto range = seq_range(n);  // (no structured binding: clang cannot capture one in a region)
+    // Plain variables, not a structured binding: clang (the TSan and fuzz builds' compiler) does
+    // not let an OpenMP region refer to one.
+    const auto range = seq_range(n);
     const int64_t t0 = range.first, t1 = range.second;
 #pragma omp parallel num_threads(p.threads)
     {

@@ -18,6 +18,9 @@ struct ScratchLayout {
   int64_t kp = 0, vp = 0;  // padded K and V
   // token vectors (recurrent path; the chunked path uses them as temporaries)
   int64_t q = 0, k = 0, v = 0, g = 0, alpha = 0, ak = 0, vnew = 0, out = 0, bias = 0, tmp = 0;
+  // non-finite policy (docs/kda.md), chunked path: columns of v that were non-finite (1) in the
+  // token being prepared, and the first chunk row from which each column is poisoned (C: none)
+  int64_t vbad = 0, pstart = 0;  // [vp]
   // chunk tiles
   int64_t cq = 0, ck = 0, cg = 0, cqg = 0, ckg = 0, cki = 0, ckl = 0;  // [C, kp]
   int64_t cr1 = 0, cr2 = 0, cr3 = 0;  // [C, kp] factor rows of the strong-decay chunk ratios

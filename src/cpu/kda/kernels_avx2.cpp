@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "core/kda/kda_math.hpp"
 #include "cpu/kda/kernels.hpp"

@@ -57,23 +57,81 @@ inline void axpy_neg(float s, const float* x, float* y, int64_t np) {
   for (int64_t i = 0; i < np; i += kW) VF::store(y + i, VF::fmadd(sv, VF::load(x + i), VF::load(y + i)));
 }
 
+// True when every element of x[0, np) is finite: x * 0 is NaN exactly for Inf and NaN.
+inline bool row_finite(const float* x, int64_t np) {
+  const Vec z = VF::zero();
+  Vec acc = VF::zero();
+  for (int64_t i = 0; i < np; i += kW) acc = VF::add(acc, VF::mul(VF::load(x + i), z));
+  return VF::reduce_add(acc) == 0.0f;
+}
+
+// True when no log decay of g[0, np) poisons (detail::decay_poisons: NaN or above kMaxLogDecay).
+inline bool decay_row_ok(const float* g, int64_t np) {
+  const Vec lim = VF::set1(kMaxLogDecay), z = VF::zero();
+  Vec acc = VF::zero();
+  for (int64_t i = 0; i < np; i += kW) acc = VF::add(acc, VF::max(VF::sub(VF::load(g + i), lim), z));
+  return VF::reduce_add(acc) == 0.0f;
+}
+
+inline void fill_row(float* x, float value, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = value;
+}
+
+// What prep_token found non-finite in one token (docs/kda.md, "Non-finite values"). The token's
+// rows are returned sanitized (those values replaced by 0) so that nothing else is touched; the
+// caller then sets the entries that depend on them to NaN.
+struct TokenPoison {
+  bool q = false;      // q: this token's output row is NaN
+  bool whole = false;  // k, beta or the log decay: the token's write poisons every column
+  bool v = false;      // some v[j]: vbad[j] = 1 marks the poisoned columns
+};
+
 inline void fill_bias(const HeadCtx& x, float* bias) {
   const int64_t kp = x.lay.kp;
   for (int64_t d = 0; d < kp; ++d) bias[d] = (x.dt_bias != nullptr && d < x.head_k) ? x.dt_bias[d] : 0.0f;
 }
 
 // q (L2-normalized, scaled), k (L2-normalized), v, the log decay g and beta of token t; rows
-// padded with zeros. `bias` is the padded dt_bias row.
-inline float prep_token(const HeadCtx& x, int64_t t, const float* bias, float* q, float* k, float* v, float* g) {
+// padded with zeros. `bias` is the padded dt_bias row. Non-finite inputs are reported in `p` and
+// replaced by 0; v is checked only when `vbad` ([vp], the bad columns) is given.
+inline float prep_token(const HeadCtx& x, int64_t t, const float* bias, float* q, float* k, float* v, float* g,
+                        TokenPoison& p, float* vbad) {
   const int64_t K = x.head_k, V = x.head_v, kp = x.lay.kp, vp = x.lay.vp;
   const int64_t qk_off = (t * x.num_heads + x.head) * K;
   load_row(x.q16, x.q32, qk_off, K, kp, q);
   load_row(x.k16, x.k32, qk_off, K, kp, k);
   load_row(x.v16, x.v32, (t * x.num_heads + x.head) * V, V, vp, v);
+  p = TokenPoison{};
+  // Non-finite checks, a pass over a row only where needed: with the L2 norm, the finite sum of
+  // squares it computes anyway proves the row finite.
+  float qq = 0.0f, kk = 0.0f;
+  if (x.l2norm) {
+    qq = dot(q, q, kp);
+    kk = dot(k, k, kp);
+  }
+  if (!(x.l2norm && std::isfinite(qq)) && !row_finite(q, kp)) {
+    p.q = true;
+    fill_row(q, 0.0f, kp);
+    qq = 0.0f;
+  }
+  if (!(x.l2norm && std::isfinite(kk)) && !row_finite(k, kp)) p.whole = true;
+  // v: the chunked path only (vbad given); the recurrent path sees a non-finite v in v'.
+  if (vbad != nullptr && !row_finite(v, vp)) {
+    p.v = true;
+    for (int64_t j = 0; j < vp; ++j) {
+      const bool bad = !std::isfinite(v[j]);
+      vbad[j] = bad ? 1.0f : 0.0f;
+      if (bad) v[j] = 0.0f;
+    }
+  }
+  if (p.whole) {
+    fill_row(k, 0.0f, kp);
+    kk = 0.0f;
+  }
   if (x.l2norm) {
     // eps inside the square root, as fla's l2norm
-    scale_row(q, x.scale / std::sqrt(dot(q, q, kp) + 1e-6f), kp);
-    scale_row(k, 1.0f / std::sqrt(dot(k, k, kp) + 1e-6f), kp);
+    scale_row(q, x.scale / std::sqrt(qq + 1e-6f), kp);
+    scale_row(k, 1.0f / std::sqrt(kk + 1e-6f), kp);
   } else {
     scale_row(q, x.scale, kp);
   }
@@ -100,7 +158,29 @@ inline float prep_token(const HeadCtx& x, int64_t t, const float* bias, float* q
   }
   for (int64_t d = K; d < kp; ++d) g[d] = 0.0f;
   const float b = x.beta[t * x.num_heads + x.head];
-  return x.beta_logits ? 1.0f / (1.0f + std::exp(-b)) : b;
+  const float beta = x.beta_logits ? 1.0f / (1.0f + std::exp(-b)) : b;
+  if (!p.whole && decay_row_ok(g, kp) && std::isfinite(beta)) return beta;
+  p.whole = true;  // the write is replaced by NaN: compute it as a no-op
+  fill_row(k, 0.0f, kp);
+  fill_row(g, 0.0f, kp);
+  return 0.0f;
+}
+
+// Recurrent path: the poisoned columns of v' become NaN, which makes the same columns of the
+// state and of this token's output NaN in pass 2. A non-finite v' comes from a non-finite v, a
+// non-finite state entry in its column (or an overflow): it becomes NaN, never +-Inf.
+inline void poison_vnew(const HeadCtx& x, const TokenPoison& p, float* vnew, int64_t vw) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const int64_t V = x.head_v;
+  if (p.whole) {
+    fill_row(vnew, nan, V);
+    return;
+  }
+  if (!row_finite(vnew, vw)) {
+    for (int64_t j = 0; j < V; ++j) {
+      if (!std::isfinite(vnew[j])) vnew[j] = nan;
+    }
+  }
 }
 
 // The rows of token t are H * K elements apart from those of token t - 1 (24 KiB at H = 96,
@@ -187,15 +267,18 @@ inline void recurrent_impl(const HeadCtx& x, int64_t t0, int64_t t1, float* s, i
   for (int64_t t = t0; t < t0 + kAhead && t < t1; ++t) prefetch_token(x, t);
   for (int64_t t = t0; t < t1; ++t) {
     if (t + kAhead < t1) prefetch_token(x, t + kAhead);
-    const float beta = prep_token(x, t, bias, q, k, v, g);
+    TokenPoison p;
+    const float beta = prep_token(x, t, bias, q, k, v, g, p, nullptr);
     exp_row(g, alpha, kp);
     mul_rows(alpha, k, ak, kp);
     int64_t j = 0;
     for (; j + kBlock <= vw; j += kBlock) rec_pass1<4>(s, lds, K, j, ak, v, beta, vnew);
     for (; j < vw; j += kW) rec_pass1<1>(s, lds, K, j, ak, v, beta, vnew);
+    poison_vnew(x, p, vnew, vw);
     j = 0;
     for (; j + kBlock <= vw; j += kBlock) rec_pass2<4>(s, lds, K, j, alpha, k, q, vnew, out);
     for (; j < vw; j += kW) rec_pass2<1>(s, lds, K, j, alpha, k, q, vnew, out);
+    if (p.q) fill_row(out, std::numeric_limits<float>::quiet_NaN(), x.head_v);
     store_out(x, t, out);
   }
 }
@@ -343,12 +426,25 @@ inline void chunk_step(const HeadCtx& x, int64_t t0, int64_t c, float* s, float*
   float *cp1 = scratch + L.cp1, *cp2 = scratch + L.cp2, *co = scratch + L.co, *cl = scratch + L.cl;
   float *caqk = scratch + L.caqk, *beta = scratch + L.beta, *bias = scratch + L.bias;
   float *eg_last = scratch + L.alpha, *e = scratch + L.tmp, *ie = scratch + L.ak;
+  float *vbad = scratch + L.vbad, *pstart = scratch + L.pstart;
 
   // Inputs; gc = inclusive cumulative sum of g inside the chunk; the raw g rows are kept in
-  // cki for the exact path (overwritten by the factorized path).
+  // cki for the exact path (overwritten by the factorized path). Non-finite inputs are replaced
+  // by 0 (the chunk is computed without them); pstart[j] is the first row from which column j is
+  // poisoned and q_bad the rows whose q was non-finite (docs/kda.md, "Non-finite values").
+  bool poisoned = false, q_bad[C] = {};
   for (int64_t i = 0; i < c; ++i) {
     float* gi = cg + i * kp;
-    beta[i] = prep_token(x, t0 + i, bias, cq + i * kp, ck + i * kp, cv + i * vp, gi);
+    TokenPoison p;
+    beta[i] = prep_token(x, t0 + i, bias, cq + i * kp, ck + i * kp, cv + i * vp, gi, p, vbad);
+    if (p.q || p.whole || p.v) {
+      if (!poisoned) fill_row(pstart, static_cast<float>(C), x.head_v);
+      poisoned = true;
+      q_bad[i] = p.q;
+      for (int64_t j = 0; j < x.head_v; ++j) {
+        if ((p.whole || (p.v && vbad[j] != 0.0f)) && pstart[j] > static_cast<float>(i)) pstart[j] = static_cast<float>(i);
+      }
+    }
     for (int64_t d = 0; d < kp; d += kW) VF::store(cki + i * kp + d, VF::load(gi + d));
     if (i > 0) {
       for (int64_t d = 0; d < kp; d += kW) VF::store(gi + d, VF::add(VF::load(gi + d), VF::load(gi - kp + d)));
@@ -413,9 +509,36 @@ inline void chunk_step(const HeadCtx& x, int64_t t0, int64_t c, float* s, float*
   gemm(c, vp, K, ckg, kp, 1, s, vp, nullptr, 0, nullptr, cp1, vp);
   gemm(c, vp, K, cqg, kp, 1, s, vp, nullptr, 0, nullptr, cp2, vp);
   for (int64_t i = 0; i < c * vp; i += kW) VF::store(cv + i, VF::sub(VF::load(cv + i), VF::load(cp1 + i)));
+  // A non-finite v_new comes from the state (a non-finite entry in its column makes W S
+  // non-finite in every row) or from an overflow: that column is poisoned from its first such row.
+  if (!row_finite(cv, c * vp)) {
+    if (!poisoned) fill_row(pstart, static_cast<float>(C), x.head_v);
+    poisoned = true;
+    for (int64_t j = 0; j < x.head_v; ++j) {
+      for (int64_t i = 0; i < c; ++i) {
+        if (!std::isfinite(cv[i * vp + j])) {
+          if (pstart[j] > static_cast<float>(i)) pstart[j] = static_cast<float>(i);
+          break;
+        }
+      }
+    }
+  }
   gemm(c, vp, c, caqk, C, 1, cv, vp, cp2, vp, nullptr, co, vp);
   // S = Diag(Gamma_last) S + (k Gamma_last / Gamma)^T v_new
   gemm(K, vp, c, ckl, 1, kp, cv, vp, s, vp, eg_last, s, vp);
+  if (poisoned) {
+    // Poisoned columns are NaN in the state and in the output rows from their first poisoned
+    // row on (the rows before it do not depend on it); rows with a non-finite q are NaN.
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t j = 0; j < x.head_v; ++j) {
+      if (pstart[j] >= static_cast<float>(c)) continue;
+      for (int64_t i = static_cast<int64_t>(pstart[j]); i < c; ++i) co[i * vp + j] = nan;
+      for (int64_t d = 0; d < K; ++d) s[d * vp + j] = nan;
+    }
+    for (int64_t i = 0; i < c; ++i) {
+      if (q_bad[i]) fill_row(co + i * vp, nan, x.head_v);
+    }
+  }
   for (int64_t i = 0; i < c; ++i) store_out(x, t0 + i, co + i * vp);
 }
 

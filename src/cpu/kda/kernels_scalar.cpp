@@ -1,6 +1,7 @@
 // KDA kernels without SIMD intrinsics (K3_ISA=scalar; any x86-64 or other CPU).
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "core/kda/kda_math.hpp"
 #include "cpu/kda/kernels.hpp"
@@ -22,7 +23,7 @@ struct VF {
   static V mul(V a, V b) { return a * b; }
   static V div(V a, V b) { return a / b; }
   static V fmadd(V a, V b, V c) { return a * b + c; }
-  static V max(V a, V b) { return a > b ? a : b; }
+  static V max(V a, V b) { return a > b || a != a ? a : b; }  // NaN in a propagates, as in the SIMD levels
   static float reduce_add(V a) { return a; }
   static V exp(V a) { return std::exp(a); }
 };
