@@ -2,7 +2,8 @@
 # Builds and runs the whole k3 test suite: the Release build with warnings as errors (CUDA code
 # compiled when nvcc exists; CUDA tests skip without a device), then the tests again under
 # AddressSanitizer + UndefinedBehaviorSanitizer (CPU code), then under ThreadSanitizer (clang-14
-# with LLVM's OpenMP runtime and its Archer tool, so OpenMP synchronization is understood).
+# with LLVM's OpenMP runtime and its Archer tool, so OpenMP synchronization is understood), then
+# installs the Python package into a virtual environment and runs its pytest suite.
 # Usage: scripts/test.sh
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -25,4 +26,12 @@ archer=/usr/lib/llvm-14/lib/libarcher.so
 [ -f "$archer" ] || { echo "k3 test: $archer missing (Debian package libomp-14-dev)" >&2; exit 1; }
 (cd "$root/build-tsan" && OMP_TOOL_LIBRARIES="$archer" TSAN_OPTIONS="halt_on_error=1 ignore_noninstrumented_modules=1" \
   ctest -j "$jobs" --output-on-failure)
+
+echo "== python package (pip install . into a virtual environment, then pytest)"
+venv="$root/build-venv"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/pip" install -q --upgrade pip
+"$venv/bin/pip" install -q numpy pytest "scikit-build-core>=0.10" "nanobind>=2.4"
+CMAKE_BUILD_PARALLEL_LEVEL="$jobs" "$venv/bin/pip" install -q --no-build-isolation "$root"
+(cd "$root/python/tests" && "$venv/bin/python" -m pytest -q)
 echo "== all tests passed"

@@ -1,0 +1,22 @@
+"""k3: Kimi-K3 fused MoE, MX formats, routing and Kimi Delta Attention kernels.
+
+Arrays are exchanged through DLPack (numpy, torch CPU tensors, ...) without copies: every
+function accepts an ``out=`` array and writes into it; when none is given a numpy array is
+allocated. Errors raise ``ValueError`` (bad argument: the message names it, the limit and the
+value) or ``RuntimeError`` (anything else), carrying the library's message.
+
+Sub-modules: :mod:`k3.mx` (MXFP4 / MXFP8), :mod:`k3.moe` (fused MoE), :mod:`k3.kda`.
+"""
+
+from . import _k3
+from . import kda, moe, mx
+from .routing import route
+
+__all__ = ["info", "route", "mx", "moe", "kda", "__version__"]
+__version__ = "0.1.0"
+
+
+def info() -> dict:
+    """The CPU's SIMD level, the default thread count and every backend of each op with its
+    availability (and the reason when it is not available)."""
+    return _k3.info()

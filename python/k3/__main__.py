@@ -1,0 +1,16 @@
+"""python -m k3 ...: runs the k3 command-line tool installed with the package (same sub-commands)."""
+
+import os
+import subprocess
+import sys
+
+
+def main():
+    tool = os.path.join(os.path.dirname(__file__), "bin", "k3")
+    if not os.path.exists(tool):
+        sys.exit("python -m k3: the k3 tool was not installed with this package (" + tool + ")")
+    sys.exit(subprocess.call([tool] + sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""The Kimi-K3 router: sigmoid scores + correction bias, grouped top-k, renormalization."""
+
+import numpy as np
+
+from . import _k3
+from ._arrays import need, out_or_new
+
+
+def route(logits, bias=None, top_k=16, n_group=1, topk_group=1, renormalize=True, routed_scaling_factor=1.0,
+          ids=None, weights=None):
+    """logits: [M, E] float32; bias: [E] float32 or None. Returns (ids [M, top_k] int32 global
+    expert ids best first, weights [M, top_k] float32) — the same bits as the C++ and CUDA routers."""
+    need("logits", logits, dtype=np.float32)
+    if len(logits.shape) != 2:
+        raise ValueError(f"logits must be 2-D [M, E], got shape {tuple(logits.shape)}")
+    m, e = logits.shape
+    if bias is not None:
+        need("bias", bias, (e,), np.float32)
+    ids = out_or_new("ids", ids, (m, top_k), np.int32)
+    weights = out_or_new("weights", weights, (m, top_k), np.float32)
+    _k3.route(logits, bias, m, e, top_k, n_group, topk_group, renormalize, routed_scaling_factor, ids, weights)
+    return ids, weights

@@ -1,0 +1,305 @@
+// _k3: the Python extension of k3 (nanobind). Arrays cross as DLPack tensors (nb::ndarray):
+// numpy, torch (CPU), CuPy / JAX host arrays, all without copies. Outputs are always passed in by
+// the Python layer (python/k3/*.py allocates them when the caller does not), so every kernel
+// writes into the caller's memory. Long calls release the GIL. A k3::Status error raises
+// ValueError (invalid argument, out of range) or RuntimeError (the rest) with the library's text.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "k3/backend.hpp"
+#include "k3/cpu_moe.hpp"
+#include "k3/kda.hpp"
+#include "k3/moe.hpp"
+#include "k3/mx.hpp"
+#include "k3/routing.hpp"
+#include "k3/system.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+template <typename T>
+using In = nb::ndarray<const T, nb::c_contig, nb::device::cpu>;
+template <typename T>
+using Out = nb::ndarray<T, nb::c_contig, nb::device::cpu>;
+
+void check(const k3::Status& st) {
+  if (st.is_ok()) return;
+  if (st.code() == k3::StatusCode::kInvalidArgument || st.code() == k3::StatusCode::kOutOfRange) {
+    throw nb::value_error(st.to_string().c_str());
+  }
+  throw std::runtime_error(st.to_string());
+}
+
+template <typename T>
+T value(k3::Result<T> r) {
+  check(r.status());
+  return std::move(r.value());
+}
+
+// An output of any dtype (the MoE output: BF16 / FP16 bits or FP32), as bytes.
+using AnyOut = nb::ndarray<nb::c_contig, nb::device::cpu>;
+std::span<uint8_t> bytes(AnyOut& a) { return {static_cast<uint8_t*>(a.data()), a.nbytes()}; }
+
+template <typename T>
+std::span<const T> span(const In<T>& a) {
+  return {a.data(), a.size()};
+}
+template <typename T>
+std::span<T> span(Out<T>& a) {
+  return {a.data(), a.size()};
+}
+template <typename T>
+std::span<const T> span(const std::optional<In<T>>& a) {
+  return a ? std::span<const T>(a->data(), a->size()) : std::span<const T>();
+}
+
+k3::BackendOptions options(int threads, const std::string& isa) {
+  k3::BackendOptions o;
+  o.threads = threads;
+  if (!isa.empty()) o.isa = value(k3::parse_isa_level(isa));
+  return o;
+}
+
+// ---- info ----------------------------------------------------------------------------------
+nb::dict info() {
+  nb::dict d;
+  d["isa"] = k3::isa_level_name(k3::best_isa_level());
+  d["default_threads"] = k3::default_thread_count();
+  auto entry = [](const std::string& name, int priority, const k3::Status& a) {
+    nb::dict e;
+    e["name"] = name;
+    e["priority"] = priority;
+    e["available"] = a.is_ok();
+    e["reason"] = a.message();
+    return e;
+  };
+  nb::list moe, kda;
+  for (const auto& b : k3::moe_backends()) moe.append(entry(b.name, b.priority, b.available()));
+  for (const auto& b : k3::kda_backends()) kda.append(entry(b.name, b.priority, b.available()));
+  d["moe_backends"] = moe;
+  d["kda_backends"] = kda;
+  return d;
+}
+
+// ---- MX ------------------------------------------------------------------------------------
+k3::MxElement element(const std::string& e) {
+  if (e == "mxfp4") return k3::MxElement::kE2M1;
+  if (e == "mxfp8") return k3::MxElement::kE4M3;
+  throw nb::value_error(("element = '" + e + "' must be 'mxfp4' or 'mxfp8'").c_str());
+}
+k3::ScaleRule rule(const std::string& r) {
+  if (r == "rceil") return k3::ScaleRule::kRceil;
+  if (r == "floor") return k3::ScaleRule::kFloor;
+  throw nb::value_error(("rule = '" + r + "' must be 'rceil' or 'floor'").c_str());
+}
+
+void mx_quantize(In<float> x, int64_t rows, int64_t cols, const std::string& e, const std::string& r, Out<uint8_t> q,
+                 Out<uint8_t> scales) {
+  const auto el = element(e);
+  const auto ru = rule(r);
+  nb::gil_scoped_release release;
+  check(k3::mx_quantize(span(x), rows, cols, el, ru, span(q), span(scales)));
+}
+
+void mx_quantize_bf16(In<uint16_t> x, int64_t rows, int64_t cols, const std::string& e, const std::string& r,
+                      Out<uint8_t> q, Out<uint8_t> scales) {
+  const auto el = element(e);
+  const auto ru = rule(r);
+  nb::gil_scoped_release release;
+  check(k3::mx_quantize_bf16(span(x), rows, cols, el, ru, span(q), span(scales)));
+}
+
+void mx_dequantize(In<uint8_t> q, In<uint8_t> scales, int64_t rows, int64_t cols, const std::string& e,
+                   Out<float> out) {
+  const auto el = element(e);
+  nb::gil_scoped_release release;
+  check(k3::mx_dequantize(span(q), span(scales), rows, cols, el, span(out)));
+}
+
+// ---- routing -------------------------------------------------------------------------------
+void route(In<float> logits, std::optional<In<float>> bias, int64_t m, int num_experts, int top_k, int n_group,
+           int topk_group, bool renormalize, float scaling, Out<int32_t> ids, Out<float> weights) {
+  k3::RoutingConfig cfg;
+  cfg.num_experts = num_experts;
+  cfg.top_k = top_k;
+  cfg.n_group = n_group;
+  cfg.topk_group = topk_group;
+  cfg.renormalize = renormalize;
+  cfg.routed_scaling_factor = scaling;
+  nb::gil_scoped_release release;
+  check(k3::route(cfg, m, span(logits), span(bias), span(ids), span(weights)));
+}
+
+// ---- fused MoE -----------------------------------------------------------------------------
+k3::MoeProblem moe_problem(int64_t hidden, int64_t intermediate, int num_experts, int top_k, int ep_size, int ep_rank,
+                           const std::string& recipe, const std::string& activation, const std::string& out_dtype,
+                           float situ_beta, float situ_linear_beta, float swiglu_alpha, float swiglu_beta,
+                           float swiglu_limit) {
+  k3::MoeProblem p;
+  p.shape = {hidden, intermediate, num_experts, top_k, ep_size, ep_rank};
+  p.recipe = value(k3::parse_recipe(recipe));
+  p.activation.kind = value(k3::parse_activation(activation));
+  p.activation.situ_beta = situ_beta;
+  p.activation.situ_linear_beta = situ_linear_beta;
+  p.activation.swiglu_alpha = swiglu_alpha;
+  p.activation.swiglu_beta = swiglu_beta;
+  p.activation.swiglu_limit = swiglu_limit;
+  p.out_dtype = value(k3::parse_out_dtype(out_dtype));
+  check(k3::validate_moe_shape(p.shape));
+  return p;
+}
+
+struct MoeWeights {
+  In<uint8_t> fc1_q, fc1_scale, fc2_q, fc2_scale;
+  k3::MoeWeightsView view() const { return {span(fc1_q), span(fc1_scale), span(fc2_q), span(fc2_scale), {}, {}}; }
+};
+
+void moe_run(const k3::MoeProblem& p, In<uint8_t> fc1_q, In<uint8_t> fc1_scale, In<uint8_t> fc2_q,
+             In<uint8_t> fc2_scale, In<uint16_t> x, In<int32_t> ids, In<float> weights, int64_t m,
+             const std::string& backend, int threads, const std::string& isa, AnyOut out) {
+  const k3::MoeBackend* b = backend.empty() ? &k3::default_moe_backend() : value(k3::find_moe_backend(backend));
+  const k3::BackendOptions o = options(threads, isa);
+  const MoeWeights w{fc1_q, fc1_scale, fc2_q, fc2_scale};
+  const k3::MoeInputsView in{m, span(x), span(ids), span(weights)};
+  nb::gil_scoped_release release;
+  check(k3::run_moe(*b, p, w.view(), in, bytes(out), o));
+}
+
+// The CPU backend's own grammar: plan once, prepack once, run per batch with caller buffers.
+// One workspace per object: concurrent run() calls on the same object take turns (the mutex is
+// taken after the GIL is released, so other Python threads keep running).
+struct CpuMoe {
+  k3::cpu::MoePlan plan;
+  k3::cpu::PackedWeights packed;
+  std::vector<uint8_t> workspace;
+  std::mutex mu;
+};
+
+CpuMoe* cpu_moe_prepare(const k3::MoeProblem& p, int64_t max_tokens, int threads, const std::string& isa,
+                        In<uint8_t> fc1_q, In<uint8_t> fc1_scale, In<uint8_t> fc2_q, In<uint8_t> fc2_scale) {
+  k3::cpu::MoeOptions o;
+  o.max_tokens = max_tokens;
+  o.threads = threads;
+  if (!isa.empty()) o.isa = value(k3::parse_isa_level(isa));
+  auto plan = value(k3::cpu::plan(p, o));
+  const MoeWeights w{fc1_q, fc1_scale, fc2_q, fc2_scale};
+  std::optional<k3::Result<k3::cpu::PackedWeights>> packed;
+  {
+    nb::gil_scoped_release release;
+    packed.emplace(k3::cpu::prepack(plan, w.view()));
+  }
+  auto* c = new CpuMoe{std::move(plan), value(std::move(*packed)), {}, {}};
+  c->workspace.resize(static_cast<size_t>(c->plan.workspace_bytes));
+  return c;
+}
+
+void cpu_moe_run(CpuMoe& c, In<uint16_t> x, In<int32_t> ids, In<float> weights, int64_t m, AnyOut out) {
+  const k3::MoeInputsView in{m, span(x), span(ids), span(weights)};
+  nb::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(c.mu);
+  check(k3::cpu::run(c.plan, c.packed, in, c.workspace, bytes(out)));
+}
+
+// ---- KDA -----------------------------------------------------------------------------------
+k3::kda::KdaConfig kda_config(int64_t heads, int64_t head_k, int64_t head_v, const std::string& gate, float lb,
+                              bool beta_logits, bool l2norm, float scale, const std::string& layout) {
+  k3::kda::KdaConfig c;
+  c.num_heads = heads;
+  c.head_k = head_k;
+  c.head_v = head_v;
+  c.gate = value(k3::kda::parse_gate_mode(gate));
+  c.gate_lower_bound = lb;
+  c.beta_logits = beta_logits;
+  c.l2norm_qk = l2norm;
+  c.scale = scale;
+  c.layout = value(k3::kda::parse_state_layout(layout));
+  check(k3::kda::validate_config(c));
+  return c;
+}
+
+// q, k, v as FP32 or BF16 bits (uint16); the Python layer picks the overload.
+template <typename A>
+void kda_prefill(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v, In<float> g, In<float> beta,
+                 std::optional<In<float>> a_log, std::optional<In<float>> dt_bias, std::optional<In<int64_t>> cu,
+                 std::optional<In<float>> initial_state, const std::string& backend, int threads,
+                 const std::string& isa, Out<float> o, std::optional<Out<float>> final_state) {
+  const k3::KdaBackend* b = backend.empty() ? &k3::default_kda_backend() : value(k3::find_kda_backend(backend));
+  check(b->available());
+  check(b->supports(cfg));
+  k3::kda::KdaInputs in;
+  in.q = k3::kda::ActSpan::of(span(q));
+  in.k = k3::kda::ActSpan::of(span(k));
+  in.v = k3::kda::ActSpan::of(span(v));
+  in.g = span(g);
+  in.beta = span(beta);
+  in.a_log = span(a_log);
+  in.dt_bias = span(dt_bias);
+  in.cu_seqlens = span(cu);
+  in.initial_state = span(initial_state);
+  k3::kda::KdaOutputs out{span(o), final_state ? span(*final_state) : std::span<float>()};
+  const k3::BackendOptions opt = options(threads, isa);
+  nb::gil_scoped_release release;
+  check(b->prefill(cfg, in, out, opt));
+}
+
+}  // namespace
+
+NB_MODULE(_k3, m) {
+  m.doc() = "k3: Kimi-K3 MoE and Kimi Delta Attention kernels (CPU backend; see the k3 package)";
+  m.def("info", &info, "Machine, ISA level and the backends of each op with their availability.");
+
+  m.def("mx_quantize", &mx_quantize, "x"_a, "rows"_a, "cols"_a, "element"_a, "rule"_a, "q"_a, "scales"_a);
+  m.def("mx_quantize_bf16", &mx_quantize_bf16, "x"_a, "rows"_a, "cols"_a, "element"_a, "rule"_a, "q"_a,
+        "scales"_a);
+  m.def("mx_dequantize", &mx_dequantize, "q"_a, "scales"_a, "rows"_a, "cols"_a, "element"_a, "out"_a);
+  m.def("route", &route, "logits"_a, "bias"_a.none(), "m"_a, "num_experts"_a, "top_k"_a, "n_group"_a,
+        "topk_group"_a, "renormalize"_a, "routed_scaling_factor"_a, "ids"_a, "weights"_a);
+
+  nb::class_<k3::MoeProblem>(m, "MoeProblem")
+      .def("__repr__", [](const k3::MoeProblem& p) {
+        return "MoeProblem(K=" + std::to_string(p.shape.hidden) + ", N=" + std::to_string(p.shape.intermediate) +
+               ", E=" + std::to_string(p.shape.num_experts) + ", top_k=" + std::to_string(p.shape.top_k) +
+               ", ep=" + std::to_string(p.shape.ep_rank) + "/" + std::to_string(p.shape.ep_size) + ", " +
+               k3::recipe_name(p.recipe) + ", " + k3::activation_name(p.activation.kind) + ")";
+      })
+      .def_prop_ro("local_experts", [](const k3::MoeProblem& p) { return p.shape.local_experts(); })
+      .def_prop_ro("out_bytes", [](const k3::MoeProblem& p) { return k3::out_dtype_size(p.out_dtype); });
+  m.def("moe_problem", &moe_problem, "hidden"_a, "intermediate"_a, "num_experts"_a, "top_k"_a, "ep_size"_a,
+        "ep_rank"_a, "recipe"_a, "activation"_a, "out_dtype"_a, "situ_beta"_a, "situ_linear_beta"_a,
+        "swiglu_alpha"_a, "swiglu_beta"_a, "swiglu_limit"_a);
+  m.def("moe_run", &moe_run, "problem"_a, "fc1_q"_a, "fc1_scale"_a, "fc2_q"_a, "fc2_scale"_a, "x"_a, "topk_ids"_a,
+        "topk_weights"_a, "m"_a, "backend"_a, "threads"_a, "isa"_a, "out"_a);
+
+  nb::class_<CpuMoe>(m, "CpuMoe")
+      .def_prop_ro("describe", [](const CpuMoe& c) { return c.plan.describe(); })
+      .def_prop_ro("workspace_bytes", [](const CpuMoe& c) { return c.plan.workspace_bytes; })
+      .def_prop_ro("max_tokens", [](const CpuMoe& c) { return c.plan.max_tokens; })
+      .def("run", &cpu_moe_run, "x"_a, "topk_ids"_a, "topk_weights"_a, "m"_a, "out"_a);
+  m.def("cpu_moe_prepare", &cpu_moe_prepare, nb::rv_policy::take_ownership, "problem"_a, "max_tokens"_a,
+        "threads"_a, "isa"_a, "fc1_q"_a, "fc1_scale"_a, "fc2_q"_a, "fc2_scale"_a);
+
+  nb::class_<k3::kda::KdaConfig>(m, "KdaConfig")
+      .def_ro("num_heads", &k3::kda::KdaConfig::num_heads)
+      .def_ro("head_k", &k3::kda::KdaConfig::head_k)
+      .def_ro("head_v", &k3::kda::KdaConfig::head_v);
+  m.def("kda_config", &kda_config, "heads"_a, "head_k"_a, "head_v"_a, "gate"_a, "gate_lower_bound"_a,
+        "beta_logits"_a, "l2norm_qk"_a, "scale"_a, "layout"_a);
+  m.def("kda_prefill", &kda_prefill<float>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
+        "dt_bias"_a.none(), "cu_seqlens"_a.none(), "initial_state"_a.none(), "backend"_a, "threads"_a, "isa"_a,
+        "o"_a, "final_state"_a.none());
+  m.def("kda_prefill", &kda_prefill<uint16_t>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
+        "dt_bias"_a.none(), "cu_seqlens"_a.none(), "initial_state"_a.none(), "backend"_a, "threads"_a, "isa"_a,
+        "o"_a, "final_state"_a.none());
+}

@@ -1,0 +1,181 @@
+"""pytest suite of the k3 Python package: each op against an independent numpy definition or the
+library's FP64 oracle backend, zero-copy outputs, error mapping, and (when torch is installed)
+torch tensors through DLPack."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import k3
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float64)
+
+
+def np_mxfp4_quantize(x):
+    """Independent MXFP4 (RCEIL) definition: code = ceil(log2(amax / 6)) + 127 on the FP32 quotient,
+    elements = round-to-nearest-even E2M1 of x / 2^(code - 127), saturating at 6."""
+    rows, cols = x.shape
+    q = np.zeros((rows, cols // 2), np.uint8)
+    s = np.zeros((rows, cols // 32), np.uint8)
+    for r in range(rows):
+        for b in range(cols // 32):
+            blk = x[r, 32 * b:32 * b + 32].astype(np.float64)
+            v = np.float32(np.float32(np.abs(x[r, 32 * b:32 * b + 32]).max()) / np.float32(6.0))
+            m, e = np.frexp(np.float64(v))
+            code = (e - 1 if m == 0.5 else e) + 127
+            s[r, b] = code
+            scaled = blk / 2.0 ** (code - 127)
+            codes = []
+            for val in scaled:
+                a = min(abs(val), 6.0)
+                d = np.abs(E2M1 - a)
+                best = np.flatnonzero(d == d.min())
+                idx = best[0] if len(best) == 1 else [i for i in best if i % 2 == 0][0]
+                codes.append(idx | (8 if np.signbit(val) else 0))  # -0 keeps its sign, as NVIDIA's cvt
+            for i in range(16):
+                q[r, 16 * b + i] = codes[2 * i] | (codes[2 * i + 1] << 4)
+    return q, s
+
+
+def np_mxfp4_dequantize(q, s, cols):
+    rows = q.shape[0]
+    out = np.zeros((rows, cols), np.float64)
+    for r in range(rows):
+        for c in range(cols):
+            byte = q[r, c // 2]
+            code = byte & 0xF if c % 2 == 0 else byte >> 4
+            mag = E2M1[code & 7] * (-1 if code & 8 else 1)
+            out[r, c] = mag * 2.0 ** (int(s[r, c // 32]) - 127)
+    return out
+
+
+def test_info_lists_the_backends_with_reasons():
+    i = k3.info()
+    assert i["isa"] in ("scalar", "avx2", "avx512", "avx512bf16")
+    assert [b["name"] for b in i["moe_backends"]] == ["cpu", "cuda", "reference"]
+    for b in i["moe_backends"] + i["kda_backends"]:
+        assert b["available"] or b["reason"], b
+
+
+def test_mxfp4_quantize_matches_an_independent_definition_bit_for_bit():
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((6, 128)) * np.exp(rng.uniform(-8, 8, (6, 1)))).astype(np.float32)
+    q, s = k3.mx.quantize(x, "mxfp4", "rceil")
+    rq, rs = np_mxfp4_quantize(x)
+    np.testing.assert_array_equal(s, rs)
+    np.testing.assert_array_equal(q, rq)
+    d = k3.mx.dequantize(q, s, 128, "mxfp4")
+    np.testing.assert_array_equal(d.astype(np.float64), np_mxfp4_dequantize(q, s, 128))
+
+
+def test_outputs_are_written_in_place_zero_copy():
+    x = np.ones((2, 64), np.float32)
+    q = np.full((2, 32), 0xAA, np.uint8)
+    s = np.zeros((2, 2), np.uint8)
+    q2, s2 = k3.mx.quantize(x, q=q, scales=s)
+    assert q2 is q and s2 is s
+    assert (s == 125).all()  # 1 / 6 -> 2^-2 (RCEIL), code 125
+    view = np.zeros((4, 32), np.uint8)[::2]  # not contiguous: refused, never silently copied
+    with pytest.raises((ValueError, TypeError)):
+        k3.mx.quantize(x, q=view, scales=s)
+
+
+def test_errors_raise_with_the_librarys_message():
+    with pytest.raises(ValueError, match="cols = 33"):
+        k3.mx.quantize(np.ones((1, 33), np.float32), q=np.zeros((1, 16), np.uint8), scales=np.zeros((1, 1), np.uint8))
+    with pytest.raises(ValueError, match="element = 'mxfp5'"):
+        k3.mx.quantize(np.ones((1, 32), np.float32), element="mxfp5")
+    with pytest.raises(ValueError, match="top_k"):
+        k3.route(np.zeros((1, 8), np.float32), top_k=9)
+
+
+def test_route_matches_numpy_sigmoid_top_k():
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((5, 64)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(64)).astype(np.float32)
+    ids, w = k3.route(logits, bias, top_k=8)
+    sig = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    for t in range(5):
+        want = np.argsort(-(sig[t] + bias), kind="stable")[:8]
+        np.testing.assert_array_equal(ids[t], want)
+        np.testing.assert_allclose(w[t], sig[t][want] / sig[t][want].sum(), rtol=1e-6)
+
+
+def random_moe(m=6, k=64, n=96, e=8, top_k=2, seed=3):
+    rng = np.random.default_rng(seed)
+    p = k3.moe.problem(hidden=k, intermediate=n, num_experts=e, top_k=top_k, out_dtype="fp32")
+    w = dict(fc1_q=rng.integers(0, 256, (e, 2 * n, k // 2), dtype=np.uint8),
+             fc1_scale=rng.integers(120, 124, (e, 2 * n, k // 32), dtype=np.uint8),
+             fc2_q=rng.integers(0, 256, (e, k, n // 2), dtype=np.uint8),
+             fc2_scale=rng.integers(120, 124, (e, k, n // 32), dtype=np.uint8))
+    x = (rng.standard_normal((m, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)  # BF16 bits
+    ids = np.stack([rng.permutation(e)[:top_k] for _ in range(m)]).astype(np.int32)
+    wts = rng.uniform(0.1, 1, (m, top_k)).astype(np.float32)
+    return p, w, x, ids, wts
+
+
+def test_moe_cpu_matches_the_fp64_oracle_and_the_planned_form_is_identical():
+    p, w, x, ids, wts = random_moe()
+    ref = k3.moe.run(p, **w, x=x, topk_ids=ids, topk_weights=wts, backend="reference")
+    got = k3.moe.run(p, **w, x=x, topk_ids=ids, topk_weights=wts, backend="cpu")
+    assert np.sqrt(((got - ref) ** 2).sum() / (ref ** 2).sum()) < 1e-5
+    layer = k3.moe.CpuMoe(p, **w, max_tokens=16, threads=2)
+    assert "cpu moe" in layer.plan
+    out = np.full((6, 64), np.nan, np.float32)
+    assert layer.run(x, ids, wts, out=out) is out
+    np.testing.assert_array_equal(out, got)
+
+
+def test_moe_errors_name_the_backend_and_shape():
+    p, w, x, ids, wts = random_moe()
+    with pytest.raises(ValueError, match="known: cpu, cuda, reference"):
+        k3.moe.run(p, **w, x=x, topk_ids=ids, topk_weights=wts, backend="tpu")
+    with pytest.raises(ValueError, match="fc1_q has shape"):
+        k3.moe.run(p, w["fc1_q"][:1], w["fc1_scale"], w["fc2_q"], w["fc2_scale"], x, ids, wts)
+    cuda = [b for b in k3.info()["moe_backends"] if b["name"] == "cuda"][0]
+    if not cuda["available"]:
+        with pytest.raises(RuntimeError):
+            k3.moe.run(p, **w, x=x, topk_ids=ids, topk_weights=wts, backend="cuda")
+
+
+def test_moe_runs_concurrently_from_threads_with_the_same_bits():
+    p, w, x, ids, wts = random_moe(m=32)
+    layer = k3.moe.CpuMoe(p, **w, max_tokens=32, threads=1)
+    want = k3.moe.run(p, **w, x=x, topk_ids=ids, topk_weights=wts, backend="cpu", threads=1)
+    outs = [np.zeros((32, 64), np.float32) for _ in range(4)]
+    ts = [threading.Thread(target=layer.run, args=(x, ids, wts, o)) for o in outs]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for o in outs:
+        np.testing.assert_array_equal(o, want)
+
+
+def test_kda_prefill_cpu_matches_the_reference_for_fp32_and_bf16():
+    rng = np.random.default_rng(4)
+    t, h, d = 21, 2, 16
+    q, k, v = (rng.standard_normal((t, h, d)).astype(np.float32) for _ in range(3))
+    g = (-0.1 + 0.05 * rng.standard_normal((t, h, d))).astype(np.float32)
+    beta = rng.standard_normal((t, h)).astype(np.float32)
+    cu = np.array([0, 4, 21], np.int64)
+    ref, _ = k3.kda.prefill(q, k, v, g, beta, cu_seqlens=cu, gate="log_decay", backend="reference")
+    o, st = k3.kda.prefill(q, k, v, g, beta, cu_seqlens=cu, gate="log_decay", return_final_state=True)
+    assert st.shape == (2, h, d, d)
+    assert np.sqrt(((o - ref) ** 2).sum() / (ref ** 2).sum()) < 1e-5
+    bf = [(a.view(np.uint32) >> 16).astype(np.uint16) for a in (q, k, v)]
+    ob, _ = k3.kda.prefill(*bf, g, beta, cu_seqlens=cu, gate="log_decay")
+    assert np.sqrt(((ob - ref) ** 2).sum() / (ref ** 2).sum()) < 2e-2
+    with pytest.raises(RuntimeError, match="no CUDA backend"):
+        k3.kda.prefill(q, k, v, g, beta, cu_seqlens=cu, gate="log_decay", backend="cuda")
+
+
+def test_torch_tensors_pass_through_dlpack():
+    torch = pytest.importorskip("torch")
+    x = torch.randn(2, 64, dtype=torch.float32)
+    q = torch.zeros(2, 32, dtype=torch.uint8)
+    s = torch.zeros(2, 2, dtype=torch.uint8)
+    k3.mx.quantize(x, q=q, scales=s)
+    rq, rs = k3.mx.quantize(x.numpy())
+    assert (q.numpy() == rq).all() and (s.numpy() == rs).all()
