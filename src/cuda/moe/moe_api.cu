@@ -99,23 +99,6 @@ Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w) {
 
 namespace {
 
-moe_detail::Dims dims_of(const MoePlan& plan) {
-  const auto& sh = plan.problem.shape;
-  moe_detail::Dims d{};
-  d.k = sh.hidden;
-  d.n = sh.intermediate;
-  d.top_k = sh.top_k;
-  d.e_local = sh.local_experts();
-  d.first_local = sh.first_local_expert();
-  d.block_m = plan.block_m;
-  d.max_m = plan.max_m;
-  d.max_slots = plan.max_slots;
-  d.max_tiles = plan.max_tiles;
-  d.chunk = plan.sort_chunk;
-  d.chunks = static_cast<int>((plan.max_slots + plan.sort_chunk - 1) / plan.sort_chunk);
-  return d;
-}
-
 template <typename T>
 T* at(void* ws, int64_t offset) {
   return reinterpret_cast<T*>(static_cast<char*>(ws) + offset);
@@ -130,7 +113,7 @@ Status run(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, 
     return invalid_argument("run: workspace, m_device, x, topk_ids, topk_weights and out must all be device pointers");
   }
   auto s = static_cast<cudaStream_t>(stream);
-  const auto d = dims_of(plan);
+  const auto d = moe_detail::dims_of(plan);
   const auto& p = plan.problem;
   auto* x_bf16 = at<uint16_t>(workspace, plan.ws_x_bf16);
   auto* slot_row = at<int32_t>(workspace, plan.ws_slot_row);

@@ -1,0 +1,67 @@
+// Host + device code of the CUDA fused-MoE backend: the per-element arithmetic, the status bits,
+// the kernel dimensions and the launch geometry. It includes no CUDA header, so the exact
+// functions the kernels run are also compiled by the host compiler and unit-tested without a GPU
+// (tests/core/test_cuda_moe_shared.cpp). The kernels themselves are NOT YET RUN ON A GPU.
+#pragma once
+
+#include <math.h>
+
+#include <cstdint>
+
+#include "k3/config.hpp"
+#include "k3/cuda_moe.hpp"
+#include "k3/formats.hpp"
+#include "k3/moe.hpp"
+#include "k3/mx.hpp"
+
+namespace k3::cuda::moe_detail {
+
+// ---- status bits (the int at MoePlan::ws_status; run_host turns them into kInexact) ---------
+
+// Bit 0: an MXFP8 block of x has a scale outside the range where its values are exact BF16
+// (docs/formats.md); the result would not be exact.
+inline constexpr int kStatusInexactX = 1;
+
+// ---- kernel dimensions -------------------------------------------------------------------
+
+struct Dims {
+  int64_t k;         // hidden (GEMM1 reduction, GEMM2 output columns)
+  int64_t n;         // intermediate
+  int top_k;
+  int e_local;
+  int first_local;   // global id of local expert 0
+  int block_m;
+  int64_t max_m;
+  int64_t max_slots;
+  int64_t max_tiles;
+  int chunks;        // sort chunks
+  int chunk;         // token-slots per chunk
+};
+
+inline Dims dims_of(const MoePlan& plan) {
+  const auto& sh = plan.problem.shape;
+  Dims d{};
+  d.k = sh.hidden;
+  d.n = sh.intermediate;
+  d.top_k = sh.top_k;
+  d.e_local = sh.local_experts();
+  d.first_local = sh.first_local_expert();
+  d.block_m = plan.block_m;
+  d.max_m = plan.max_m;
+  d.max_slots = plan.max_slots;
+  d.max_tiles = plan.max_tiles;
+  d.chunk = plan.sort_chunk;
+  d.chunks = static_cast<int>((plan.max_slots + plan.sort_chunk - 1) / plan.sort_chunk);
+  return d;
+}
+
+// ---- activation (FC1 epilogue) -------------------------------------------------------------
+
+struct ActParams {
+  ActivationKind kind;
+  float swiglu_alpha, swiglu_beta, swiglu_limit;
+  const float* situ_beta;         // [E_local] device
+  const float* situ_linear_beta;  // [E_local] device
+};
+
+}  // namespace k3::cuda::moe_detail
