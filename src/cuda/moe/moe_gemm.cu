@@ -52,25 +52,6 @@ __device__ __forceinline__ void load_b(const uint8_t* __restrict__ w_row, uint8_
   }
 }
 
-__device__ __forceinline__ float sigmoidf_exact(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-__device__ __forceinline__ float activation(const ActParams& p, int expert, float g, float u) {
-  switch (p.kind) {
-    case ActivationKind::kSiTU: {
-      const float b = p.situ_beta[expert], lb = p.situ_linear_beta[expert];
-      return (b * tanhf(g / b) * sigmoidf_exact(g)) * (lb * tanhf(u / lb));
-    }
-    case ActivationKind::kSwiGLU: {
-      const float gc = fminf(g, p.swiglu_limit);
-      const float uc = fminf(fmaxf(u, -p.swiglu_limit), p.swiglu_limit);
-      return gc * sigmoidf_exact(p.swiglu_alpha * gc) * (uc + p.swiglu_beta);
-    }
-    case ActivationKind::kSiLU:
-    default:
-      return g * sigmoidf_exact(g) * u;
-  }
-}
-
 // kFc1: A = gathered x rows, B rows = [gate; up], epilogue = activation (+ MXFP8), out = act BF16.
 // !kFc1: A = act rows, B rows = FC2, out = y FP32.
 template <bool kFc1, int BM, int BN>
@@ -161,7 +142,7 @@ __global__ void __launch_bounds__(BM * 2) moe_gemm_kernel(Dims d, Recipe recipe,
         for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float x = activation(act, expert, acc[j0 + jj][2 * half + e], acc_up[j0 + jj][2 * half + e]);
+            const float x = activation_f32(act, expert, acc[j0 + jj][2 * half + e], acc_up[j0 + jj][2 * half + e]);
             v[2 * jj + e] = x;
             nan = nan || (x != x);
             amax = fmaxf(amax, fabsf(x));

@@ -58,23 +58,6 @@ __device__ __forceinline__ void mma_mx(float (&c)[4], const uint32_t (&a)[4], ui
 #endif
 }
 
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-__device__ __forceinline__ float act_value(const ActParams& p, int e, float g, float u) {
-  switch (p.kind) {
-    case ActivationKind::kSiTU: {
-      const float b = p.situ_beta[e], lb = p.situ_linear_beta[e];
-      return (b * tanhf(g / b) * sigmoid_f(g)) * (lb * tanhf(u / lb));
-    }
-    case ActivationKind::kSwiGLU: {
-      const float gc = fminf(g, p.swiglu_limit), uc = fminf(fmaxf(u, -p.swiglu_limit), p.swiglu_limit);
-      return gc * sigmoid_f(p.swiglu_alpha * gc) * (uc + p.swiglu_beta);
-    }
-    default:
-      return g * sigmoid_f(g) * u;
-  }
-}
-
 // kFc1: A = gathered x codes/scales, out = activation codes [rows, N] + scales [rows, N/32].
 // !kFc1: A = activation codes/scales, out = y FP32 [rows, K].
 template <bool kFc1, int BM, int BN>
@@ -141,7 +124,7 @@ __global__ void __launch_bounds__(BM * 2) moe_gemm_mx_kernel(Dims d, ActParams a
         int nan = 0;
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
-          v[t] = act_value(act, expert, acc[j0 + t / 2][2 * half + t % 2], acc_up[j0 + t / 2][2 * half + t % 2]);
+          v[t] = activation_f32(act, expert, acc[j0 + t / 2][2 * half + t % 2], acc_up[j0 + t / 2][2 * half + t % 2]);
           nan |= v[t] != v[t];
           amax = fmaxf(amax, fabsf(v[t]));
         }

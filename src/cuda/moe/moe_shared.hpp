@@ -64,4 +64,37 @@ struct ActParams {
   const float* situ_linear_beta;  // [E_local] device
 };
 
+// min(v, hi) and clamp(v, lo, hi) that return NaN for a NaN v, as the contract's SwiGLU does
+// (k3/moe_ref.hpp). fminf / fmaxf return the other operand for a NaN and would hide it.
+K3_HOST_DEVICE constexpr float min_keep_nan(float v, float hi) { return v > hi ? hi : v; }
+K3_HOST_DEVICE constexpr float clamp_keep_nan(float v, float lo, float hi) {
+  return v > hi ? hi : (v < lo ? lo : v);
+}
+
+K3_HOST_DEVICE inline float act_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// The gated activation in FP32 (formulas of k3/moe_ref.hpp); b, lb: this expert's SiTU betas.
+K3_HOST_DEVICE inline float activation_f32(ActivationKind kind, float alpha, float beta, float limit, float b,
+                                           float lb, float g, float u) {
+  switch (kind) {
+    case ActivationKind::kSiTU:
+      return (b * tanhf(g / b) * act_sigmoid(g)) * (lb * tanhf(u / lb));
+    case ActivationKind::kSwiGLU: {
+      const float gc = min_keep_nan(g, limit);
+      const float uc = clamp_keep_nan(u, -limit, limit);
+      return gc * act_sigmoid(alpha * gc) * (uc + beta);
+    }
+    case ActivationKind::kSiLU:
+    default:
+      return g * act_sigmoid(g) * u;
+  }
+}
+
+// As used by the kernels: the SiTU betas are read per local expert (device pointers there).
+K3_HOST_DEVICE inline float activation_f32(const ActParams& p, int expert, float g, float u) {
+  const bool situ = p.kind == ActivationKind::kSiTU;
+  const float b = situ ? p.situ_beta[expert] : 1.0f, lb = situ ? p.situ_linear_beta[expert] : 1.0f;
+  return activation_f32(p.kind, p.swiglu_alpha, p.swiglu_beta, p.swiglu_limit, b, lb, g, u);
+}
+
 }  // namespace k3::cuda::moe_detail
