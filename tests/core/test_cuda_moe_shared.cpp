@@ -90,5 +90,40 @@ TEST(CudaMoeShared, ActivationReadsThePerExpertSituBetas) {
   EXPECT_TRUE(std::isnan(activation_f32(sw, 0, kNan, 2.0f)));
 }
 
+// ---- defect 4: scale 0xFF in the FP4 -> BF16 exponent add -----------------------------------
+
+// For every scale code and packed byte: whenever prepack's exactness check
+// (mx_find_bf16_inexact_block) accepts the block, the kernels' conversion gives exactly the
+// contract's FP32 dequantization (NaN for the whole block under scale 0xFF).
+TEST(CudaMoeShared, Fp4ToBf16IsExactWheneverPrepackAccepts) {
+  int accepted = 0;
+  for (int sc = 0; sc < 256; ++sc) {
+    for (int byte = 0; byte < 256; ++byte) {
+      const std::vector<uint8_t> q(kMxBlock / 2, static_cast<uint8_t>(byte));
+      const std::vector<uint8_t> s(1, static_cast<uint8_t>(sc));
+      if (mx_find_bf16_inexact_block(q, s, 1, kMxBlock, MxElement::kE2M1)) continue;
+      ++accepted;
+      const uint32_t pair = fp4x2_to_bf16x2(static_cast<uint32_t>(byte), static_cast<uint8_t>(sc));
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t code = static_cast<uint8_t>(half == 0 ? byte & 0xF : byte >> 4);
+        const float ref = mx_decode_element(code, static_cast<uint8_t>(sc), MxElement::kE2M1);
+        const float got = bf16_to_f32(static_cast<uint16_t>(pair >> (16 * half)));
+        if (std::isnan(ref)) {
+          ASSERT_TRUE(std::isnan(got)) << "scale " << sc << " code " << int{code} << " got " << got;
+        } else {
+          ASSERT_EQ(f32_to_bits(got), f32_to_bits(ref)) << "scale " << sc << " code " << int{code};
+        }
+      }
+    }
+  }
+  EXPECT_GT(accepted, 200 * 256);
+  // Scale 0xFF is accepted by prepack and gives NaN for every code, zero included.
+  for (uint32_t byte = 0; byte < 256; ++byte) {
+    const uint32_t pair = fp4x2_to_bf16x2(byte, kE8M0Nan);
+    EXPECT_TRUE(std::isnan(bf16_to_f32(static_cast<uint16_t>(pair)))) << byte;
+    EXPECT_TRUE(std::isnan(bf16_to_f32(static_cast<uint16_t>(pair >> 16)))) << byte;
+  }
+}
+
 }  // namespace
 }  // namespace k3::cuda::moe_detail

@@ -138,5 +138,28 @@ TEST_F(CudaMoe, NanInputPoisonsOnlyItsToken) {
   }
 }
 
+// A weight block with scale 0xFF is NaN (the contract), in FC1 and in FC2.
+TEST_F(CudaMoe, NanWeightScaleGivesNanBlock) {
+  for (int which = 0; which < 2; ++which) {
+    auto c = make_case(96, 160, 5, 3, 1, 0, 6, 19);
+    c.topk_ids.assign(c.topk_ids.size(), -1);
+    for (int64_t t = 0; t < c.m; ++t) c.topk_ids[t * 3] = static_cast<int32_t>(t % 2);  // experts 0, 1
+    if (which == 0) {
+      c.fc1_scale[0] = kE8M0Nan;  // expert 0, gate row 0, block 0
+    } else {
+      c.fc2_scale[5 * (160 / 32) + 1] = kE8M0Nan;  // expert 0, output column 5, block 1
+    }
+    std::vector<double> ref(c.m * 96);
+    ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
+    int64_t nan_ref = 0;
+    for (double v : ref) nan_ref += std::isnan(v);
+    ASSERT_GT(nan_ref, 0) << which;
+    std::vector<uint8_t> out(c.m * 96 * 2);
+    const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    EXPECT_EQ(compare(out, ref, OutDType::kBF16).nonfinite_mismatch, 0) << (which == 0 ? "fc1" : "fc2");
+  }
+}
+
 }  // namespace
 }  // namespace k3

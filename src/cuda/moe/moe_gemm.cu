@@ -14,19 +14,6 @@
 namespace k3::cuda::moe_detail {
 namespace {
 
-// BF16 bits of an E2M1 code times 2^exp (exact while the product is a normal BF16, which prepack
-// checks). exp_add = (scale_code - 127) << 7 is added to the exponent field of nonzero values.
-__device__ __forceinline__ uint32_t fp4_to_bf16(uint32_t code, uint32_t exp_add) {
-  const uint32_t mag = code & 7u;
-  const uint32_t bits = mag == 1u ? 0x3F00u : ((((mag >> 1) + 126u) << 7) | ((mag & 1u) << 6));
-  return (mag == 0u ? 0u : bits + exp_add) | ((code & 8u) << 12);
-}
-
-// Two BF16 values of one packed byte (low nibble = even k) as the 32-bit MMA operand register.
-__device__ __forceinline__ uint32_t fp4x2_to_bf16x2(uint32_t byte, uint32_t exp_add) {
-  return fp4_to_bf16(byte & 0xFu, exp_add) | (fp4_to_bf16(byte >> 4, exp_add) << 16);
-}
-
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -42,13 +29,13 @@ __device__ __forceinline__ void load_b(const uint8_t* __restrict__ w_row, uint8_
                                        uint32_t (&b)[2][2]) {
   const uint4 v = *reinterpret_cast<const uint4*>(w_row);
   const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-  const uint32_t exp_add = static_cast<uint32_t>(static_cast<int32_t>(scale) - 127) << 7;
+  const uint32_t exp_add = fp4_exp_add(scale), nan_mask = fp4_nan_mask(scale);  // NaN block for 0xFF
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     const uint32_t lo = (words[2 * s] >> (8 * q)) & 0xFFu;      // byte 8s + q
     const uint32_t hi = (words[2 * s + 1] >> (8 * q)) & 0xFFu;  // byte 8s + 4 + q
-    b[s][0] = fp4x2_to_bf16x2(lo, exp_add);
-    b[s][1] = fp4x2_to_bf16x2(hi, exp_add);
+    b[s][0] = fp4x2_to_bf16x2(lo, exp_add, nan_mask);  // moe_shared.hpp (host-tested)
+    b[s][1] = fp4x2_to_bf16x2(hi, exp_add, nan_mask);
   }
 }
 

@@ -97,4 +97,33 @@ K3_HOST_DEVICE inline float activation_f32(const ActParams& p, int expert, float
   return activation_f32(p.kind, p.swiglu_alpha, p.swiglu_beta, p.swiglu_limit, b, lb, g, u);
 }
 
+// ---- MXFP4 weights -> BF16 (FC1 / FC2 B operand) --------------------------------------------
+
+// BF16 bits of E2M1 `code` times 2^(scale_code - 127): the kernels' register dequantization, an
+// exponent add of fp4_exp_add(scale) to the BF16 bits of the E2M1 value, then an OR with
+// fp4_nan_mask(scale). Exact for every (code, scale) that prepack accepts
+// (mx_find_bf16_inexact_block: every nonzero product a normal BF16), and for scale 0xFF, which
+// the contract defines as NaN for the whole block (0 x NaN too): the mask sets the exponent and
+// the top mantissa bit, which makes any BF16 a NaN. The add alone would carry 0xFF's exponent
+// into the sign bit (+Inf, -0, ...).
+K3_HOST_DEVICE constexpr uint32_t fp4_exp_add(uint8_t scale_code) {
+  return static_cast<uint32_t>(static_cast<int32_t>(scale_code) - 127) << 7;
+}
+K3_HOST_DEVICE constexpr uint32_t fp4_nan_mask(uint8_t scale_code) {
+  return scale_code == kE8M0Nan ? 0x7FC07FC0u : 0u;  // both halves of a BF16 pair
+}
+K3_HOST_DEVICE constexpr uint32_t fp4_to_bf16(uint32_t code, uint32_t exp_add) {
+  const uint32_t mag = code & 7u;
+  const uint32_t bits = mag == 1u ? 0x3F00u : ((((mag >> 1) + 126u) << 7) | ((mag & 1u) << 6));
+  return (mag == 0u ? 0u : bits + exp_add) | ((code & 8u) << 12);
+}
+
+// Two BF16 values of one packed byte (low nibble = even k) as a 32-bit MMA operand register.
+K3_HOST_DEVICE constexpr uint32_t fp4x2_to_bf16x2(uint32_t byte, uint32_t exp_add, uint32_t nan_mask) {
+  return (fp4_to_bf16(byte & 0xFu, exp_add) | (fp4_to_bf16((byte >> 4) & 0xFu, exp_add) << 16)) | nan_mask;
+}
+K3_HOST_DEVICE constexpr uint32_t fp4x2_to_bf16x2(uint32_t byte, uint8_t scale_code) {
+  return fp4x2_to_bf16x2(byte, fp4_exp_add(scale_code), fp4_nan_mask(scale_code));
+}
+
 }  // namespace k3::cuda::moe_detail
