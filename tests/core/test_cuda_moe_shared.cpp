@@ -90,6 +90,84 @@ TEST(CudaMoeShared, ActivationReadsThePerExpertSituBetas) {
   EXPECT_TRUE(std::isnan(activation_f32(sw, 0, kNan, 2.0f)));
 }
 
+// ---- defect 2: prep_x calls a block exact when its FP32 dequantization overflows ----------------
+
+// The contract's step 1 for one block: MXFP8 (RCEIL) and the FP32 dequantization (k3/mx.hpp).
+std::vector<float> contract_block(const uint16_t* x) {
+  std::vector<uint8_t> q(kMxBlock), s(1);
+  EXPECT_TRUE(mx_quantize_bf16(std::span<const uint16_t>(x, kMxBlock), 1, kMxBlock, MxElement::kE4M3,
+                               ScaleRule::kRceil, q, s)
+                  .is_ok());
+  std::vector<float> out(kMxBlock);
+  for (int j = 0; j < kMxBlock; ++j) out[j] = mx_decode_element(q[j], s[0], MxElement::kE4M3);
+  return out;
+}
+
+void expect_matches_contract(const uint16_t* x, const uint16_t* got, const std::string& what) {
+  const auto ref = contract_block(x);
+  for (int j = 0; j < kMxBlock; ++j) {
+    if (std::isnan(ref[j])) {
+      EXPECT_TRUE(std::isnan(bf16_to_f32(got[j]))) << what << " element " << j;
+    } else {
+      EXPECT_EQ(got[j], bf16_from_f32(ref[j])) << what << " element " << j;
+      EXPECT_EQ(bf16_to_f32(got[j]), ref[j]) << what << " element " << j << ": BF16 must hold it exactly";
+    }
+  }
+}
+
+TEST(CudaMoeShared, PrepBlockOverflowToInfIsExact) {
+  uint16_t x[kMxBlock], dst[kMxBlock];
+  // The nonfinite suite's "largest finite BF16": scale 2^120, element 256 -> 2^128 = +Inf in FP32.
+  for (auto& v : x) v = 0x7F7F;
+  x[3] = 0xFF7F;  // -max
+  EXPECT_TRUE(w4a8_prep_block(x, dst)) << "BF16 holds the contract's +-Inf exactly";
+  EXPECT_EQ(dst[0], 0x7F80);
+  EXPECT_EQ(dst[3], 0xFF80);
+  expect_matches_contract(x, dst, "max");
+  // +Inf and -Inf in a block of ordinary values: scale 0xFE, Inf elements -> +-448 * 2^127 = +-Inf.
+  for (int j = 0; j < kMxBlock; ++j) x[j] = bf16_from_f32(static_cast<float>(j) - 16.0f);
+  x[5] = 0x7F80;
+  x[9] = 0xFF80;
+  EXPECT_TRUE(w4a8_prep_block(x, dst));
+  EXPECT_EQ(dst[5], 0x7F80);
+  EXPECT_EQ(dst[9], 0xFF80);
+  expect_matches_contract(x, dst, "inf");
+  // The per-element predicate: 448 * 2^127 overflows FP32; mx_element_bf16_exact (BF16's normal
+  // range, the old check) calls it inexact, the operand check does not.
+  EXPECT_FALSE(mx_element_bf16_exact(0x7E, 0xFE, MxElement::kE4M3));
+  EXPECT_TRUE(mx_bf16_operand_exact(0x7E, 0xFE, MxElement::kE4M3));
+}
+
+TEST(CudaMoeShared, PrepBlockMatchesContractAndFlagsSubnormals) {
+  uint16_t x[kMxBlock], dst[kMxBlock];
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int rep = 0; rep < 200; ++rep) {
+    const float scale = std::ldexp(1.0f, rep % 60 - 30);
+    for (auto& v : x) v = bf16_from_f32(nd(rng) * scale);
+    ASSERT_TRUE(w4a8_prep_block(x, dst)) << rep;
+    expect_matches_contract(x, dst, "random " + std::to_string(rep));
+  }
+  // NaN block: scale 0xFF, every element NaN; exact (NaN is NaN).
+  for (auto& v : x) v = 0x3F80;
+  x[17] = 0x7FC0;
+  EXPECT_TRUE(w4a8_prep_block(x, dst));
+  for (uint16_t h : dst) EXPECT_TRUE(std::isnan(bf16_to_f32(h)));
+  // A subnormal next to 1.0 rounds to 0 under the block's scale: that 0 is the contract's value.
+  for (auto& v : x) v = 0;
+  x[0] = 0x3F80;
+  x[1] = 0x0001;
+  EXPECT_TRUE(w4a8_prep_block(x, dst));
+  EXPECT_EQ(dst[1], 0);
+  // A block of BF16 subnormals dequantizes into BF16's subnormal range: flagged, not rounded silently.
+  for (auto& v : x) v = 0x0003;
+  EXPECT_FALSE(w4a8_prep_block(x, dst));
+  // W4A16-size magnitudes near 2^-126 stay normal: exact.
+  for (auto& v : x) v = 0x0080;  // 2^-126, the smallest normal
+  EXPECT_TRUE(w4a8_prep_block(x, dst));
+  expect_matches_contract(x, dst, "min normal");
+}
+
 // ---- defect 4: scale 0xFF in the FP4 -> BF16 exponent add -----------------------------------
 
 // For every scale code and packed byte: whenever prepack's exactness check

@@ -138,6 +138,20 @@ TEST_F(CudaMoe, NanInputPoisonsOnlyItsToken) {
   }
 }
 
+// W4A8 x at the BF16 maximum dequantizes to +-Inf (the contract's FP32 value, held exactly by
+// BF16): the run succeeds and matches the oracle's NaN / Inf classes (it used to be kInexact).
+TEST_F(CudaMoe, W4a8OverflowingXIsExactInf) {
+  auto c = make_case(96, 160, 5, 3, 1, 0, 4, 17);
+  for (int j = 0; j < 96; ++j) c.x[1 * 96 + j] = j % 2 ? 0x7F7F : 0xFF7F;  // +-3.39e38
+  c.x[2 * 96 + 5] = 0x7F80;                                                 // +Inf
+  std::vector<double> ref(c.m * 96);
+  ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
+  std::vector<uint8_t> out(c.m * 96 * 2);
+  const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(compare(out, ref, OutDType::kBF16).nonfinite_mismatch, 0);
+}
+
 // A weight block with scale 0xFF is NaN (the contract), in FC1 and in FC2.
 TEST_F(CudaMoe, NanWeightScaleGivesNanBlock) {
   for (int which = 0; which < 2; ++which) {

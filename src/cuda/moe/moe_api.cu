@@ -186,8 +186,8 @@ Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsVie
   int status = 0;
   K3_CUDA_TRY(cudaMemcpy(&status, at<int>(ws.get(), plan->ws_status), sizeof(int), cudaMemcpyDeviceToHost), "status");
   if (status & moe_detail::kStatusInexactX) {
-    return {StatusCode::kInexact, "x holds an MXFP8 block whose values leave BF16's normal range (|x| < ~1e-35); "
-                                  "the CUDA path would round it. Use --backend cpu"};
+    return {StatusCode::kInexact, "x holds an MXFP8 block with values in or below BF16's subnormal range "
+                                  "(|value| < 2^-126 ~ 1.2e-38); the CUDA path would round them. Use --backend cpu"};
   }
   K3_CUDA_TRY(cudaMemcpy(out.data(), dout.get(), out.size(), cudaMemcpyDeviceToHost), "copy out");
   return Status::ok();

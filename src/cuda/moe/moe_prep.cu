@@ -25,21 +25,7 @@ __global__ void prep_x_kernel(Dims d, Recipe recipe, const int32_t* __restrict__
     for (int j = 0; j < kMxBlock; ++j) dst[j] = src[j];
     return;
   }
-  float amax = 0.0f;
-  bool has_nan = false;
-  for (int j = 0; j < kMxBlock; ++j) {
-    const float a = fabsf(bf16_to_f32(src[j]));
-    if (a != a) has_nan = true;
-    else amax = fmaxf(amax, a);
-  }
-  const uint8_t scale = has_nan ? kE8M0Nan : mx_scale_code(amax, MxElement::kE4M3, ScaleRule::kRceil);
-  bool exact = true;
-  for (int j = 0; j < kMxBlock; ++j) {
-    const uint8_t code = mx_encode_element(bf16_to_f32(src[j]), scale, MxElement::kE4M3);
-    exact = exact && mx_element_bf16_exact(code, scale, MxElement::kE4M3);
-    dst[j] = bf16_from_f32(mx_decode_element(code, scale, MxElement::kE4M3));
-  }
-  if (!exact) atomicOr(status, kStatusInexactX);
+  if (!w4a8_prep_block(src, dst)) atomicOr(status, kStatusInexactX);  // moe_shared.hpp (host-tested)
 }
 
 // Local expert of a token-slot, or -1 (masked, remote, or past the real M).

@@ -18,8 +18,8 @@ namespace k3::cuda::moe_detail {
 
 // ---- status bits (the int at MoePlan::ws_status; run_host turns them into kInexact) ---------
 
-// Bit 0: an MXFP8 block of x has a scale outside the range where its values are exact BF16
-// (docs/formats.md); the result would not be exact.
+// An MXFP8 block of x (W4A8) dequantizes to a value BF16 does not hold as a normal number: a
+// BF16 subnormal or below (|value| < 2^-126). The BF16 operand would round or be flushed.
 inline constexpr int kStatusInexactX = 1;
 
 // ---- kernel dimensions -------------------------------------------------------------------
@@ -95,6 +95,47 @@ K3_HOST_DEVICE inline float activation_f32(const ActParams& p, int expert, float
   const bool situ = p.kind == ActivationKind::kSiTU;
   const float b = situ ? p.situ_beta[expert] : 1.0f, lb = situ ? p.situ_linear_beta[expert] : 1.0f;
   return activation_f32(p.kind, p.swiglu_alpha, p.swiglu_beta, p.swiglu_limit, b, lb, g, u);
+}
+
+// ---- MXFP8 values as BF16 GEMM operands (W4A8 x and activation output) -----------------------
+
+// True when BF16 holds the FP32 dequantization of `code` under `scale_code` (mx_decode_element,
+// the contract's value) exactly as an operand the tensor cores use as is: zero, NaN, +-Inf (the
+// FP32 dequantization overflows at scale codes >= 247: that Inf *is* the contract's value, and
+// BF16 holds it exactly) or a normal number. BF16 subnormals and values below them are not
+// (rounded by the conversion, or flushed), nor is a value with more than 8 significant bits
+// (impossible for E2M1 / E4M3, checked anyway).
+K3_HOST_DEVICE constexpr bool mx_bf16_operand_exact(uint8_t code, uint8_t scale_code, MxElement e) {
+  const uint32_t bits = f32_to_bits(mx_decode_element(code, scale_code, e));
+  const uint32_t exp_field = (bits >> 23) & 0xFFu;
+  if ((bits & 0x7FFFFFFFu) == 0 || exp_field == 0xFFu) return true;  // +-0, +-Inf, NaN
+  return exp_field != 0 && (bits & 0xFFFFu) == 0;
+}
+
+// One element: MXFP8 (E4M3) code of v under scale sc, dequantized to BF16 bits; clears `exact`
+// when BF16 does not hold it (mx_bf16_operand_exact).
+K3_HOST_DEVICE constexpr uint16_t mxfp8_bf16_operand(float v, uint8_t sc, bool& exact) {
+  const uint8_t code = mx_encode_element(v, sc, MxElement::kE4M3);
+  exact = exact && mx_bf16_operand_exact(code, sc, MxElement::kE4M3);
+  return bf16_from_f32(mx_decode_element(code, sc, MxElement::kE4M3));
+}
+
+// W4A8 prep_x for one 32-block of x: MXFP8 (E4M3, RCEIL; a NaN block gets scale 0xFF) and the
+// exact dequantization as BF16 into dst. Returns false when some value is not held exactly
+// (the kernel then sets kStatusInexactX).
+K3_HOST_DEVICE constexpr bool w4a8_prep_block(const uint16_t* src, uint16_t* dst) {
+  float amax = 0.0f;
+  bool has_nan = false;
+  for (int j = 0; j < kMxBlock; ++j) {
+    const float v = bf16_to_f32(src[j]);
+    const float a = v < 0.0f ? -v : v;
+    if (a != a) has_nan = true;
+    else if (a > amax) amax = a;
+  }
+  const uint8_t scale = has_nan ? kE8M0Nan : mx_scale_code(amax, MxElement::kE4M3, ScaleRule::kRceil);
+  bool exact = true;
+  for (int j = 0; j < kMxBlock; ++j) dst[j] = mxfp8_bf16_operand(bf16_to_f32(src[j]), scale, exact);
+  return exact;
 }
 
 // ---- MXFP4 weights -> BF16 (FC1 / FC2 B operand) --------------------------------------------
