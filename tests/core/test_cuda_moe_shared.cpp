@@ -168,6 +168,42 @@ TEST(CudaMoeShared, PrepBlockMatchesContractAndFlagsSubnormals) {
   expect_matches_contract(x, dst, "min normal");
 }
 
+// ---- defect 7: the re-quantized W4A8 activation in the subnormal range ----------------------
+
+TEST(CudaMoeShared, ActivationRequantFlagsSubnormalRange) {
+  auto scale_of = [](const float (&v)[8]) {
+    float amax = 0;
+    for (float f : v) amax = std::fmax(amax, std::fabs(f));
+    return mx_scale_code(amax, MxElement::kE4M3, ScaleRule::kRceil);
+  };
+  uint16_t h[8];
+  // Ordinary values: exact, equal to the contract's MXFP8 value.
+  const float ok[8] = {1.5f, -3.25f, 100.0f, 0.0f, -0.0f, 7.0f, 96.0f, -448.0f};
+  const uint8_t sc_ok = scale_of(ok);
+  EXPECT_TRUE(mxfp8_bf16_operands(ok, sc_ok, h));
+  for (int t = 0; t < 8; ++t) {
+    const float ref = mx_decode_element(mx_encode_element(ok[t], sc_ok, MxElement::kE4M3), sc_ok, MxElement::kE4M3);
+    EXPECT_EQ(h[t], bf16_from_f32(ref)) << t;
+  }
+  // A block of tiny activations (|v| ~ 1e-39, FP32 subnormals): the MXFP8 values lie in BF16's
+  // subnormal range, so the BF16 operand would round (or be flushed): flagged.
+  const float tiny[8] = {1e-39f, -2e-39f, 3e-40f, 0.0f, 5e-39f, 1e-39f, -1e-39f, 2e-39f};
+  EXPECT_FALSE(mxfp8_bf16_operands(tiny, scale_of(tiny), h));
+  // Near 2^-120 with a small element in the same block: 2^-128 is subnormal -> flagged.
+  const float mixed[8] = {std::ldexp(1.0f, -120), std::ldexp(1.0f, -128), 0, 0, 0, 0, 0, 0};
+  EXPECT_FALSE(mxfp8_bf16_operands(mixed, scale_of(mixed), h));
+  // Overflow of the FP32 dequantization (an Inf activation, SwiGLU / SiLU): +-Inf, exact.
+  const float inf[8] = {kInf, 1.0f, -kInf, 0, 0, 0, 0, 0};
+  EXPECT_TRUE(mxfp8_bf16_operands(inf, scale_of(inf), h));
+  EXPECT_EQ(h[0], 0x7F80);
+  EXPECT_EQ(h[2], 0xFF80);
+  // A NaN block (the quad agreed on scale 0xFF): NaN everywhere, exact.
+  const float some[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  EXPECT_TRUE(mxfp8_bf16_operands(some, kE8M0Nan, h));
+  for (uint16_t v : h) EXPECT_TRUE(std::isnan(bf16_to_f32(v)));
+  EXPECT_EQ(kStatusInexactAct & kStatusInexactX, 0) << "distinct status bits";
+}
+
 // ---- defect 4: scale 0xFF in the FP4 -> BF16 exponent add -----------------------------------
 
 // For every scale code and packed byte: whenever prepack's exactness check

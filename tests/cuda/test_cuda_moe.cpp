@@ -175,5 +175,17 @@ TEST_F(CudaMoe, NanWeightScaleGivesNanBlock) {
   }
 }
 
+// W4A8 activation outputs in BF16's subnormal range (tiny FC1 weight scales) are reported as
+// kInexact instead of being rounded silently.
+TEST_F(CudaMoe, W4a8SubnormalActivationIsReported) {
+  auto c = make_case(96, 160, 5, 3, 1, 0, 16, 23);
+  c.problem.activation.kind = ActivationKind::kSiLU;  // ~ g * u / 2 for tiny g: about 2^-128 here
+  c.fc1_scale.assign(c.fc1_scale.size(), 59);         // 2^-68: FC1 outputs near 2^-63
+  std::vector<uint8_t> out(c.m * 96 * 2);
+  const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+  EXPECT_EQ(st.code(), StatusCode::kInexact) << st.to_string();
+  EXPECT_NE(st.message().find("activation output"), std::string::npos) << st.message();
+}
+
 }  // namespace
 }  // namespace k3

@@ -145,7 +145,7 @@ Status run(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, 
   }
   moe_detail::launch_prep_x(d, p.recipe, in.m_device, in.x, x_bf16, status, s);
   moe_detail::launch_fc1(d, plan.block_n, p.recipe, act_params, x_bf16, row_token, tile_expert, wi->fc1_q.get(),
-                         wi->fc1_scale.get(), act, s);
+                         wi->fc1_scale.get(), act, status, s);
   moe_detail::launch_fc2(d, plan.block_n, act, tile_expert, wi->fc2_q.get(), wi->fc2_scale.get(), y, s);
   moe_detail::launch_finalize(d, p.out_dtype, in.m_device, slot_row, in.topk_weights, y, in.out, s);
   return detail::from_cuda(cudaGetLastError(), "moe kernel launch");
@@ -188,6 +188,11 @@ Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsVie
   if (status & moe_detail::kStatusInexactX) {
     return {StatusCode::kInexact, "x holds an MXFP8 block with values in or below BF16's subnormal range "
                                   "(|value| < 2^-126 ~ 1.2e-38); the CUDA path would round them. Use --backend cpu"};
+  }
+  if (status & moe_detail::kStatusInexactAct) {
+    return {StatusCode::kInexact, "the W4A8 activation output holds an MXFP8 block with values in or below BF16's "
+                                  "subnormal range (|value| < 2^-126 ~ 1.2e-38); the CUDA path would round them. "
+                                  "Use --backend cpu"};
   }
   K3_CUDA_TRY(cudaMemcpy(out.data(), dout.get(), out.size(), cudaMemcpyDeviceToHost), "copy out");
   return Status::ok();

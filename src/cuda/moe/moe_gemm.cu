@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(BM * 2) moe_gemm_kernel(Dims d, Recipe recipe,
                                                          const int32_t* __restrict__ tile_expert,
                                                          const uint8_t* __restrict__ w_q,
                                                          const uint8_t* __restrict__ w_scale,
-                                                         void* __restrict__ out) {
+                                                         void* __restrict__ out, int* __restrict__ status) {
   static_assert(BM % 16 == 0 && BN % 32 == 0, "tile: BM multiple of 16, BN multiple of 32");
   constexpr int kNT = BN / 8;  // n-tiles of 8 columns per warp
   __shared__ __align__(16) uint16_t a_tile[BM][kMxBlock + 8];  // [BM, 32] BF16, padded rows (banks)
@@ -135,24 +135,29 @@ __global__ void __launch_bounds__(BM * 2) moe_gemm_kernel(Dims d, Recipe recipe,
             amax = fmaxf(amax, fabsf(x));
           }
         }
+        uint8_t sc = 0;
         if (recipe == Recipe::kW4A8) {
           // The 32 columns of this row live in the 4 lanes of the quad: reduce over them.
           amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
           amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
           nan = __shfl_xor_sync(0xFFFFFFFFu, static_cast<int>(nan), 1) || nan;
           nan = __shfl_xor_sync(0xFFFFFFFFu, static_cast<int>(nan), 2) || nan;
-          const uint8_t sc = nan ? kE8M0Nan : mx_scale_code(amax, MxElement::kE4M3, ScaleRule::kRceil);
+          sc = nan ? kE8M0Nan : mx_scale_code(amax, MxElement::kE4M3, ScaleRule::kRceil);
+        }
+        uint16_t h[8];
+        if (recipe == Recipe::kW4A8) {
+          // MXFP8 code and its exact dequantization, as the FC2 operand; a value BF16 does not
+          // hold as a normal number (subnormal range) is flagged instead of rounded silently.
+          if (!mxfp8_bf16_operands(v, sc, h)) atomicOr(status, kStatusInexactAct);
+        } else {
 #pragma unroll
-          for (int t = 0; t < 8; ++t) {
-            v[t] = mx_decode_element(mx_encode_element(v[t], sc, MxElement::kE4M3), sc, MxElement::kE4M3);
-          }
+          for (int t = 0; t < 8; ++t) h[t] = bf16_from_f32(v[t]);  // W4A16: the contract's BF16 rounding
         }
         const int64_t row = r_lo + 8 * half;
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
           const int64_t col = col0 + (j0 + jj) * 8 + 2 * q;
-          const uint32_t packed = static_cast<uint32_t>(bf16_from_f32(v[2 * jj])) |
-                                  (static_cast<uint32_t>(bf16_from_f32(v[2 * jj + 1])) << 16);
+          const uint32_t packed = static_cast<uint32_t>(h[2 * jj]) | (static_cast<uint32_t>(h[2 * jj + 1]) << 16);
           *reinterpret_cast<uint32_t*>(act_out + row * out_cols + col) = packed;
         }
       }
@@ -170,12 +175,13 @@ __global__ void __launch_bounds__(BM * 2) moe_gemm_kernel(Dims d, Recipe recipe,
 
 template <bool kFc1, int BN>
 void launch_gemm(const Dims& d, Recipe recipe, const ActParams& act, const uint16_t* a, const int32_t* row_token,
-                 const int32_t* tile_expert, const uint8_t* q, const uint8_t* s, void* out, cudaStream_t st) {
+                 const int32_t* tile_expert, const uint8_t* q, const uint8_t* s, void* out, int* status,
+                 cudaStream_t st) {
   const dim3 grid(static_cast<unsigned>((kFc1 ? d.n : d.k) / BN), static_cast<unsigned>(d.max_tiles));
   if (d.block_m == 16) {
-    moe_gemm_kernel<kFc1, 16, BN><<<grid, 32, 0, st>>>(d, recipe, act, a, row_token, tile_expert, q, s, out);
+    moe_gemm_kernel<kFc1, 16, BN><<<grid, 32, 0, st>>>(d, recipe, act, a, row_token, tile_expert, q, s, out, status);
   } else {
-    moe_gemm_kernel<kFc1, 64, BN><<<grid, 128, 0, st>>>(d, recipe, act, a, row_token, tile_expert, q, s, out);
+    moe_gemm_kernel<kFc1, 64, BN><<<grid, 128, 0, st>>>(d, recipe, act, a, row_token, tile_expert, q, s, out, status);
   }
 }
 
@@ -183,11 +189,11 @@ void launch_gemm(const Dims& d, Recipe recipe, const ActParams& act, const uint1
 
 void launch_fc1(const Dims& d, int block_n, Recipe recipe, const ActParams& act, const uint16_t* x_bf16,
                 const int32_t* row_token, const int32_t* tile_expert, const uint8_t* fc1_q, const uint8_t* fc1_scale,
-                uint16_t* act_out, cudaStream_t s) {
+                uint16_t* act_out, int* status, cudaStream_t s) {
   if (block_n == 64) {
-    launch_gemm<true, 64>(d, recipe, act, x_bf16, row_token, tile_expert, fc1_q, fc1_scale, act_out, s);
+    launch_gemm<true, 64>(d, recipe, act, x_bf16, row_token, tile_expert, fc1_q, fc1_scale, act_out, status, s);
   } else {
-    launch_gemm<true, 32>(d, recipe, act, x_bf16, row_token, tile_expert, fc1_q, fc1_scale, act_out, s);
+    launch_gemm<true, 32>(d, recipe, act, x_bf16, row_token, tile_expert, fc1_q, fc1_scale, act_out, status, s);
   }
 }
 
@@ -195,9 +201,9 @@ void launch_fc2(const Dims& d, int block_n, const uint16_t* act_in, const int32_
                 const uint8_t* fc2_scale, float* y, cudaStream_t s) {
   const ActParams none{ActivationKind::kSiLU, 0, 0, 0, nullptr, nullptr};
   if (block_n == 64) {
-    launch_gemm<false, 64>(d, Recipe::kW4A16, none, act_in, nullptr, tile_expert, fc2_q, fc2_scale, y, s);
+    launch_gemm<false, 64>(d, Recipe::kW4A16, none, act_in, nullptr, tile_expert, fc2_q, fc2_scale, y, nullptr, s);
   } else {
-    launch_gemm<false, 32>(d, Recipe::kW4A16, none, act_in, nullptr, tile_expert, fc2_q, fc2_scale, y, s);
+    launch_gemm<false, 32>(d, Recipe::kW4A16, none, act_in, nullptr, tile_expert, fc2_q, fc2_scale, y, nullptr, s);
   }
 }
 

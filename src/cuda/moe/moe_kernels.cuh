@@ -29,7 +29,7 @@ void launch_sort(const Dims& d, const int32_t* m, const int32_t* topk_ids, int32
                  int32_t* tile_expert, int32_t* row_token, int32_t* slot_row, cudaStream_t s);
 void launch_fc1(const Dims& d, int block_n, Recipe recipe, const ActParams& act, const uint16_t* x_bf16,
                 const int32_t* row_token, const int32_t* tile_expert, const uint8_t* fc1_q, const uint8_t* fc1_scale,
-                uint16_t* act_out, cudaStream_t s);
+                uint16_t* act_out, int* status, cudaStream_t s);
 void launch_fc2(const Dims& d, int block_n, const uint16_t* act_in, const int32_t* tile_expert, const uint8_t* fc2_q,
                 const uint8_t* fc2_scale, float* y, cudaStream_t s);
 void launch_finalize(const Dims& d, OutDType dtype, const int32_t* m, const int32_t* slot_row,

@@ -21,6 +21,8 @@ namespace k3::cuda::moe_detail {
 // An MXFP8 block of x (W4A8) dequantizes to a value BF16 does not hold as a normal number: a
 // BF16 subnormal or below (|value| < 2^-126). The BF16 operand would round or be flushed.
 inline constexpr int kStatusInexactX = 1;
+// The same for the W4A8 re-quantized activation output (FC1 epilogue -> FC2 operand).
+inline constexpr int kStatusInexactAct = 2;
 
 // ---- kernel dimensions -------------------------------------------------------------------
 
@@ -118,6 +120,18 @@ K3_HOST_DEVICE constexpr uint16_t mxfp8_bf16_operand(float v, uint8_t sc, bool& 
   const uint8_t code = mx_encode_element(v, sc, MxElement::kE4M3);
   exact = exact && mx_bf16_operand_exact(code, sc, MxElement::kE4M3);
   return bf16_from_f32(mx_decode_element(code, sc, MxElement::kE4M3));
+}
+
+// W4A8 FC1 epilogue, one lane's values of a 32-column block whose scale `sc` the quad has agreed
+// on (0xFF when any of the 32 is NaN): the MXFP8 values as exact BF16 operands of FC2. Returns
+// false when some value is not held exactly (the kernel then sets kStatusInexactAct): the CPU
+// backend and the contract keep such values exactly, so the CUDA path reports kInexact instead
+// of rounding them.
+template <int N>
+K3_HOST_DEVICE constexpr bool mxfp8_bf16_operands(const float (&v)[N], uint8_t sc, uint16_t (&h)[N]) {
+  bool exact = true;
+  for (int t = 0; t < N; ++t) h[t] = mxfp8_bf16_operand(v[t], sc, exact);
+  return exact;
 }
 
 // W4A8 prep_x for one 32-block of x: MXFP8 (E4M3, RCEIL; a NaN block gets scale 0xFF) and the
