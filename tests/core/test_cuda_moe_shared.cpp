@@ -239,5 +239,69 @@ TEST(CudaMoeShared, Fp4ToBf16IsExactWheneverPrepackAccepts) {
   }
 }
 
+// ---- defect 3: launch geometry within CUDA's grid limits for every plan ---------------------
+
+DeviceCaps h200() {
+  DeviceCaps c;
+  c.name = "NVIDIA H200";
+  c.cc_major = 9;
+  c.sm_count = 132;
+  c.smem_per_block_optin = 227 * 1024;
+  c.compiled_archs = {90, 120};
+  return c;
+}
+
+void expect_within_limits(const Grid& g, const std::string& what) {
+  EXPECT_GE(g.x, 1u) << what;
+  EXPECT_GE(g.y, 1u) << what;
+  EXPECT_GE(g.z, 1u) << what;
+  EXPECT_LE(int64_t{g.x}, kMaxGridX) << what;
+  EXPECT_LE(int64_t{g.y}, kMaxGridYZ) << what;
+  EXPECT_LE(int64_t{g.z}, kMaxGridYZ) << what;
+}
+
+TEST(CudaMoeShared, LaunchGridsStayWithinLimitsUpToTheLargestPlan) {
+  struct S { int e, ep, top_k; int64_t k, n; };
+  const S shapes[] = {{896, 32, 16, 3584, 3072}, {4096, 1, 32, 64, 32}, {32, 32, 1, 96, 160}, {4096, 4096, 32, 32, 64}};
+  for (const auto& sh : shapes) {
+    for (int64_t max_m : {int64_t{1}, int64_t{16}, int64_t{4096}, int64_t{65535}, int64_t{65536}}) {
+      MoeProblem p;
+      p.shape = {sh.k, sh.n, sh.e, sh.top_k, sh.ep, 0};
+      auto plan = plan_moe(p, max_m, h200());
+      ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+      const Dims d = dims_of(plan.value());
+      const std::string what = "E " + std::to_string(sh.e) + "/" + std::to_string(sh.ep) + " top-" +
+                               std::to_string(sh.top_k) + " max_m " + std::to_string(max_m);
+      expect_within_limits(prep_grid(d), what + " prep_x");
+      expect_within_limits(gemm_grid(d, true, plan->block_n), what + " fc1");
+      expect_within_limits(gemm_grid(d, false, plan->block_n), what + " fc2");
+      const Grid f = finalize_grid(d);
+      expect_within_limits(f, what + " finalize");
+      // The GEMMs launch one CTA per row tile: gemm_grid must not cap them.
+      EXPECT_EQ(int64_t{gemm_grid(d, true, plan->block_n).y}, d.max_tiles) << what;
+      EXPECT_EQ(int64_t{gemm_grid(d, true, plan->block_n).x} * plan->block_n, d.n) << what;
+      EXPECT_EQ(int64_t{gemm_grid(d, false, plan->block_n).x} * plan->block_n, d.k) << what;
+      // Sort: one CTA of `chunk` threads per chunk, covering every slot.
+      EXPECT_GE(int64_t{d.chunks} * d.chunk, d.max_slots) << what;
+      EXPECT_LE(d.chunk, 1024) << what;
+      // Finalize covers every (row, column) exactly once with its grid-stride over rows.
+      EXPECT_GE(int64_t{f.x} * kFinalizeThreads, d.k) << what;
+      std::vector<int> visits(static_cast<size_t>(d.max_m), 0);
+      for (int64_t by = 0; by < f.y; ++by) {
+        for (int64_t t = by; t < d.max_m; t += f.y) ++visits[static_cast<size_t>(t)];
+      }
+      for (int64_t t = 0; t < d.max_m; ++t) ASSERT_EQ(visits[static_cast<size_t>(t)], 1) << what << " row " << t;
+      // prep_x covers every (token, block) with its grid-stride.
+      EXPECT_GE(int64_t{prep_grid(d).x} * kPrepThreads, std::min<int64_t>(d.max_m * (d.k / kMxBlock), kMaxGridX))
+          << what;
+    }
+  }
+  // The case a grid of max_m rows gets wrong: gridDim.y = 65536 is not launchable.
+  MoeProblem p;
+  auto plan = plan_moe(p, 65536, h200());
+  ASSERT_TRUE(plan.is_ok());
+  EXPECT_EQ(finalize_grid(dims_of(plan.value())).y, 65535u);
+}
+
 }  // namespace
 }  // namespace k3::cuda::moe_detail

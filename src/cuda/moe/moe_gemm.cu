@@ -177,7 +177,8 @@ template <bool kFc1, int BN>
 void launch_gemm(const Dims& d, Recipe recipe, const ActParams& act, const uint16_t* a, const int32_t* row_token,
                  const int32_t* tile_expert, const uint8_t* q, const uint8_t* s, void* out, int* status,
                  cudaStream_t st) {
-  const dim3 grid(static_cast<unsigned>((kFc1 ? d.n : d.k) / BN), static_cast<unsigned>(d.max_tiles));
+  const Grid g = gemm_grid(d, kFc1, BN);
+  const dim3 grid(g.x, g.y, g.z);
   if (d.block_m == 16) {
     moe_gemm_kernel<kFc1, 16, BN><<<grid, 32, 0, st>>>(d, recipe, act, a, row_token, tile_expert, q, s, out, status);
   } else {

@@ -10,22 +10,25 @@
 namespace k3::cuda::moe_detail {
 namespace {
 
-// One thread per (token, 32-element block of K).
+// One thread per (token, 32-element block of K), grid-stride over the live blocks.
 __global__ void prep_x_kernel(Dims d, Recipe recipe, const int32_t* __restrict__ m_ptr,
                               const uint16_t* __restrict__ x,  // [M, K] BF16
                               uint16_t* __restrict__ x_bf16,   // [M, K] BF16 operand
                               int* __restrict__ status) {
   const int64_t nblk = d.k / kMxBlock;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t m = *m_ptr;
-  if (i >= m * nblk) return;
-  const uint16_t* src = x + i * kMxBlock;
-  uint16_t* dst = x_bf16 + i * kMxBlock;
-  if (recipe == Recipe::kW4A16) {
-    for (int j = 0; j < kMxBlock; ++j) dst[j] = src[j];
-    return;
+  const int64_t live = static_cast<int64_t>(*m_ptr) * nblk;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  bool exact = true;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < live; i += stride) {
+    const uint16_t* src = x + i * kMxBlock;
+    uint16_t* dst = x_bf16 + i * kMxBlock;
+    if (recipe == Recipe::kW4A16) {
+      for (int j = 0; j < kMxBlock; ++j) dst[j] = src[j];
+    } else {
+      exact = w4a8_prep_block(src, dst) && exact;  // moe_shared.hpp (host-tested)
+    }
   }
-  if (!w4a8_prep_block(src, dst)) atomicOr(status, kStatusInexactX);  // moe_shared.hpp (host-tested)
+  if (!exact) atomicOr(status, kStatusInexactX);
 }
 
 // Local expert of a token-slot, or -1 (masked, remote, or past the real M).
@@ -123,10 +126,8 @@ __global__ void slot_scatter_kernel(Dims d, const int32_t* __restrict__ m_ptr, c
 
 void launch_prep_x(const Dims& d, Recipe recipe, const int32_t* m, const uint16_t* x, uint16_t* x_bf16, int* status,
                    cudaStream_t s) {
-  const int64_t blocks = d.max_m * (d.k / kMxBlock);
-  const unsigned threads = 128;
-  prep_x_kernel<<<static_cast<unsigned>((blocks + threads - 1) / threads), threads, 0, s>>>(d, recipe, m, x, x_bf16,
-                                                                                           status);
+  const Grid g = prep_grid(d);
+  prep_x_kernel<<<g.x, kPrepThreads, 0, s>>>(d, recipe, m, x, x_bf16, status);
 }
 
 void launch_sort(const Dims& d, const int32_t* m, const int32_t* topk_ids, int32_t* chunk_hist, int32_t* counts,

@@ -181,4 +181,37 @@ K3_HOST_DEVICE constexpr uint32_t fp4x2_to_bf16x2(uint32_t byte, uint8_t scale_c
   return fp4x2_to_bf16x2(byte, fp4_exp_add(scale_code), fp4_nan_mask(scale_code));
 }
 
+// ---- launch geometry -----------------------------------------------------------------------
+
+struct Grid {
+  uint32_t x = 1, y = 1, z = 1;
+};
+inline constexpr int64_t kMaxGridX = 2147483647;  // CUDA limits (every architecture k3 targets)
+inline constexpr int64_t kMaxGridYZ = 65535;
+
+inline constexpr int kPrepThreads = 128;
+inline constexpr int kFinalizeThreads = 256;
+
+constexpr uint32_t grid_dim(int64_t v, int64_t limit) {
+  return static_cast<uint32_t>(v < 1 ? 1 : (v > limit ? limit : v));
+}
+
+// prep_x / prep_x_mx: one thread per (token, 32-block), grid-stride over max_m * K/32 blocks.
+constexpr Grid prep_grid(const Dims& d) {
+  const int64_t blocks = d.max_m * (d.k / kMxBlock);
+  return {grid_dim((blocks + kPrepThreads - 1) / kPrepThreads, kMaxGridX), 1, 1};
+}
+
+// Grouped GEMMs: x = output column tiles, y = row tiles (max_tiles <= 36800 for every plan:
+// max_slots <= 65536 * 32 and E_local <= 4096; tests/core/test_cuda_moe_shared.cpp).
+constexpr Grid gemm_grid(const Dims& d, bool fc1, int block_n) {
+  return {grid_dim((fc1 ? d.n : d.k) / block_n, kMaxGridX), grid_dim(d.max_tiles, kMaxGridYZ), 1};
+}
+
+// Finalize: x = column blocks of K, y = token rows, grid-stride (t += gridDim.y): max_m may be
+// 65536, one more than gridDim.y allows.
+constexpr Grid finalize_grid(const Dims& d) {
+  return {grid_dim((d.k + kFinalizeThreads - 1) / kFinalizeThreads, kMaxGridX), grid_dim(d.max_m, kMaxGridYZ), 1};
+}
+
 }  // namespace k3::cuda::moe_detail
