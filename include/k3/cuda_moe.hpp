@@ -103,7 +103,8 @@ class DeviceWeights {
 Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w);
 
 // Device pointers of one call. `m_device` holds the real token count (<= plan.max_m) so that a
-// captured CUDA graph can replay with another M without re-launching with new grid sizes.
+// captured CUDA graph can replay with another M without re-launching with new grid sizes. The
+// kernels clamp it to [0, plan.max_m]: a larger value computes max_m tokens, a negative one none.
 struct DeviceInputs {
   const int32_t* m_device = nullptr;      // [1]
   const uint16_t* x = nullptr;            // [max_m, K] BF16

@@ -239,6 +239,18 @@ TEST(CudaMoeShared, Fp4ToBf16IsExactWheneverPrepackAccepts) {
   }
 }
 
+// ---- defect 5: the token count read from device memory --------------------------------------
+
+TEST(CudaMoeShared, TokenCountIsClampedToMaxM) {
+  EXPECT_EQ(clamp_tokens(0, 8), 0);
+  EXPECT_EQ(clamp_tokens(5, 8), 5);
+  EXPECT_EQ(clamp_tokens(8, 8), 8);
+  EXPECT_EQ(clamp_tokens(9, 8), 8);
+  EXPECT_EQ(clamp_tokens(INT32_MAX, 65536), 65536);
+  EXPECT_EQ(clamp_tokens(-1, 8), 0);
+  EXPECT_EQ(clamp_tokens(INT32_MIN, 8), 0);
+}
+
 // ---- defect 3: launch geometry within CUDA's grid limits for every plan ---------------------
 
 DeviceCaps h200() {

@@ -2,7 +2,7 @@
 // FP32 fused multiply-add in slot order, one rounding to the output dtype. Each output element is
 // produced by one thread, so the result never depends on scheduling. Rows whose slots are all
 // masked or remote come out as exact zeros. Rows are grid-strided (gridDim.y <= 65535 < the
-// largest max_m, 65536).
+// largest max_m, 65536), and the token count read from device memory is clamped to max_m.
 // NOT YET RUN ON A GPU.
 #include "cuda/moe/moe_kernels.cuh"
 #include "k3/formats.hpp"
@@ -17,7 +17,7 @@ __global__ void finalize_kernel(Dims d, OutDType dtype, const int32_t* __restric
                                 void* __restrict__ out) {                   // [max_m, K]
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= d.k) return;
-  const int64_t m = *m_ptr;
+  const int64_t m = clamp_tokens(*m_ptr, d.max_m);
   for (int64_t t = blockIdx.y; t < m; t += gridDim.y) {
     float acc = 0.0f;
     for (int k = 0; k < d.top_k; ++k) {

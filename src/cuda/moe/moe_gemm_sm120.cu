@@ -23,7 +23,7 @@ __global__ void prep_x_mx_kernel(Dims d, const int32_t* __restrict__ m_ptr, cons
                                  uint8_t* __restrict__ codes,    // [max_m, K]
                                  uint8_t* __restrict__ scales) {  // [max_m, K/32]
   const int64_t nblk = d.k / kMxBlock;
-  const int64_t live = static_cast<int64_t>(*m_ptr) * nblk;
+  const int64_t live = clamp_tokens(*m_ptr, d.max_m) * nblk;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < live; i += stride) {
     const uint16_t* src = x + i * kMxBlock;

@@ -16,7 +16,7 @@ __global__ void prep_x_kernel(Dims d, Recipe recipe, const int32_t* __restrict__
                               uint16_t* __restrict__ x_bf16,   // [M, K] BF16 operand
                               int* __restrict__ status) {
   const int64_t nblk = d.k / kMxBlock;
-  const int64_t live = static_cast<int64_t>(*m_ptr) * nblk;
+  const int64_t live = clamp_tokens(*m_ptr, d.max_m) * nblk;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   bool exact = true;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < live; i += stride) {
@@ -44,7 +44,7 @@ __global__ void slot_hist_kernel(Dims d, const int32_t* __restrict__ m_ptr, cons
   extern __shared__ int32_t hist[];
   for (int e = threadIdx.x; e < d.e_local; e += blockDim.x) hist[e] = 0;
   __syncthreads();
-  const int64_t live = static_cast<int64_t>(*m_ptr) * d.top_k;
+  const int64_t live = clamp_tokens(*m_ptr, d.max_m) * d.top_k;
   const int64_t base = static_cast<int64_t>(blockIdx.x) * d.chunk;
   for (int i = threadIdx.x; i < d.chunk; i += blockDim.x) {
     const int e = local_expert(d, ids, base + i, live);
@@ -101,7 +101,7 @@ __global__ void slot_scatter_kernel(Dims d, const int32_t* __restrict__ m_ptr, c
     base[e] = chunk_hist[static_cast<int64_t>(e) * d.chunks + blockIdx.x];
   }
   __syncthreads();
-  const int64_t live = static_cast<int64_t>(*m_ptr) * d.top_k;
+  const int64_t live = clamp_tokens(*m_ptr, d.max_m) * d.top_k;
   const int64_t slot = static_cast<int64_t>(blockIdx.x) * d.chunk + threadIdx.x;
   const int e = local_expert(d, ids, slot, live);
   const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;

@@ -57,6 +57,13 @@ inline Dims dims_of(const MoePlan& plan) {
   return d;
 }
 
+// The token count a kernel uses: the value read from device memory (DeviceInputs::m_device),
+// clamped to [0, max_m]. Every buffer is sized for max_m rows, so a larger value must never
+// index past topk_ids, x, the row map or out; a negative one means no tokens.
+K3_HOST_DEVICE constexpr int64_t clamp_tokens(int32_t m_device, int64_t max_m) {
+  return m_device < 0 ? 0 : (m_device > max_m ? max_m : static_cast<int64_t>(m_device));
+}
+
 // ---- activation (FC1 epilogue) -------------------------------------------------------------
 
 struct ActParams {
