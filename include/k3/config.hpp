@@ -8,3 +8,13 @@
 #else
 #define K3_HOST_DEVICE
 #endif
+
+// k3's results are defined bit for bit (IEEE-754 rounding, NaN / Inf propagation): -ffast-math and
+// -Ofast would change them (and make `x != x` NaN checks disappear), so k3's own build refuses
+// them (K3_BUILDING is defined for every target of k3's build tree, CMakeLists.txt, which also
+// compiles k3's code with -ffp-contract=off). A program that includes these headers in its own
+// fast-math translation units is not refused, but the inline functions it calls from them then
+// lose the same guarantees.
+#if defined(__FAST_MATH__) && defined(K3_BUILDING)
+#error "k3 must not be compiled with -ffast-math / -Ofast: its numerics depend on IEEE-754 semantics"
+#endif

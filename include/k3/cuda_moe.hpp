@@ -55,7 +55,8 @@ struct MoePlan {
   int64_t ws_chunk_hist = 0;     // [E_local, chunks] int32: per-chunk histogram for the stable sort
   int64_t ws_act = 0;            // [max_tiles * block_m, N] BF16: activation output (exact MXFP8 values for W4A8)
   int64_t ws_y = 0;              // [max_tiles * block_m, K] FP32: FC2 output per permuted row
-  int64_t ws_status = 0;         // [1] int32: error bits set by kernels (e.g. inexact x block)
+  int64_t ws_status = 0;         // [1] int32: error bits set by kernels: 1 = an x block (W4A8) and 2 = an activation
+                                 // block (W4A8) has values BF16 holds only as subnormals or not at all
   // sm_120a native block-scaled W4A8 path only (MoePlanOptions::sm120_native_w4a8), else 0:
   bool sm120_native = false;
   int64_t ws_x_codes = 0;        // [max_m, K] E4M3 codes of x
@@ -102,7 +103,8 @@ class DeviceWeights {
 Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w);
 
 // Device pointers of one call. `m_device` holds the real token count (<= plan.max_m) so that a
-// captured CUDA graph can replay with another M without re-launching with new grid sizes.
+// captured CUDA graph can replay with another M without re-launching with new grid sizes. The
+// kernels clamp it to [0, plan.max_m]: a larger value computes max_m tokens, a negative one none.
 struct DeviceInputs {
   const int32_t* m_device = nullptr;      // [1]
   const uint16_t* x = nullptr;            // [max_m, K] BF16

@@ -118,15 +118,73 @@ TEST_F(CudaMoe, RunsAreBitIdentical) {
   EXPECT_EQ(a, b);
 }
 
+// NaN x poisons exactly its token for every recipe and activation (SwiGLU's clamps keep NaN:
+// fminf / fmaxf turned a NaN gate and up into finite limits).
 TEST_F(CudaMoe, NanInputPoisonsOnlyItsToken) {
-  auto c = make_case(96, 160, 5, 3, 1, 0, 7, 13);
-  c.topk_ids.assign(c.topk_ids.size(), 0);  // every slot local
-  c.x[3 * 96 + 40] = 0x7FC0;      // NaN in token 3
+  for (Recipe r : {Recipe::kW4A8, Recipe::kW4A16}) {
+    for (ActivationKind a : {ActivationKind::kSiTU, ActivationKind::kSwiGLU, ActivationKind::kSiLU}) {
+      auto c = make_case(96, 160, 5, 3, 1, 0, 7, 13);
+      c.problem.recipe = r;
+      c.problem.activation.kind = a;
+      c.topk_ids.assign(c.topk_ids.size(), 0);  // every slot local
+      c.x[3 * 96 + 40] = 0x7FC0;                // NaN in token 3
+      std::vector<double> ref(c.m * 96);
+      ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
+      std::vector<uint8_t> out(c.m * 96 * 2);
+      const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      EXPECT_EQ(compare(out, ref, OutDType::kBF16).nonfinite_mismatch, 0) << recipe_name(r) << " " << activation_name(a);
+    }
+  }
+}
+
+// W4A8 x at the BF16 maximum dequantizes to +-Inf (the contract's FP32 value, held exactly by
+// BF16): the run succeeds and matches the oracle's NaN / Inf classes (it used to be kInexact).
+TEST_F(CudaMoe, W4a8OverflowingXIsExactInf) {
+  auto c = make_case(96, 160, 5, 3, 1, 0, 4, 17);
+  for (int j = 0; j < 96; ++j) c.x[1 * 96 + j] = j % 2 ? 0x7F7F : 0xFF7F;  // +-3.39e38
+  c.x[2 * 96 + 5] = 0x7F80;                                                 // +Inf
   std::vector<double> ref(c.m * 96);
   ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
   std::vector<uint8_t> out(c.m * 96 * 2);
-  ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), out).is_ok());
+  const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
   EXPECT_EQ(compare(out, ref, OutDType::kBF16).nonfinite_mismatch, 0);
+}
+
+// A weight block with scale 0xFF is NaN (the contract), in FC1 and in FC2.
+TEST_F(CudaMoe, NanWeightScaleGivesNanBlock) {
+  for (int which = 0; which < 2; ++which) {
+    auto c = make_case(96, 160, 5, 3, 1, 0, 6, 19);
+    c.topk_ids.assign(c.topk_ids.size(), -1);
+    for (int64_t t = 0; t < c.m; ++t) c.topk_ids[t * 3] = static_cast<int32_t>(t % 2);  // experts 0, 1
+    if (which == 0) {
+      c.fc1_scale[0] = kE8M0Nan;  // expert 0, gate row 0, block 0
+    } else {
+      c.fc2_scale[5 * (160 / 32) + 1] = kE8M0Nan;  // expert 0, output column 5, block 1
+    }
+    std::vector<double> ref(c.m * 96);
+    ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
+    int64_t nan_ref = 0;
+    for (double v : ref) nan_ref += std::isnan(v);
+    ASSERT_GT(nan_ref, 0) << which;
+    std::vector<uint8_t> out(c.m * 96 * 2);
+    const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    EXPECT_EQ(compare(out, ref, OutDType::kBF16).nonfinite_mismatch, 0) << (which == 0 ? "fc1" : "fc2");
+  }
+}
+
+// W4A8 activation outputs in BF16's subnormal range (tiny FC1 weight scales) are reported as
+// kInexact instead of being rounded silently.
+TEST_F(CudaMoe, W4a8SubnormalActivationIsReported) {
+  auto c = make_case(96, 160, 5, 3, 1, 0, 16, 23);
+  c.problem.activation.kind = ActivationKind::kSiLU;  // ~ g * u / 2 for tiny g: about 2^-128 here
+  c.fc1_scale.assign(c.fc1_scale.size(), 59);         // 2^-68: FC1 outputs near 2^-63
+  std::vector<uint8_t> out(c.m * 96 * 2);
+  const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+  EXPECT_EQ(st.code(), StatusCode::kInexact) << st.to_string();
+  EXPECT_NE(st.message().find("activation output"), std::string::npos) << st.message();
 }
 
 }  // namespace

@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <climits>
 #include <random>
 #include <vector>
 
@@ -84,6 +86,58 @@ TEST(CudaMoeGraph, EagerCaptureAndReplaysAreBitIdentical) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+  for (void* p : {ws, dx, dids, dw, dout, dm}) cudaFree(p);
+}
+
+// A token count in device memory beyond the plan's max_m (or negative) is clamped: the kernels
+// never read ids / x / weights past max_m rows or write past the row map and out. The buffers
+// carry a tail that a kernel without the clamp would read (local expert ids) or write (out guard).
+TEST(CudaMoeGraph, DeviceTokenCountIsClampedToMaxM) {
+  auto caps = cuda::device_caps(0);
+  if (!caps.is_ok()) GTEST_SKIP() << "no CUDA device: " << caps.status().message();
+  auto pr = make_problem(37);
+  const int64_t k = 256, top_k = 4, max_m = pr.m;
+  auto plan = cuda::plan_moe(pr.problem, max_m, caps.value());
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  auto weights = cuda::prepack(plan.value(), pr.weights());
+  ASSERT_TRUE(weights.is_ok()) << weights.status().to_string();
+  // Tails of another max_m rows: every slot routed to the first local expert, x = 1, w = 1.
+  std::vector<int32_t> ids(pr.topk_ids);
+  ids.resize(2 * max_m * top_k, pr.problem.shape.first_local_expert());
+  std::vector<float> w(pr.topk_weights);
+  w.resize(2 * max_m * top_k, 1.0f);
+  std::vector<uint16_t> x(pr.x);
+  x.resize(2 * max_m * k, 0x3F80);
+  const size_t out_bytes = max_m * k * 2, guard = 4096;
+  void *ws, *dx, *dids, *dw, *dout, *dm;
+  CUDA_OK(cudaMalloc(&ws, plan->workspace_bytes));
+  CUDA_OK(cudaMalloc(&dx, x.size() * 2));
+  CUDA_OK(cudaMalloc(&dids, ids.size() * 4));
+  CUDA_OK(cudaMalloc(&dw, w.size() * 4));
+  CUDA_OK(cudaMalloc(&dout, out_bytes + guard));
+  CUDA_OK(cudaMalloc(&dm, 4));
+  CUDA_OK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dw, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+  cuda::DeviceInputs in{static_cast<int32_t*>(dm), static_cast<uint16_t*>(dx), static_cast<int32_t*>(dids),
+                        static_cast<float*>(dw), dout};
+  auto run_with = [&](int32_t m_dev, std::vector<uint8_t>& got) {
+    CUDA_OK(cudaMemcpy(dm, &m_dev, 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(dout, 0x5A, out_bytes + guard));
+    ASSERT_TRUE(cuda::run(plan.value(), weights.value(), in, ws, nullptr).is_ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    got.resize(out_bytes + guard);
+    CUDA_OK(cudaMemcpy(got.data(), dout, got.size(), cudaMemcpyDeviceToHost));
+  };
+  std::vector<uint8_t> ref, got;
+  run_with(static_cast<int32_t>(max_m), ref);
+  for (size_t b = out_bytes; b < ref.size(); ++b) ASSERT_EQ(ref[b], 0x5A) << "guard byte " << b;
+  for (int32_t m_dev : {static_cast<int32_t>(max_m + 1), static_cast<int32_t>(2 * max_m), INT32_MAX}) {
+    run_with(m_dev, got);
+    EXPECT_EQ(got, ref) << "m_device = " << m_dev << " must act as max_m = " << max_m;
+  }
+  run_with(-5, got);  // negative: no tokens, out untouched
+  EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](uint8_t v) { return v == 0x5A; }));
   for (void* p : {ws, dx, dids, dw, dout, dm}) cudaFree(p);
 }
 

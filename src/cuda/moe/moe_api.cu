@@ -99,23 +99,6 @@ Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w) {
 
 namespace {
 
-moe_detail::Dims dims_of(const MoePlan& plan) {
-  const auto& sh = plan.problem.shape;
-  moe_detail::Dims d{};
-  d.k = sh.hidden;
-  d.n = sh.intermediate;
-  d.top_k = sh.top_k;
-  d.e_local = sh.local_experts();
-  d.first_local = sh.first_local_expert();
-  d.block_m = plan.block_m;
-  d.max_m = plan.max_m;
-  d.max_slots = plan.max_slots;
-  d.max_tiles = plan.max_tiles;
-  d.chunk = plan.sort_chunk;
-  d.chunks = static_cast<int>((plan.max_slots + plan.sort_chunk - 1) / plan.sort_chunk);
-  return d;
-}
-
 template <typename T>
 T* at(void* ws, int64_t offset) {
   return reinterpret_cast<T*>(static_cast<char*>(ws) + offset);
@@ -130,7 +113,7 @@ Status run(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, 
     return invalid_argument("run: workspace, m_device, x, topk_ids, topk_weights and out must all be device pointers");
   }
   auto s = static_cast<cudaStream_t>(stream);
-  const auto d = dims_of(plan);
+  const auto d = moe_detail::dims_of(plan);
   const auto& p = plan.problem;
   auto* x_bf16 = at<uint16_t>(workspace, plan.ws_x_bf16);
   auto* slot_row = at<int32_t>(workspace, plan.ws_slot_row);
@@ -162,7 +145,7 @@ Status run(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, 
   }
   moe_detail::launch_prep_x(d, p.recipe, in.m_device, in.x, x_bf16, status, s);
   moe_detail::launch_fc1(d, plan.block_n, p.recipe, act_params, x_bf16, row_token, tile_expert, wi->fc1_q.get(),
-                         wi->fc1_scale.get(), act, s);
+                         wi->fc1_scale.get(), act, status, s);
   moe_detail::launch_fc2(d, plan.block_n, act, tile_expert, wi->fc2_q.get(), wi->fc2_scale.get(), y, s);
   moe_detail::launch_finalize(d, p.out_dtype, in.m_device, slot_row, in.topk_weights, y, in.out, s);
   return detail::from_cuda(cudaGetLastError(), "moe kernel launch");
@@ -203,8 +186,13 @@ Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsVie
   int status = 0;
   K3_CUDA_TRY(cudaMemcpy(&status, at<int>(ws.get(), plan->ws_status), sizeof(int), cudaMemcpyDeviceToHost), "status");
   if (status & moe_detail::kStatusInexactX) {
-    return {StatusCode::kInexact, "x holds an MXFP8 block whose values leave BF16's normal range (|x| < ~1e-35); "
-                                  "the CUDA path would round it. Use --backend cpu"};
+    return {StatusCode::kInexact, "x holds an MXFP8 block with values in or below BF16's subnormal range "
+                                  "(|value| < 2^-126 ~ 1.2e-38); the CUDA path would round them. Use --backend cpu"};
+  }
+  if (status & moe_detail::kStatusInexactAct) {
+    return {StatusCode::kInexact, "the W4A8 activation output holds an MXFP8 block with values in or below BF16's "
+                                  "subnormal range (|value| < 2^-126 ~ 1.2e-38); the CUDA path would round them. "
+                                  "Use --backend cpu"};
   }
   K3_CUDA_TRY(cudaMemcpy(out.data(), dout.get(), out.size(), cudaMemcpyDeviceToHost), "copy out");
   return Status::ok();

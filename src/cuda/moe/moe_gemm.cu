@@ -14,19 +14,6 @@
 namespace k3::cuda::moe_detail {
 namespace {
 
-// BF16 bits of an E2M1 code times 2^exp (exact while the product is a normal BF16, which prepack
-// checks). exp_add = (scale_code - 127) << 7 is added to the exponent field of nonzero values.
-__device__ __forceinline__ uint32_t fp4_to_bf16(uint32_t code, uint32_t exp_add) {
-  const uint32_t mag = code & 7u;
-  const uint32_t bits = mag == 1u ? 0x3F00u : ((((mag >> 1) + 126u) << 7) | ((mag & 1u) << 6));
-  return (mag == 0u ? 0u : bits + exp_add) | ((code & 8u) << 12);
-}
-
-// Two BF16 values of one packed byte (low nibble = even k) as the 32-bit MMA operand register.
-__device__ __forceinline__ uint32_t fp4x2_to_bf16x2(uint32_t byte, uint32_t exp_add) {
-  return fp4_to_bf16(byte & 0xFu, exp_add) | (fp4_to_bf16(byte >> 4, exp_add) << 16);
-}
-
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -42,32 +29,13 @@ __device__ __forceinline__ void load_b(const uint8_t* __restrict__ w_row, uint8_
                                        uint32_t (&b)[2][2]) {
   const uint4 v = *reinterpret_cast<const uint4*>(w_row);
   const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-  const uint32_t exp_add = static_cast<uint32_t>(static_cast<int32_t>(scale) - 127) << 7;
+  const uint32_t exp_add = fp4_exp_add(scale), nan_mask = fp4_nan_mask(scale);  // NaN block for 0xFF
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     const uint32_t lo = (words[2 * s] >> (8 * q)) & 0xFFu;      // byte 8s + q
     const uint32_t hi = (words[2 * s + 1] >> (8 * q)) & 0xFFu;  // byte 8s + 4 + q
-    b[s][0] = fp4x2_to_bf16x2(lo, exp_add);
-    b[s][1] = fp4x2_to_bf16x2(hi, exp_add);
-  }
-}
-
-__device__ __forceinline__ float sigmoidf_exact(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-__device__ __forceinline__ float activation(const ActParams& p, int expert, float g, float u) {
-  switch (p.kind) {
-    case ActivationKind::kSiTU: {
-      const float b = p.situ_beta[expert], lb = p.situ_linear_beta[expert];
-      return (b * tanhf(g / b) * sigmoidf_exact(g)) * (lb * tanhf(u / lb));
-    }
-    case ActivationKind::kSwiGLU: {
-      const float gc = fminf(g, p.swiglu_limit);
-      const float uc = fminf(fmaxf(u, -p.swiglu_limit), p.swiglu_limit);
-      return gc * sigmoidf_exact(p.swiglu_alpha * gc) * (uc + p.swiglu_beta);
-    }
-    case ActivationKind::kSiLU:
-    default:
-      return g * sigmoidf_exact(g) * u;
+    b[s][0] = fp4x2_to_bf16x2(lo, exp_add, nan_mask);  // moe_shared.hpp (host-tested)
+    b[s][1] = fp4x2_to_bf16x2(hi, exp_add, nan_mask);
   }
 }
 
@@ -80,7 +48,7 @@ __global__ void __launch_bounds__(BM * 2) moe_gemm_kernel(Dims d, Recipe recipe,
                                                          const int32_t* __restrict__ tile_expert,
                                                          const uint8_t* __restrict__ w_q,
                                                          const uint8_t* __restrict__ w_scale,
-                                                         void* __restrict__ out) {
+                                                         void* __restrict__ out, int* __restrict__ status) {
   static_assert(BM % 16 == 0 && BN % 32 == 0, "tile: BM multiple of 16, BN multiple of 32");
   constexpr int kNT = BN / 8;  // n-tiles of 8 columns per warp
   __shared__ __align__(16) uint16_t a_tile[BM][kMxBlock + 8];  // [BM, 32] BF16, padded rows (banks)
@@ -161,30 +129,35 @@ __global__ void __launch_bounds__(BM * 2) moe_gemm_kernel(Dims d, Recipe recipe,
         for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float x = activation(act, expert, acc[j0 + jj][2 * half + e], acc_up[j0 + jj][2 * half + e]);
+            const float x = activation_f32(act, expert, acc[j0 + jj][2 * half + e], acc_up[j0 + jj][2 * half + e]);
             v[2 * jj + e] = x;
             nan = nan || (x != x);
             amax = fmaxf(amax, fabsf(x));
           }
         }
+        uint8_t sc = 0;
         if (recipe == Recipe::kW4A8) {
           // The 32 columns of this row live in the 4 lanes of the quad: reduce over them.
           amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
           amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
           nan = __shfl_xor_sync(0xFFFFFFFFu, static_cast<int>(nan), 1) || nan;
           nan = __shfl_xor_sync(0xFFFFFFFFu, static_cast<int>(nan), 2) || nan;
-          const uint8_t sc = nan ? kE8M0Nan : mx_scale_code(amax, MxElement::kE4M3, ScaleRule::kRceil);
+          sc = nan ? kE8M0Nan : mx_scale_code(amax, MxElement::kE4M3, ScaleRule::kRceil);
+        }
+        uint16_t h[8];
+        if (recipe == Recipe::kW4A8) {
+          // MXFP8 code and its exact dequantization, as the FC2 operand; a value BF16 does not
+          // hold as a normal number (subnormal range) is flagged instead of rounded silently.
+          if (!mxfp8_bf16_operands(v, sc, h)) atomicOr(status, kStatusInexactAct);
+        } else {
 #pragma unroll
-          for (int t = 0; t < 8; ++t) {
-            v[t] = mx_decode_element(mx_encode_element(v[t], sc, MxElement::kE4M3), sc, MxElement::kE4M3);
-          }
+          for (int t = 0; t < 8; ++t) h[t] = bf16_from_f32(v[t]);  // W4A16: the contract's BF16 rounding
         }
         const int64_t row = r_lo + 8 * half;
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
           const int64_t col = col0 + (j0 + jj) * 8 + 2 * q;
-          const uint32_t packed = static_cast<uint32_t>(bf16_from_f32(v[2 * jj])) |
-                                  (static_cast<uint32_t>(bf16_from_f32(v[2 * jj + 1])) << 16);
+          const uint32_t packed = static_cast<uint32_t>(h[2 * jj]) | (static_cast<uint32_t>(h[2 * jj + 1]) << 16);
           *reinterpret_cast<uint32_t*>(act_out + row * out_cols + col) = packed;
         }
       }
@@ -202,12 +175,14 @@ __global__ void __launch_bounds__(BM * 2) moe_gemm_kernel(Dims d, Recipe recipe,
 
 template <bool kFc1, int BN>
 void launch_gemm(const Dims& d, Recipe recipe, const ActParams& act, const uint16_t* a, const int32_t* row_token,
-                 const int32_t* tile_expert, const uint8_t* q, const uint8_t* s, void* out, cudaStream_t st) {
-  const dim3 grid(static_cast<unsigned>((kFc1 ? d.n : d.k) / BN), static_cast<unsigned>(d.max_tiles));
+                 const int32_t* tile_expert, const uint8_t* q, const uint8_t* s, void* out, int* status,
+                 cudaStream_t st) {
+  const Grid g = gemm_grid(d, kFc1, BN);
+  const dim3 grid(g.x, g.y, g.z);
   if (d.block_m == 16) {
-    moe_gemm_kernel<kFc1, 16, BN><<<grid, 32, 0, st>>>(d, recipe, act, a, row_token, tile_expert, q, s, out);
+    moe_gemm_kernel<kFc1, 16, BN><<<grid, 32, 0, st>>>(d, recipe, act, a, row_token, tile_expert, q, s, out, status);
   } else {
-    moe_gemm_kernel<kFc1, 64, BN><<<grid, 128, 0, st>>>(d, recipe, act, a, row_token, tile_expert, q, s, out);
+    moe_gemm_kernel<kFc1, 64, BN><<<grid, 128, 0, st>>>(d, recipe, act, a, row_token, tile_expert, q, s, out, status);
   }
 }
 
@@ -215,11 +190,11 @@ void launch_gemm(const Dims& d, Recipe recipe, const ActParams& act, const uint1
 
 void launch_fc1(const Dims& d, int block_n, Recipe recipe, const ActParams& act, const uint16_t* x_bf16,
                 const int32_t* row_token, const int32_t* tile_expert, const uint8_t* fc1_q, const uint8_t* fc1_scale,
-                uint16_t* act_out, cudaStream_t s) {
+                uint16_t* act_out, int* status, cudaStream_t s) {
   if (block_n == 64) {
-    launch_gemm<true, 64>(d, recipe, act, x_bf16, row_token, tile_expert, fc1_q, fc1_scale, act_out, s);
+    launch_gemm<true, 64>(d, recipe, act, x_bf16, row_token, tile_expert, fc1_q, fc1_scale, act_out, status, s);
   } else {
-    launch_gemm<true, 32>(d, recipe, act, x_bf16, row_token, tile_expert, fc1_q, fc1_scale, act_out, s);
+    launch_gemm<true, 32>(d, recipe, act, x_bf16, row_token, tile_expert, fc1_q, fc1_scale, act_out, status, s);
   }
 }
 
@@ -227,9 +202,9 @@ void launch_fc2(const Dims& d, int block_n, const uint16_t* act_in, const int32_
                 const uint8_t* fc2_scale, float* y, cudaStream_t s) {
   const ActParams none{ActivationKind::kSiLU, 0, 0, 0, nullptr, nullptr};
   if (block_n == 64) {
-    launch_gemm<false, 64>(d, Recipe::kW4A16, none, act_in, nullptr, tile_expert, fc2_q, fc2_scale, y, s);
+    launch_gemm<false, 64>(d, Recipe::kW4A16, none, act_in, nullptr, tile_expert, fc2_q, fc2_scale, y, nullptr, s);
   } else {
-    launch_gemm<false, 32>(d, Recipe::kW4A16, none, act_in, nullptr, tile_expert, fc2_q, fc2_scale, y, s);
+    launch_gemm<false, 32>(d, Recipe::kW4A16, none, act_in, nullptr, tile_expert, fc2_q, fc2_scale, y, nullptr, s);
   }
 }
 

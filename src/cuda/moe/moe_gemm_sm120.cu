@@ -18,24 +18,28 @@
 namespace k3::cuda::moe_detail {
 namespace {
 
-// One thread per (token, 32-block): E4M3 codes and the block's UE8M0 scale (RCEIL).
+// One thread per (token, 32-block), grid-stride: E4M3 codes and the block's UE8M0 scale (RCEIL).
 __global__ void prep_x_mx_kernel(Dims d, const int32_t* __restrict__ m_ptr, const uint16_t* __restrict__ x,
                                  uint8_t* __restrict__ codes,    // [max_m, K]
                                  uint8_t* __restrict__ scales) {  // [max_m, K/32]
   const int64_t nblk = d.k / kMxBlock;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= static_cast<int64_t>(*m_ptr) * nblk) return;
-  const uint16_t* src = x + i * kMxBlock;
-  float amax = 0.0f;
-  bool has_nan = false;
-  for (int j = 0; j < kMxBlock; ++j) {
-    const float a = fabsf(bf16_to_f32(src[j]));
-    if (a != a) has_nan = true;
-    else amax = fmaxf(amax, a);
+  const int64_t live = clamp_tokens(*m_ptr, d.max_m) * nblk;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < live; i += stride) {
+    const uint16_t* src = x + i * kMxBlock;
+    float amax = 0.0f;
+    bool has_nan = false;
+    for (int j = 0; j < kMxBlock; ++j) {
+      const float a = fabsf(bf16_to_f32(src[j]));
+      if (a != a) has_nan = true;
+      else amax = fmaxf(amax, a);
+    }
+    const uint8_t s = has_nan ? kE8M0Nan : mx_scale_code(amax, MxElement::kE4M3, ScaleRule::kRceil);
+    scales[i] = s;
+    for (int j = 0; j < kMxBlock; ++j) {
+      codes[i * kMxBlock + j] = mx_encode_element(bf16_to_f32(src[j]), s, MxElement::kE4M3);
+    }
   }
-  const uint8_t s = has_nan ? kE8M0Nan : mx_scale_code(amax, MxElement::kE4M3, ScaleRule::kRceil);
-  scales[i] = s;
-  for (int j = 0; j < kMxBlock; ++j) codes[i * kMxBlock + j] = mx_encode_element(bf16_to_f32(src[j]), s, MxElement::kE4M3);
 }
 
 // Four E2M1 codes (two packed bytes, low nibble first) in 8-bit containers, value in bits [5:2].
@@ -56,23 +60,6 @@ __device__ __forceinline__ void mma_mx(float (&c)[4], const uint32_t (&a)[4], ui
   (void)c, (void)a, (void)b0, (void)b1, (void)sfa, (void)sfb;
   __trap();  // never launched: plan_moe allows this path on sm_120 devices only
 #endif
-}
-
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-__device__ __forceinline__ float act_value(const ActParams& p, int e, float g, float u) {
-  switch (p.kind) {
-    case ActivationKind::kSiTU: {
-      const float b = p.situ_beta[e], lb = p.situ_linear_beta[e];
-      return (b * tanhf(g / b) * sigmoid_f(g)) * (lb * tanhf(u / lb));
-    }
-    case ActivationKind::kSwiGLU: {
-      const float gc = fminf(g, p.swiglu_limit), uc = fminf(fmaxf(u, -p.swiglu_limit), p.swiglu_limit);
-      return gc * sigmoid_f(p.swiglu_alpha * gc) * (uc + p.swiglu_beta);
-    }
-    default:
-      return g * sigmoid_f(g) * u;
-  }
 }
 
 // kFc1: A = gathered x codes/scales, out = activation codes [rows, N] + scales [rows, N/32].
@@ -141,7 +128,7 @@ __global__ void __launch_bounds__(BM * 2) moe_gemm_mx_kernel(Dims d, ActParams a
         int nan = 0;
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
-          v[t] = act_value(act, expert, acc[j0 + t / 2][2 * half + t % 2], acc_up[j0 + t / 2][2 * half + t % 2]);
+          v[t] = activation_f32(act, expert, acc[j0 + t / 2][2 * half + t % 2], acc_up[j0 + t / 2][2 * half + t % 2]);
           nan |= v[t] != v[t];
           amax = fmaxf(amax, fabsf(v[t]));
         }
@@ -175,7 +162,8 @@ template <bool kFc1, int BN>
 void launch_mx(const Dims& d, const ActParams& act, const uint8_t* ac, const uint8_t* as, const int32_t* row_token,
                const int32_t* tile_expert, const uint8_t* q, const uint8_t* s, uint8_t* oc, uint8_t* os, float* y,
                cudaStream_t st) {
-  const dim3 grid(static_cast<unsigned>((kFc1 ? d.n : d.k) / BN), static_cast<unsigned>(d.max_tiles));
+  const Grid g = gemm_grid(d, kFc1, BN);
+  const dim3 grid(g.x, g.y, g.z);
   if (d.block_m == 16) {
     moe_gemm_mx_kernel<kFc1, 16, BN><<<grid, 32, 0, st>>>(d, act, ac, as, row_token, tile_expert, q, s, oc, os, y);
   } else {
@@ -187,8 +175,8 @@ void launch_mx(const Dims& d, const ActParams& act, const uint8_t* ac, const uin
 
 void launch_prep_x_mx(const Dims& d, const int32_t* m, const uint16_t* x, uint8_t* codes, uint8_t* scales,
                       cudaStream_t s) {
-  const int64_t blocks = d.max_m * (d.k / kMxBlock);
-  prep_x_mx_kernel<<<static_cast<unsigned>((blocks + 127) / 128), 128, 0, s>>>(d, m, x, codes, scales);
+  const Grid g = prep_grid(d);
+  prep_x_mx_kernel<<<g.x, kPrepThreads, 0, s>>>(d, m, x, codes, scales);
 }
 
 void launch_fc1_sm120(const Dims& d, int block_n, const ActParams& act, const uint8_t* x_codes,

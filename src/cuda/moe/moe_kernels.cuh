@@ -18,34 +18,10 @@
 
 #include <cstdint>
 
+#include "cuda/moe/moe_shared.hpp"  // Dims, ActParams, status bits, geometry (host + device)
 #include "k3/moe.hpp"
 
 namespace k3::cuda::moe_detail {
-
-// Bit 0 of the status word: an MXFP8 block of x has a scale outside the range where its values
-// are exact BF16 (docs/formats.md); the result would not be exact.
-inline constexpr int kStatusInexactX = 1;
-
-struct Dims {
-  int64_t k;         // hidden (GEMM1 reduction, GEMM2 output columns)
-  int64_t n;         // intermediate
-  int top_k;
-  int e_local;
-  int first_local;   // global id of local expert 0
-  int block_m;
-  int64_t max_m;
-  int64_t max_slots;
-  int64_t max_tiles;
-  int chunks;        // sort chunks
-  int chunk;         // token-slots per chunk
-};
-
-struct ActParams {
-  ActivationKind kind;
-  float swiglu_alpha, swiglu_beta, swiglu_limit;
-  const float* situ_beta;         // [E_local] device
-  const float* situ_linear_beta;  // [E_local] device
-};
 
 void launch_prep_x(const Dims& d, Recipe recipe, const int32_t* m, const uint16_t* x, uint16_t* x_bf16, int* status,
                    cudaStream_t s);
@@ -53,7 +29,7 @@ void launch_sort(const Dims& d, const int32_t* m, const int32_t* topk_ids, int32
                  int32_t* tile_expert, int32_t* row_token, int32_t* slot_row, cudaStream_t s);
 void launch_fc1(const Dims& d, int block_n, Recipe recipe, const ActParams& act, const uint16_t* x_bf16,
                 const int32_t* row_token, const int32_t* tile_expert, const uint8_t* fc1_q, const uint8_t* fc1_scale,
-                uint16_t* act_out, cudaStream_t s);
+                uint16_t* act_out, int* status, cudaStream_t s);
 void launch_fc2(const Dims& d, int block_n, const uint16_t* act_in, const int32_t* tile_expert, const uint8_t* fc2_q,
                 const uint8_t* fc2_scale, float* y, cudaStream_t s);
 void launch_finalize(const Dims& d, OutDType dtype, const int32_t* m, const int32_t* slot_row,

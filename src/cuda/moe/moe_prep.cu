@@ -10,34 +10,23 @@
 namespace k3::cuda::moe_detail {
 namespace {
 
-// One thread per (token, 32-element block of K).
+// One thread per (token, 32-element block of K), grid-stride over the live blocks.
 __global__ void prep_x_kernel(Dims d, Recipe recipe, const int32_t* __restrict__ m_ptr,
                               const uint16_t* __restrict__ x,  // [M, K] BF16
                               uint16_t* __restrict__ x_bf16,   // [M, K] BF16 operand
                               int* __restrict__ status) {
   const int64_t nblk = d.k / kMxBlock;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t m = *m_ptr;
-  if (i >= m * nblk) return;
-  const uint16_t* src = x + i * kMxBlock;
-  uint16_t* dst = x_bf16 + i * kMxBlock;
-  if (recipe == Recipe::kW4A16) {
-    for (int j = 0; j < kMxBlock; ++j) dst[j] = src[j];
-    return;
-  }
-  float amax = 0.0f;
-  bool has_nan = false;
-  for (int j = 0; j < kMxBlock; ++j) {
-    const float a = fabsf(bf16_to_f32(src[j]));
-    if (a != a) has_nan = true;
-    else amax = fmaxf(amax, a);
-  }
-  const uint8_t scale = has_nan ? kE8M0Nan : mx_scale_code(amax, MxElement::kE4M3, ScaleRule::kRceil);
+  const int64_t live = clamp_tokens(*m_ptr, d.max_m) * nblk;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   bool exact = true;
-  for (int j = 0; j < kMxBlock; ++j) {
-    const uint8_t code = mx_encode_element(bf16_to_f32(src[j]), scale, MxElement::kE4M3);
-    exact = exact && mx_element_bf16_exact(code, scale, MxElement::kE4M3);
-    dst[j] = bf16_from_f32(mx_decode_element(code, scale, MxElement::kE4M3));
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < live; i += stride) {
+    const uint16_t* src = x + i * kMxBlock;
+    uint16_t* dst = x_bf16 + i * kMxBlock;
+    if (recipe == Recipe::kW4A16) {
+      for (int j = 0; j < kMxBlock; ++j) dst[j] = src[j];
+    } else {
+      exact = w4a8_prep_block(src, dst) && exact;  // moe_shared.hpp (host-tested)
+    }
   }
   if (!exact) atomicOr(status, kStatusInexactX);
 }
@@ -55,7 +44,7 @@ __global__ void slot_hist_kernel(Dims d, const int32_t* __restrict__ m_ptr, cons
   extern __shared__ int32_t hist[];
   for (int e = threadIdx.x; e < d.e_local; e += blockDim.x) hist[e] = 0;
   __syncthreads();
-  const int64_t live = static_cast<int64_t>(*m_ptr) * d.top_k;
+  const int64_t live = clamp_tokens(*m_ptr, d.max_m) * d.top_k;
   const int64_t base = static_cast<int64_t>(blockIdx.x) * d.chunk;
   for (int i = threadIdx.x; i < d.chunk; i += blockDim.x) {
     const int e = local_expert(d, ids, base + i, live);
@@ -112,7 +101,7 @@ __global__ void slot_scatter_kernel(Dims d, const int32_t* __restrict__ m_ptr, c
     base[e] = chunk_hist[static_cast<int64_t>(e) * d.chunks + blockIdx.x];
   }
   __syncthreads();
-  const int64_t live = static_cast<int64_t>(*m_ptr) * d.top_k;
+  const int64_t live = clamp_tokens(*m_ptr, d.max_m) * d.top_k;
   const int64_t slot = static_cast<int64_t>(blockIdx.x) * d.chunk + threadIdx.x;
   const int e = local_expert(d, ids, slot, live);
   const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -137,10 +126,8 @@ __global__ void slot_scatter_kernel(Dims d, const int32_t* __restrict__ m_ptr, c
 
 void launch_prep_x(const Dims& d, Recipe recipe, const int32_t* m, const uint16_t* x, uint16_t* x_bf16, int* status,
                    cudaStream_t s) {
-  const int64_t blocks = d.max_m * (d.k / kMxBlock);
-  const unsigned threads = 128;
-  prep_x_kernel<<<static_cast<unsigned>((blocks + threads - 1) / threads), threads, 0, s>>>(d, recipe, m, x, x_bf16,
-                                                                                           status);
+  const Grid g = prep_grid(d);
+  prep_x_kernel<<<g.x, kPrepThreads, 0, s>>>(d, recipe, m, x, x_bf16, status);
 }
 
 void launch_sort(const Dims& d, const int32_t* m, const int32_t* topk_ids, int32_t* chunk_hist, int32_t* counts,
