@@ -5,9 +5,9 @@ set -euo pipefail
 
 # clang-14 + libomp-14-dev + libclang-rt-14-dev: the ThreadSanitizer build of scripts/test.sh (LLVM's
 # OpenMP runtime with its Archer TSan annotations) and the libFuzzer targets of scripts/fuzz.sh.
-# python3-dev + python3-venv: the Python package (pip install .) and its pytest suite.
+# python3-dev + python3-venv + ninja-build: the Python package (pip install .) and its pytest suite.
 packages=(cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev libssl-dev
-          clang-14 libomp-14-dev libclang-rt-14-dev pkg-config python3-dev python3-venv)
+          clang-14 libomp-14-dev libclang-rt-14-dev pkg-config python3-dev python3-venv ninja-build)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
