@@ -7,7 +7,7 @@
 namespace k3::cuda {
 namespace {
 Status not_built() {
-  return unavailable("k3 was built without CUDA (nvcc not found at configure time); rebuild with -DK3_CUDA=ON");
+  return unavailable("k3 was built without CUDA (K3_CUDA=OFF, or nvcc not found at configure time); rebuild with -DK3_CUDA=ON");
 }
 }  // namespace
 
