@@ -20,14 +20,6 @@ std::vector<IsaLevel> levels() {
   return l;
 }
 
-CpuOptions opts(IsaLevel isa, Algorithm algo, int threads = 2) {
-  CpuOptions o;
-  o.use_isa_override = true;
-  o.isa = isa;
-  o.algorithm = algo;
-  o.threads = threads;
-  return o;
-}
 
 KdaConfig cfg(int64_t h, int64_t k, int64_t v, GateMode gate, StateLayout layout = StateLayout::kKFirst) {
   KdaConfig c;
@@ -75,7 +67,7 @@ TEST(KdaCpu, PrefillMatchesReferenceOnEveryLevel) {
           const Result2 ref = run_ref32(c);
           for (IsaLevel isa : levels()) {
             for (Algorithm algo : {Algorithm::kRecurrent, Algorithm::kChunked}) {
-              const Result2 out = run_cpu(c, opts(isa, algo));
+              const Result2 out = run_cpu(c, cpu_options_at(isa, algo));
               const auto eo = compare(out.o, ref.o), ef = compare(out.f, ref.f);
               const std::string what = std::string(isa_level_name(isa)) + " " + algorithm_name(algo) + " " +
                                        gate_mode_name(gate) + " " + state_layout_name(layout) +
@@ -100,7 +92,7 @@ TEST(KdaCpu, ChunkedHandlesHardResetsInsideChunksAndStrongDecay) {
   for (size_t i = 60 * 2 * 128; i < 80 * 2 * 128; ++i) c.g[i] = -30.0f;  // span far above 60 per chunk
   const Result2 ref = run_ref32(c);
   for (IsaLevel isa : levels()) {
-    const Result2 out = run_cpu(c, opts(isa, Algorithm::kChunked));
+    const Result2 out = run_cpu(c, cpu_options_at(isa, Algorithm::kChunked));
     EXPECT_LT(compare(out.o, ref.o).err_ratio, 2e-5) << isa_level_name(isa);
     EXPECT_LT(compare(out.f, ref.f).err_ratio, 2e-5) << isa_level_name(isa);
   }
@@ -113,9 +105,9 @@ TEST(KdaCpu, BitIdenticalAcrossRunsAndThreadCounts) {
   const KdaCase c = make_case(s);
   for (IsaLevel isa : levels()) {
     for (Algorithm algo : {Algorithm::kRecurrent, Algorithm::kChunked, Algorithm::kAuto}) {
-      const Result2 base = run_cpu(c, opts(isa, algo, 1));
+      const Result2 base = run_cpu(c, cpu_options_at(isa, algo, 1));
       for (int threads : {1, 2, 3}) {
-        const Result2 r = run_cpu(c, opts(isa, algo, threads));
+        const Result2 r = run_cpu(c, cpu_options_at(isa, algo, threads));
         EXPECT_EQ(r.o, base.o) << isa_level_name(isa) << " threads " << threads;
         EXPECT_EQ(r.f, base.f) << isa_level_name(isa) << " threads " << threads;
       }
@@ -135,7 +127,7 @@ TEST(KdaCpu, StrongDecayChunksSplitRecursivelyAndStayAccurate) {
     for (size_t i = 0; i < c.g.size(); ++i) c.g[i] = decay * (0.75f + 0.5f * static_cast<float>((i * 7919) % 101) / 100.0f);
     const Result2 ref = run_ref32(c);
     for (IsaLevel isa : levels()) {
-      const Result2 out = run_cpu(c, opts(isa, Algorithm::kChunked));
+      const Result2 out = run_cpu(c, cpu_options_at(isa, Algorithm::kChunked));
       EXPECT_LT(compare(out.o, ref.o).err_ratio, 2e-5) << isa_level_name(isa) << " decay " << decay;
       EXPECT_LT(compare(out.f, ref.f).err_ratio, 2e-5) << isa_level_name(isa) << " decay " << decay;
     }
@@ -152,9 +144,9 @@ TEST(KdaCpu, ChunkMajorAndHeadByHeadPrefillGiveTheSameBits) {
     s.seqlens = {40, 3, 17};
     const KdaCase c = make_case(s);
     for (IsaLevel isa : levels()) {
-      const Result2 base = run_cpu(c, opts(isa, Algorithm::kChunked, 1));
+      const Result2 base = run_cpu(c, cpu_options_at(isa, Algorithm::kChunked, 1));
       for (int threads : {2, 3, 4}) {
-        const Result2 r = run_cpu(c, opts(isa, Algorithm::kChunked, threads));
+        const Result2 r = run_cpu(c, cpu_options_at(isa, Algorithm::kChunked, threads));
         EXPECT_EQ(r.o, base.o) << isa_level_name(isa) << " H " << heads << " threads " << threads;
         EXPECT_EQ(r.f, base.f) << isa_level_name(isa) << " H " << heads << " threads " << threads;
       }
@@ -167,11 +159,11 @@ TEST(KdaCpu, AutoPicksChunkedFromTheThresholdOn) {
   s.cfg = cfg(2, 32, 32, GateMode::kLogDecay);
   s.seqlens = {10, 30};
   const KdaCase c = make_case(s);
-  CpuOptions o = opts(best_isa_level(), Algorithm::kAuto);
+  CpuOptions o = cpu_options_at(best_isa_level(), Algorithm::kAuto);
   o.chunk_min_tokens = 20;
   const Result2 a = run_cpu(c, o);
-  const Result2 rec = run_cpu(c, opts(best_isa_level(), Algorithm::kRecurrent));
-  const Result2 chk = run_cpu(c, opts(best_isa_level(), Algorithm::kChunked));
+  const Result2 rec = run_cpu(c, cpu_options_at(best_isa_level(), Algorithm::kRecurrent));
+  const Result2 chk = run_cpu(c, cpu_options_at(best_isa_level(), Algorithm::kChunked));
   const int64_t split = 10 * 2 * 32;  // o elements of the first sequence
   EXPECT_TRUE(std::equal(a.o.begin(), a.o.begin() + split, rec.o.begin()));
   EXPECT_TRUE(std::equal(a.o.begin() + split, a.o.end(), chk.o.begin() + split));
@@ -194,7 +186,7 @@ TEST(KdaCpu, WithoutInitialStateOrFinalStateOrL2Norm) {
   const Result2 ref = run_ref32(c);
   for (Algorithm algo : {Algorithm::kRecurrent, Algorithm::kChunked}) {
     std::vector<float> o(c.o_size());
-    ASSERT_TRUE(prefill(c.spec.cfg, c.inputs(), {o, {}}, opts(best_isa_level(), algo)).is_ok());
+    ASSERT_TRUE(prefill(c.spec.cfg, c.inputs(), {o, {}}, cpu_options_at(best_isa_level(), algo)).is_ok());
     EXPECT_LT(compare(o, ref.o).err_ratio, 2e-5) << algorithm_name(algo);
   }
 }
@@ -249,7 +241,7 @@ TEST(KdaCpu, DecodeUpdatesNamedSlotsInPlaceAndNothingElse) {
         const std::vector<int32_t> idx = {5, -1, 0, 2};
         std::vector<float> o(c.o_size(), 7.0f);
         DecodeArgs a{c.inputs(), pool.states, idx, o};
-        ASSERT_TRUE(decode(k, a, opts(isa, Algorithm::kAuto)).is_ok());
+        ASSERT_TRUE(decode(k, a, cpu_options_at(isa, Algorithm::kAuto)).is_ok());
         const int64_t block = 3 * 16 * v;
         for (int64_t slot = 0; slot < 7; ++slot) {
           const auto row = [&](const Pool& p) {
@@ -291,7 +283,7 @@ TEST(KdaCpu, VerifyWritesEveryPrefixStateToItsSlot) {
       const std::vector<int32_t> acc = {3, 1, 2};
       std::vector<float> o(c.o_size(), 7.0f);
       VerifyArgs a{c.inputs(), T, pool.states, idx, acc, o};
-      const Status st = verify(k, a, opts(isa, Algorithm::kAuto, 3));
+      const Status st = verify(k, a, cpu_options_at(isa, Algorithm::kAuto, 3));
       ASSERT_TRUE(st.is_ok()) << st.to_string();
       const int64_t block = 2 * 24 * 40, hv = 2 * 40;
       auto slot_of = [&](const Pool& p, int64_t slot) {
@@ -329,11 +321,11 @@ TEST(KdaCpu, DecodeAndVerifyAreBitIdenticalAcrossThreadCounts) {
     std::vector<float> o(c.o_size());
     const std::vector<int32_t> idx = {7, 1, 3, 0, 2, 5};
     DecodeArgs a{c.inputs(), pool.states, idx, o};
-    ASSERT_TRUE(decode(k, a, opts(best_isa_level(), Algorithm::kAuto, threads)).is_ok());
+    ASSERT_TRUE(decode(k, a, cpu_options_at(best_isa_level(), Algorithm::kAuto, threads)).is_ok());
     const std::vector<int32_t> vidx = {4, 6, 1, 3, 7, 0};
     const std::vector<int32_t> acc = {2, 3};
     VerifyArgs v{c.inputs(), 3, pool.states, vidx, acc, o};
-    ASSERT_TRUE(verify(k, v, opts(best_isa_level(), Algorithm::kAuto, threads)).is_ok());
+    ASSERT_TRUE(verify(k, v, cpu_options_at(best_isa_level(), Algorithm::kAuto, threads)).is_ok());
     if (threads == 1) {
       base_pool = pool.states;
       base_o = o;
@@ -355,7 +347,7 @@ TEST(KdaCpu, PoolErrorsNameTheProblem) {
   Pool pool = make_pool(k, 5, 1);
   std::vector<float> o(c.o_size());
   auto dec = [&](std::vector<int32_t> idx, std::span<float> states) {
-    return decode(k, DecodeArgs{c.inputs(), states, idx, o}, opts(best_isa_level(), Algorithm::kAuto)).message();
+    return decode(k, DecodeArgs{c.inputs(), states, idx, o}, cpu_options_at(best_isa_level(), Algorithm::kAuto)).message();
   };
   EXPECT_NE(dec({0, 1, 2, 5}, pool.states).find("state_indices[3] = 5 is past the pool's 5 slots"), std::string::npos);
   EXPECT_NE(dec({0, 1, 1, 3}, pool.states).find("state slot 1 is written twice"), std::string::npos);
@@ -390,7 +382,7 @@ TEST(KdaCpu, PlanAndWorkspaceErrors) {
   o = {};
   o.chunk_min_tokens = 0;
   EXPECT_NE(make_cpu_plan(k, o).status().message().find("chunk_min_tokens = 0"), std::string::npos);
-  auto plan = make_cpu_plan(k, opts(best_isa_level(), Algorithm::kAuto, 2));
+  auto plan = make_cpu_plan(k, cpu_options_at(best_isa_level(), Algorithm::kAuto, 2));
   ASSERT_TRUE(plan.is_ok());
   CaseSpec s;
   s.cfg = k;

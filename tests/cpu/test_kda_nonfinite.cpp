@@ -27,14 +27,6 @@ std::vector<IsaLevel> levels() {
   return l;
 }
 
-CpuOptions opts(IsaLevel isa, Algorithm algo, int threads) {
-  CpuOptions o;
-  o.use_isa_override = true;
-  o.isa = isa;
-  o.algorithm = algo;
-  o.threads = threads;
-  return o;
-}
 
 // 0: finite, 1: NaN, 2: +-Inf
 int cls(double x) { return std::isnan(x) ? 1 : (std::isinf(x) ? 2 : 0); }
@@ -150,7 +142,7 @@ void check_all_backends(const KdaCase& c, const std::string& label) {
       for (int threads : {1, 3}) {
         std::fill(o.begin(), o.end(), 7.0f);
         std::fill(f.begin(), f.end(), 7.0f);
-        const Status st = prefill(c.spec.cfg, in, {o, f}, opts(isa, algo, threads));
+        const Status st = prefill(c.spec.cfg, in, {o, f}, cpu_options_at(isa, algo, threads));
         ASSERT_TRUE(st.is_ok()) << st.to_string();
         expect_policy(label + " cpu " + isa_level_name(isa) + " " + algorithm_name(algo) + " threads " +
                           std::to_string(threads),
@@ -347,7 +339,7 @@ TEST(KdaNonfinite, DecodeAndVerifyFollowThePolicy) {
           in.g = std::span<const float>(c.g).subspan(t * H * K, H * K);
           in.beta = std::span<const float>(c.beta).subspan(t * H, H);
           DecodeArgs a{in, pool, idx, std::span<float>(o).subspan(t * H * v, H * v)};
-          ASSERT_TRUE(decode(s.cfg, a, opts(isa, Algorithm::kAuto, 2)).is_ok());
+          ASSERT_TRUE(decode(s.cfg, a, cpu_options_at(isa, Algorithm::kAuto, 2)).is_ok());
         }
         for (int64_t i = 0; i < block; ++i) EXPECT_EQ(pool[i], 0.0f);  // slot 0 untouched
         std::vector<double> o64(static_cast<size_t>(c.o_size())), f64(static_cast<size_t>(c.state_size()));
@@ -364,7 +356,7 @@ TEST(KdaNonfinite, DecodeAndVerifyFollowThePolicy) {
         const std::vector<int32_t> acc = {1};
         std::vector<float> vo(static_cast<size_t>(c.o_size()));
         VerifyArgs va{in, 6, vpool, vidx, acc, vo};
-        ASSERT_TRUE(verify(s.cfg, va, opts(isa, Algorithm::kAuto, 2)).is_ok());
+        ASSERT_TRUE(verify(s.cfg, va, cpu_options_at(isa, Algorithm::kAuto, 2)).is_ok());
         const std::vector<float> vfin(vpool.begin() + 6 * block, vpool.end());
         expect_policy("verify " + what, e, vo, vfin, o64, f64);
       }

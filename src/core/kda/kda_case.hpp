@@ -44,4 +44,14 @@ struct ErrorStats {
 ErrorStats compare(std::span<const float> out, std::span<const double> ref);
 ErrorStats compare(std::span<const float> out, std::span<const float> ref);
 
+// CPU options that force a SIMD level, an algorithm and a thread count (tests, validate).
+inline CpuOptions cpu_options_at(IsaLevel isa, Algorithm algo, int threads = 2) {
+  CpuOptions o;
+  o.use_isa_override = true;
+  o.isa = isa;
+  o.algorithm = algo;
+  o.threads = threads;
+  return o;
+}
+
 }  // namespace k3::kda
