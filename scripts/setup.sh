@@ -6,8 +6,10 @@ set -euo pipefail
 # clang-14 + libomp-14-dev + libclang-rt-14-dev: the ThreadSanitizer build of scripts/test.sh (LLVM's
 # OpenMP runtime with its Archer TSan annotations) and the libFuzzer targets of scripts/fuzz.sh.
 # python3-dev + python3-venv + ninja-build: the Python package (pip install .) and its pytest suite.
+# libopenmpi-dev + openmpi-bin: the MPI transport of the multi-rank ops and its mpirun tests.
 packages=(cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev libssl-dev
-          clang-14 libomp-14-dev libclang-rt-14-dev pkg-config python3-dev python3-venv ninja-build)
+          clang-14 libomp-14-dev libclang-rt-14-dev pkg-config python3-dev python3-venv ninja-build
+          libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

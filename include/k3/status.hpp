@@ -77,3 +77,13 @@ class [[nodiscard]] Result {
     ::k3::Status k3_status_ = (expr);         \
     if (!k3_status_.is_ok()) return k3_status_; \
   } while (0)
+
+// Evaluate a Result<T> expression; on error return its Status, else move its value into `lhs`
+// (a declaration such as `auto plan` or an existing variable).
+#define K3_ASSIGN_OR_RETURN(lhs, expr) K3_ASSIGN_OR_RETURN_IMPL_(K3_STATUS_CONCAT_(k3_result_, __LINE__), lhs, expr)
+#define K3_STATUS_CONCAT_INNER_(a, b) a##b
+#define K3_STATUS_CONCAT_(a, b) K3_STATUS_CONCAT_INNER_(a, b)
+#define K3_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
+  auto tmp = (expr);                              \
+  if (!tmp.is_ok()) return tmp.status();          \
+  lhs = std::move(tmp).value()
