@@ -65,4 +65,9 @@ bool launched_by_mpi();
 // `what`, both values. Every rank gets the same Status.
 Status check_same_on_all_ranks(Communicator& comm, const std::string& what, const std::string& value);
 
+// Every rank passes its own check of its arguments; every rank gets the same result: ok when all
+// are ok, else the first failing rank's status, its message prefixed with "rank q of W: ". Used
+// before moving data so that a bad argument on one rank fails all of them instead of hanging them.
+Status agree_on_status(Communicator& comm, const Status& local);
+
 }  // namespace k3::comm

@@ -120,6 +120,29 @@ Result<PackedWeights> prepack(const MoePlan& plan, const MoeWeightsView& weights
 Status run(const MoePlan& plan, const PackedWeights& weights, const MoeInputsView& inputs,
            std::span<uint8_t> workspace, std::span<uint8_t> out);
 
+// ---- the expert-parallel seam (docs/distributed.md): run() = run_experts() + finalize() -------
+//
+// A multi-rank layer sends each token to the ranks that hold its experts, runs the experts there
+// and sums the slots back at the token's source. These two entry points are the halves of run()
+// it needs; together they give run()'s bits exactly (y rows do not depend on the other rows of a
+// call, and finalize is the same code).
+
+// Local slots of `topk_ids` for the shape's EP rank: ids in [first_local_expert, + E_local).
+int64_t local_slot_count(const MoeShape& shape, std::span<const int32_t> topk_ids);
+
+// The expert outputs of every local slot, before the routing weights: y [local slots, K] FP32,
+// one row per slot whose id is a local expert, in slot order (token-major: token t, then slot k).
+// inputs.topk_weights is not used (may be empty). Same checks as run() except out.
+Status run_experts(const MoePlan& plan, const PackedWeights& weights, const MoeInputsView& inputs,
+                   std::span<uint8_t> workspace, std::span<float> y);
+
+// run()'s last step: out[t] = sum over slots k in order, skipping slot_y[t * top_k + k] == nullptr
+// (masked or absent), of topk_weights[t, k] * y, as FP32 FMAs from +0, rounded once to the plan's
+// output dtype; a row with no slot is exact zeros. slot_y[t * top_k + k] points at K floats.
+// scratch: at least K floats.
+Status finalize(const MoePlan& plan, int64_t m, std::span<const float> topk_weights,
+                std::span<const float* const> slot_y, std::span<float> scratch, std::span<uint8_t> out);
+
 // situ_and_mul: in [rows, 2D] with row stride ld (elements; gate = first D columns, up = next D),
 // out [rows, D], row-major. FP32, SIMD where the ISA level allows (same bits on every level).
 Status situ_and_mul(std::span<const float> in, int64_t rows, int64_t d, int64_t ld, float beta, float linear_beta,

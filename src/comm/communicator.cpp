@@ -93,4 +93,25 @@ Status check_same_on_all_ranks(Communicator& comm, const std::string& what, cons
   return Status::ok();
 }
 
+Status agree_on_status(Communicator& comm, const Status& local) {
+  const int n = comm.size();
+  const int32_t mine = static_cast<int32_t>(local.code());
+  std::vector<int32_t> codes(static_cast<size_t>(n));
+  K3_RETURN_IF_ERROR(comm.allgather(&mine, sizeof mine, codes.data()));
+  int first = -1;
+  for (int q = 0; q < n && first < 0; ++q) first = codes[static_cast<size_t>(q)] != 0 ? q : -1;
+  if (first < 0) return Status::ok();
+  // The failing rank's message, to everyone (a second, small collective only on failure).
+  const std::string msg = comm.rank() == first ? local.message() : std::string();
+  const int64_t len = static_cast<int64_t>(msg.size());
+  std::vector<int64_t> lens(static_cast<size_t>(n));
+  K3_RETURN_IF_ERROR(comm.allgather(&len, sizeof len, lens.data()));
+  int64_t total = 0;
+  for (const int64_t l : lens) total += l;
+  std::string all(static_cast<size_t>(total), '\0');
+  K3_RETURN_IF_ERROR(comm.allgatherv(msg.data(), len, all.data(), lens));
+  const auto code = static_cast<StatusCode>(codes[static_cast<size_t>(first)]);
+  return Status(code, "rank " + std::to_string(first) + " of " + std::to_string(n) + ": " + all);
+}
+
 }  // namespace k3::comm

@@ -37,7 +37,9 @@ struct Pass {
   const MoeInputsView& in;
   const WorkspaceLayout& lay;
   uint8_t* base;      // aligned workspace
-  uint8_t* out;       // [M, K] output dtype
+  uint8_t* out;       // [M, K] output dtype (run), or nullptr (run_experts)
+  float* y_slots;     // run_experts: [local slots, K] FP32 in slot order; nullptr for run
+  int64_t slot_base = 0;  // run_experts: local slots of the tokens before this chunk
   TileGemmFn gemm;
   const Elementwise& ew;
   bool bf16;          // operands BF16 (with row shifts) rather than FP32
@@ -267,32 +269,56 @@ void gemm2_task(const Pass& p, int64_t e, int64_t j) {
   }
 }
 
-// 6. Finalize one token.
-void finalize_token(const Pass& p, int64_t t) {
-  const auto* slot_row = p.region<int32_t>(p.lay.slot_row);
-  const float* y = p.region<float>(p.lay.y);
-  const float* rows[32];
-  float weights[32];
+// 6. Finalize: one output row from the y rows of its slots (nullptr: masked / remote slot, skipped),
+// FP32 FMAs in slot order from +0, one rounding to the output dtype. Shared by run() and finalize().
+void finalize_row(const Elementwise& ew, OutDType d, const float* const* slot_y, const float* slot_w, int64_t topk,
+                  int64_t k, float* acc, uint8_t* o) {
+  const float* rows[64];
+  float weights[64];
   int count = 0;
-  for (int64_t s = 0; s < p.topk; ++s) {
-    const int32_t r = slot_row[t * p.topk + s];
-    if (r < 0) continue;
-    rows[count] = y + r * p.k;
-    weights[count] = p.in.topk_weights[static_cast<size_t>((p.t0 + t) * p.topk + s)];
+  for (int64_t s = 0; s < topk; ++s) {
+    if (slot_y[s] == nullptr) continue;
+    rows[count] = slot_y[s];
+    weights[count] = slot_w[s];
     ++count;
   }
-  float* acc = reinterpret_cast<float*>(p.thread_region(p.lay.pt_acc));
-  p.ew.weighted_sum(rows, weights, count, p.k, acc);  // count = 0 gives exact zeros
-  const OutDType d = p.plan.problem.out_dtype;
-  uint8_t* o = p.out + (p.t0 + t) * p.k * out_dtype_size(d);
+  ew.weighted_sum(rows, weights, count, k, acc);  // count = 0 gives exact zeros
   if (d == OutDType::kFP32) {
-    std::memcpy(o, acc, static_cast<size_t>(p.k) * sizeof(float));
+    std::memcpy(o, acc, static_cast<size_t>(k) * sizeof(float));
     return;
   }
-  for (int64_t c = 0; c < p.k; ++c) {
+  for (int64_t c = 0; c < k; ++c) {
     const uint16_t v = d == OutDType::kBF16 ? bf16_from_f32(acc[c]) : fp16_from_f32(acc[c]);
     std::memcpy(o + c * 2, &v, 2);
   }
+}
+
+void finalize_token(const Pass& p, int64_t t) {
+  const auto* slot_row = p.region<int32_t>(p.lay.slot_row);
+  const float* y = p.region<float>(p.lay.y);
+  const float* slot_y[64];
+  for (int64_t s = 0; s < p.topk; ++s) {
+    const int32_t r = slot_row[t * p.topk + s];
+    slot_y[s] = r < 0 ? nullptr : y + r * p.k;
+  }
+  float* acc = reinterpret_cast<float*>(p.thread_region(p.lay.pt_acc));
+  const OutDType d = p.plan.problem.out_dtype;
+  finalize_row(p.ew, d, slot_y, p.in.topk_weights.data() + (p.t0 + t) * p.topk, p.topk, p.k, acc,
+               p.out + (p.t0 + t) * p.k * out_dtype_size(d));
+}
+
+// run_experts: the y rows of this chunk's local slots, in slot order, to y_slots.
+void copy_slots(Pass& p) {
+  const auto* slot_row = p.region<int32_t>(p.lay.slot_row);
+  const float* y = p.region<float>(p.lay.y);
+  int64_t at = p.slot_base;
+  for (int64_t i = 0; i < p.tokens * p.topk; ++i) {
+    const int32_t r = slot_row[i];
+    if (r < 0) continue;
+    std::memcpy(p.y_slots + at * p.k, y + r * p.k, static_cast<size_t>(p.k) * sizeof(float));
+    ++at;
+  }
+  p.slot_base = at;
 }
 
 Status shift_error(const char* what, int64_t row, int64_t token, const char* recipe) {
@@ -343,6 +369,10 @@ Status run_chunk(Pass& p) {
     const int64_t e = task / tiles2;
     if (offset[e + 1] > offset[e]) gemm2_task(p, e, task % tiles2);
   }
+  if (p.y_slots != nullptr) {
+    copy_slots(p);
+    return Status::ok();
+  }
   // An inactive region (if false) still numbers its one thread 0, even when run() is called from
   // inside a caller's parallel region: per-thread scratch indices stay below plan.threads.
 #pragma omp parallel for num_threads(threads) schedule(static) if (p.tokens * p.k >= kParallelMinElements)
@@ -350,10 +380,9 @@ Status run_chunk(Pass& p) {
   return Status::ok();
 }
 
-}  // namespace
-
-Status run(const MoePlan& plan, const PackedWeights& weights, const MoeInputsView& in, std::span<uint8_t> workspace,
-           std::span<uint8_t> out) {
+// Checks shared by run() and run_experts(); the pipeline over chunks of tokens.
+Status check_common(const MoePlan& plan, const PackedWeights& weights, const MoeInputsView& in, bool need_weights,
+                    std::span<uint8_t> workspace) {
   const MoeProblem& pr = plan.problem;
   const MoeShape& ws = weights.shape();
   if (ws.hidden != pr.shape.hidden || ws.intermediate != pr.shape.intermediate ||
@@ -371,7 +400,7 @@ Status run(const MoePlan& plan, const PackedWeights& weights, const MoeInputsVie
   }
   const int64_t k = pr.shape.hidden;
   if (in.x.size() != static_cast<size_t>(in.m * k) || in.topk_ids.size() != static_cast<size_t>(in.m * pr.shape.top_k) ||
-      in.topk_weights.size() != static_cast<size_t>(in.m * pr.shape.top_k)) {
+      (need_weights && in.topk_weights.size() != static_cast<size_t>(in.m * pr.shape.top_k))) {
     return invalid_argument("inputs: x has " + std::to_string(in.x.size()) + " elements (expected M*K = " +
                             std::to_string(in.m * k) + "), topk_ids " + std::to_string(in.topk_ids.size()) +
                             " and topk_weights " + std::to_string(in.topk_weights.size()) + " (expected M*top_k = " +
@@ -386,11 +415,6 @@ Status run(const MoePlan& plan, const PackedWeights& weights, const MoeInputsVie
                               std::to_string(pr.shape.num_experts) + ")");
     }
   }
-  const int64_t out_bytes = in.m * k * out_dtype_size(pr.out_dtype);
-  if (static_cast<int64_t>(out.size()) != out_bytes) {
-    return invalid_argument("out has " + std::to_string(out.size()) + " bytes, expected M*K*" +
-                            std::to_string(out_dtype_size(pr.out_dtype)) + " = " + std::to_string(out_bytes));
-  }
   if (static_cast<int64_t>(workspace.size()) < plan.workspace_bytes) {
     return invalid_argument("workspace has " + std::to_string(workspace.size()) +
                             " bytes, the plan needs workspace_bytes = " + std::to_string(plan.workspace_bytes));
@@ -398,6 +422,13 @@ Status run(const MoePlan& plan, const PackedWeights& weights, const MoeInputsVie
   if (static_cast<int>(plan.isa) > static_cast<int>(best_isa_level())) {
     return unsupported(std::string("plan.isa = ") + isa_level_name(plan.isa) + " is not supported by this CPU");
   }
+  return Status::ok();
+}
+
+Status run_pipeline(const MoePlan& plan, const PackedWeights& weights, const MoeInputsView& in,
+                    std::span<uint8_t> workspace, uint8_t* out, float* y_slots) {
+  const MoeProblem& pr = plan.problem;
+  const int64_t k = pr.shape.hidden;
   const WorkspaceLayout lay = workspace_layout(pr, plan.isa, plan.threads, plan.chunk_tokens);
   const auto addr = reinterpret_cast<uintptr_t>(workspace.data());
   uint8_t* base = workspace.data() + ((64 - (addr & 63)) & 63);
@@ -407,7 +438,9 @@ Status run(const MoePlan& plan, const PackedWeights& weights, const MoeInputsVie
          in,
          lay,
          base,
-         out.data(),
+         out,
+         y_slots,
+         0,
          bf16 ? tile_gemm_bf16() : tile_gemm_fp32(plan.isa),
          elementwise(plan.isa),
          bf16,
@@ -421,6 +454,69 @@ Status run(const MoePlan& plan, const PackedWeights& weights, const MoeInputsVie
     p.t0 = t0;
     p.tokens = in.m - t0 < plan.chunk_tokens ? in.m - t0 : plan.chunk_tokens;
     K3_RETURN_IF_ERROR(run_chunk(p));
+  }
+  return Status::ok();
+}
+
+int64_t count_local_slots(const MoeShape& s, std::span<const int32_t> ids) {
+  const int64_t lo = s.first_local_expert(), hi = lo + s.local_experts();
+  int64_t n = 0;
+  for (const int32_t id : ids) n += id >= lo && id < hi ? 1 : 0;
+  return n;
+}
+
+}  // namespace
+
+Status run(const MoePlan& plan, const PackedWeights& weights, const MoeInputsView& in, std::span<uint8_t> workspace,
+           std::span<uint8_t> out) {
+  K3_RETURN_IF_ERROR(check_common(plan, weights, in, true, workspace));
+  const MoeProblem& pr = plan.problem;
+  const int64_t out_bytes = in.m * pr.shape.hidden * out_dtype_size(pr.out_dtype);
+  if (static_cast<int64_t>(out.size()) != out_bytes) {
+    return invalid_argument("out has " + std::to_string(out.size()) + " bytes, expected M*K*" +
+                            std::to_string(out_dtype_size(pr.out_dtype)) + " = " + std::to_string(out_bytes));
+  }
+  return run_pipeline(plan, weights, in, workspace, out.data(), nullptr);
+}
+
+int64_t local_slot_count(const MoeShape& shape, std::span<const int32_t> topk_ids) {
+  return count_local_slots(shape, topk_ids);
+}
+
+Status run_experts(const MoePlan& plan, const PackedWeights& weights, const MoeInputsView& in,
+                   std::span<uint8_t> workspace, std::span<float> y) {
+  K3_RETURN_IF_ERROR(check_common(plan, weights, in, false, workspace));
+  const int64_t slots = count_local_slots(plan.problem.shape, in.topk_ids);
+  const int64_t k = plan.problem.shape.hidden;
+  if (static_cast<int64_t>(y.size()) != slots * k) {
+    return invalid_argument("y has " + std::to_string(y.size()) + " floats, expected local slots * K = " +
+                            std::to_string(slots) + " * " + std::to_string(k) + " = " + std::to_string(slots * k));
+  }
+  return run_pipeline(plan, weights, in, workspace, nullptr, y.data());
+}
+
+Status finalize(const MoePlan& plan, int64_t m, std::span<const float> topk_weights,
+                std::span<const float* const> slot_y, std::span<float> scratch, std::span<uint8_t> out) {
+  const MoeProblem& pr = plan.problem;
+  const int64_t k = pr.shape.hidden, topk = pr.shape.top_k;
+  if (m < 0) return invalid_argument("m = " + std::to_string(m) + " must be >= 0");
+  if (topk_weights.size() != static_cast<size_t>(m * topk) || slot_y.size() != static_cast<size_t>(m * topk)) {
+    return invalid_argument("finalize: topk_weights has " + std::to_string(topk_weights.size()) + " and slot_y " +
+                            std::to_string(slot_y.size()) + " entries, expected M*top_k = " + std::to_string(m * topk));
+  }
+  if (static_cast<int64_t>(scratch.size()) < k) {
+    return invalid_argument("finalize: scratch has " + std::to_string(scratch.size()) + " floats, needs K = " +
+                            std::to_string(k));
+  }
+  const int64_t out_bytes = m * k * out_dtype_size(pr.out_dtype);
+  if (static_cast<int64_t>(out.size()) != out_bytes) {
+    return invalid_argument("finalize: out has " + std::to_string(out.size()) + " bytes, expected M*K*" +
+                            std::to_string(out_dtype_size(pr.out_dtype)) + " = " + std::to_string(out_bytes));
+  }
+  const Elementwise& ew = elementwise(plan.isa);
+  for (int64_t t = 0; t < m; ++t) {
+    finalize_row(ew, pr.out_dtype, slot_y.data() + t * topk, topk_weights.data() + t * topk, topk, k, scratch.data(),
+                 out.data() + t * k * out_dtype_size(pr.out_dtype));
   }
   return Status::ok();
 }

@@ -1,0 +1,74 @@
+// k3/ep.hpp — expert parallelism across ranks: dispatch tokens to the ranks that hold their
+// experts, run the experts there, combine the slots back at the token's source
+// (docs/distributed.md, "Expert-parallel dispatch / combine").
+//
+// Rank r of W holds the global experts [r * E/W, (r+1) * E/W) (k3/moe.hpp MoeShape with
+// ep_size = W, ep_rank = r). Each rank brings its own tokens (any count, 0 included) with their
+// global top-k ids and weights. For every (token, rank) pair with at least one slot on that rank,
+// dispatch sends the token's hidden row once (BF16) with the slot ids that rank owns; masked
+// slots (-1) and ranks without a slot of the token receive nothing. Combine returns the FP32
+// expert output of every slot to the token's source, which sums the slots in slot order with
+// cpu::finalize: the output is bit-identical to one process computing the whole layer (all E
+// experts, ep_size 1) with cpu::run, for every world size. Counts are exchanged first
+// (all-to-all), then the rows (all-to-all-v).
+//
+// Every rank calls each function in the same order. A bad argument on one rank makes every rank
+// return an error (the ranks agree on validity before moving data), never a hang.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "k3/comm.hpp"
+#include "k3/cpu_moe.hpp"
+#include "k3/moe.hpp"
+#include "k3/status.hpp"
+
+namespace k3::comm {
+
+// What ep_dispatch delivered to this rank, and what ep_combine needs to send results back.
+struct EpDispatch {
+  MoeShape shape;                    // this rank's shape (ep_size = W, ep_rank = rank)
+  int64_t source_tokens = 0;         // this rank's own tokens (M of its inputs)
+  // Rows to compute here: x [rows, K] BF16 and topk_ids [rows, top_k], ids outside this rank's
+  // experts replaced by -1. Grouped by source rank (rank order), then by source token order.
+  int64_t rows = 0;
+  std::vector<uint16_t> x;
+  std::vector<int32_t> topk_ids;
+  std::vector<int64_t> rows_from;    // [W] rows received from each rank
+  std::vector<int64_t> slots_from;   // [W] local slots among them (the y rows combine returns)
+  // This rank's tokens as sent: for destination q, tokens sent_tokens[sent_offsets[q] .. [q+1]).
+  std::vector<int32_t> sent_tokens;
+  std::vector<int64_t> sent_offsets;  // [W + 1]
+  std::vector<int32_t> source_ids;    // [source_tokens, top_k] the global ids (for combine)
+  int64_t bytes_sent = 0, bytes_received = 0;
+  std::string to_string() const;     // "rows 12 from [3 4 0 5], slots 40, sent 10 rows 143 KB"
+};
+
+// Sends this rank's tokens (local.x [M, K] BF16, local.topk_ids [M, top_k] global ids) to the
+// experts' ranks. local.topk_weights is not sent (the source applies the weights in combine).
+// shape.ep_size must be comm.size() and shape.ep_rank comm.rank().
+Result<EpDispatch> ep_dispatch(Communicator& comm, const MoeShape& shape, const MoeInputsView& local);
+
+// y: the expert outputs of d's local slots ([sum of d.slots_from, K] FP32, the order of
+// cpu::run_experts on d's rows). Returns every slot's y to its source and writes
+// out [M, K] (plan's output dtype) for this rank's M tokens with cpu::finalize(topk_weights).
+Status ep_combine(Communicator& comm, const EpDispatch& d, const cpu::MoePlan& plan, std::span<const float> y,
+                  std::span<const float> topk_weights, std::span<uint8_t> out);
+
+struct EpRunStats {
+  int64_t rows_received = 0, slots_computed = 0;
+  int64_t dispatch_bytes_sent = 0, combine_bytes_sent = 0;
+  double dispatch_s = 0, experts_s = 0, combine_s = 0;
+};
+
+// dispatch -> cpu::run_experts (in pieces of at most plan.max_tokens rows) -> combine.
+// plan / weights: this rank's (plan.problem.shape.ep_size = W, ep_rank = rank).
+// workspace: plan.workspace_bytes. out: [local.m, K] of the plan's output dtype.
+Status ep_moe_run(Communicator& comm, const cpu::MoePlan& plan, const cpu::PackedWeights& weights,
+                  const MoeInputsView& local, std::span<uint8_t> workspace, std::span<uint8_t> out,
+                  EpRunStats* stats = nullptr);
+
+}  // namespace k3::comm

@@ -1,0 +1,264 @@
+// Expert-parallel dispatch / combine over a Communicator (k3/ep.hpp).
+//
+// Wire format. Dispatch: per (token, destination) one record = int32 ids[top_k] (the slot ids
+// the destination owns, -1 elsewhere) followed by the BF16 row x[K]; records to one destination
+// in token order. Combine: per received record, the FP32 y rows of its local slots in slot order.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "k3/ep.hpp"
+
+namespace k3::comm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string num(int64_t v) { return std::to_string(v); }
+
+Status check_dispatch_args(const Communicator& comm, const MoeShape& shape, const MoeInputsView& local) {
+  K3_RETURN_IF_ERROR(validate_moe_shape(shape));
+  if (shape.ep_size != comm.size() || shape.ep_rank != comm.rank()) {
+    return invalid_argument("shape.ep_size = " + num(shape.ep_size) + ", ep_rank = " + num(shape.ep_rank) +
+                            " must be the communicator's size " + num(comm.size()) + " and rank " + num(comm.rank()));
+  }
+  if (local.m < 0 || local.m > (int64_t{1} << 24)) {
+    return invalid_argument("local.m = " + num(local.m) + " must be in [0, 2^24]");
+  }
+  if (local.x.size() != static_cast<size_t>(local.m * shape.hidden)) {
+    return invalid_argument("local.x has " + num(static_cast<int64_t>(local.x.size())) + " elements, expected M*K = " +
+                            num(local.m * shape.hidden));
+  }
+  if (local.topk_ids.size() != static_cast<size_t>(local.m * shape.top_k)) {
+    return invalid_argument("local.topk_ids has " + num(static_cast<int64_t>(local.topk_ids.size())) +
+                            " entries, expected M*top_k = " + num(local.m * shape.top_k));
+  }
+  for (size_t i = 0; i < local.topk_ids.size(); ++i) {
+    const int32_t id = local.topk_ids[i];
+    if (id < -1 || id >= shape.num_experts) {
+      return invalid_argument("local.topk_ids[" + num(static_cast<int64_t>(i) / shape.top_k) + ", " +
+                              num(static_cast<int64_t>(i) % shape.top_k) + "] = " + num(id) +
+                              " must be -1 (masked) or a global expert id in [0, " + num(shape.num_experts) + ")");
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+std::string EpDispatch::to_string() const {
+  std::string s = "rows " + num(rows) + " from [";
+  for (size_t q = 0; q < rows_from.size(); ++q) {
+    if (q > 0) s += ' ';
+    s += num(rows_from[q]);
+  }
+  int64_t slots = 0;
+  for (const int64_t v : slots_from) slots += v;
+  s += "], slots " + num(slots) + ", sent " + num(static_cast<int64_t>(sent_tokens.size())) + " rows " +
+       num((bytes_sent + 999) / 1000) + " KB";
+  return s;
+}
+
+Result<EpDispatch> ep_dispatch(Communicator& comm, const MoeShape& shape, const MoeInputsView& local) {
+  K3_RETURN_IF_ERROR(agree_on_status(comm, check_dispatch_args(comm, shape, local)));
+  const int w = comm.size();
+  const int64_t k = shape.hidden, topk = shape.top_k, e_local = shape.local_experts();
+  const size_t W = static_cast<size_t>(w);
+  EpDispatch d;
+  d.shape = shape;
+  d.source_tokens = local.m;
+  d.source_ids.assign(local.topk_ids.begin(), local.topk_ids.end());
+
+  // Which tokens go where (token order per destination).
+  std::vector<std::vector<int32_t>> to(W);
+  for (int64_t t = 0; t < local.m; ++t) {
+    std::vector<char> any(W, 0);
+    for (int64_t s = 0; s < topk; ++s) {
+      const int32_t id = local.topk_ids[static_cast<size_t>(t * topk + s)];
+      if (id < 0) continue;
+      const int64_t q = id / e_local;
+      if (!any[q]) {
+        any[q] = true;
+        to[static_cast<size_t>(q)].push_back(static_cast<int32_t>(t));
+      }
+    }
+  }
+  const int64_t record = 4 * topk + 2 * k;
+  std::vector<int64_t> send_bytes(W), recv_bytes(W);
+  d.sent_offsets.assign(W + 1, 0);
+  for (size_t q = 0; q < W; ++q) {
+    send_bytes[q] = static_cast<int64_t>(to[q].size()) * record;
+    d.sent_offsets[q + 1] = d.sent_offsets[q] + static_cast<int64_t>(to[q].size());
+    d.sent_tokens.insert(d.sent_tokens.end(), to[q].begin(), to[q].end());
+  }
+  std::vector<uint8_t> send(static_cast<size_t>(d.sent_offsets[W] * record));
+  uint8_t* p = send.data();
+  for (size_t q = 0; q < W; ++q) {
+    const int64_t lo = static_cast<int64_t>(q) * e_local, hi = lo + e_local;
+    for (const int32_t t : to[q]) {
+      int32_t ids[32];
+      for (int64_t s = 0; s < topk; ++s) {
+        const int32_t id = local.topk_ids[static_cast<size_t>(t * topk + s)];
+        ids[s] = id >= lo && id < hi ? id : -1;
+      }
+      std::memcpy(p, ids, static_cast<size_t>(4 * topk));
+      std::memcpy(p + 4 * topk, local.x.data() + t * k, static_cast<size_t>(2 * k));
+      p += record;
+    }
+  }
+  K3_RETURN_IF_ERROR(comm.alltoall_counts(send_bytes, recv_bytes));
+  int64_t total = 0;
+  d.rows_from.resize(W);
+  for (size_t q = 0; q < W; ++q) {
+    if (recv_bytes[q] < 0 || recv_bytes[q] % record != 0) {
+      return Status(StatusCode::kInternal, "ep_dispatch: rank " + num(static_cast<int64_t>(q)) + " announced " +
+                                               num(recv_bytes[q]) + " bytes, not a multiple of the record size " +
+                                               num(record) + " (ranks disagree on the shape?)");
+    }
+    d.rows_from[q] = recv_bytes[q] / record;
+    total += recv_bytes[q];
+  }
+  std::vector<uint8_t> recv(static_cast<size_t>(total));
+  K3_RETURN_IF_ERROR(comm.alltoallv(send.data(), send_bytes, recv.data(), recv_bytes));
+  d.bytes_sent = static_cast<int64_t>(send.size());
+  d.bytes_received = total;
+
+  d.rows = total / record;
+  d.x.resize(static_cast<size_t>(d.rows * k));
+  d.topk_ids.resize(static_cast<size_t>(d.rows * topk));
+  d.slots_from.assign(W, 0);
+  const int64_t lo = shape.first_local_expert(), hi = lo + e_local;
+  int64_t row = 0;
+  for (size_t q = 0; q < W; ++q) {
+    for (int64_t i = 0; i < d.rows_from[q]; ++i, ++row) {
+      const uint8_t* r = recv.data() + row * record;
+      int32_t* ids = d.topk_ids.data() + row * topk;
+      std::memcpy(ids, r, static_cast<size_t>(4 * topk));
+      for (int64_t s = 0; s < topk; ++s) {
+        if (ids[s] == -1) continue;
+        if (ids[s] < lo || ids[s] >= hi) {
+          return Status(StatusCode::kInternal, "ep_dispatch: rank " + num(static_cast<int64_t>(q)) + " sent expert id " +
+                                                   num(ids[s]) + ", which rank " + num(shape.ep_rank) + " does not hold");
+        }
+        ++d.slots_from[q];
+      }
+      std::memcpy(d.x.data() + row * k, r + 4 * topk, static_cast<size_t>(2 * k));
+    }
+  }
+  return d;
+}
+
+Status ep_combine(Communicator& comm, const EpDispatch& d, const cpu::MoePlan& plan, std::span<const float> y,
+                  std::span<const float> topk_weights, std::span<uint8_t> out) {
+  const MoeShape& shape = d.shape;
+  const int64_t k = shape.hidden, topk = shape.top_k, e_local = shape.local_experts();
+  const size_t W = static_cast<size_t>(comm.size());
+  int64_t slots = 0;
+  for (const int64_t v : d.slots_from) slots += v;
+  Status local = Status::ok();
+  const MoeShape& ps = plan.problem.shape;
+  if (d.rows_from.size() != W || d.sent_offsets.size() != W + 1) {
+    local = invalid_argument("ep_combine: the dispatch was made on a communicator of " + num(static_cast<int64_t>(d.rows_from.size())) +
+                             " ranks, this one has " + num(static_cast<int64_t>(W)));
+  } else if (ps.hidden != k || ps.top_k != topk || ps.num_experts != shape.num_experts) {
+    local = invalid_argument("ep_combine: plan shape (K " + num(ps.hidden) + ", top_k " + num(ps.top_k) + ", E " +
+                             num(ps.num_experts) + ") differs from the dispatch's (K " + num(k) + ", top_k " + num(topk) +
+                             ", E " + num(shape.num_experts) + ")");
+  } else if (y.size() != static_cast<size_t>(slots * k)) {
+    local = invalid_argument("ep_combine: y has " + num(static_cast<int64_t>(y.size())) + " floats, expected local slots * K = " +
+                             num(slots) + " * " + num(k));
+  } else if (topk_weights.size() != static_cast<size_t>(d.source_tokens * topk)) {
+    local = invalid_argument("ep_combine: topk_weights has " + num(static_cast<int64_t>(topk_weights.size())) +
+                             " entries, expected M*top_k = " + num(d.source_tokens * topk));
+  } else if (out.size() != static_cast<size_t>(d.source_tokens * k * out_dtype_size(plan.problem.out_dtype))) {
+    local = invalid_argument("ep_combine: out has " + num(static_cast<int64_t>(out.size())) + " bytes, expected M*K*" +
+                             num(out_dtype_size(plan.problem.out_dtype)) + " = " +
+                             num(d.source_tokens * k * out_dtype_size(plan.problem.out_dtype)));
+  }
+  K3_RETURN_IF_ERROR(agree_on_status(comm, local));
+
+  // Send each source its slots' y rows (contiguous per source: rows are grouped by source).
+  std::vector<int64_t> send_bytes(W), recv_bytes(W);
+  for (size_t q = 0; q < W; ++q) send_bytes[q] = d.slots_from[q] * k * 4;
+  K3_RETURN_IF_ERROR(comm.alltoall_counts(send_bytes, recv_bytes));
+  // What this rank expects back from q: its tokens sent to q, their slots owned by q.
+  std::vector<int64_t> expect(W, 0);
+  for (size_t q = 0; q < W; ++q) {
+    const int64_t lo = static_cast<int64_t>(q) * e_local, hi = lo + e_local;
+    for (int64_t i = d.sent_offsets[q]; i < d.sent_offsets[q + 1]; ++i) {
+      const int64_t t = d.sent_tokens[static_cast<size_t>(i)];
+      for (int64_t s = 0; s < topk; ++s) {
+        const int32_t id = d.source_ids[static_cast<size_t>(t * topk + s)];
+        expect[q] += id >= lo && id < hi ? 1 : 0;
+      }
+    }
+    if (recv_bytes[q] != expect[q] * k * 4) {
+      return Status(StatusCode::kInternal, "ep_combine: rank " + num(static_cast<int64_t>(q)) + " returns " +
+                                               num(recv_bytes[q]) + " bytes, expected " + num(expect[q] * k * 4));
+    }
+  }
+  int64_t total = 0;
+  for (const int64_t b : recv_bytes) total += b;
+  std::vector<float> back(static_cast<size_t>(total / 4));
+  K3_RETURN_IF_ERROR(comm.alltoallv(y.data(), send_bytes, back.data(), recv_bytes));
+
+  // Each slot's y row, then the finalize of the single-process run.
+  std::vector<const float*> slot_y(static_cast<size_t>(d.source_tokens * topk), nullptr);
+  const float* at = back.data();
+  for (size_t q = 0; q < W; ++q) {
+    const int64_t lo = static_cast<int64_t>(q) * e_local, hi = lo + e_local;
+    for (int64_t i = d.sent_offsets[q]; i < d.sent_offsets[q + 1]; ++i) {
+      const int64_t t = d.sent_tokens[static_cast<size_t>(i)];
+      for (int64_t s = 0; s < topk; ++s) {
+        const int32_t id = d.source_ids[static_cast<size_t>(t * topk + s)];
+        if (id >= lo && id < hi) {
+          slot_y[static_cast<size_t>(t * topk + s)] = at;
+          at += k;
+        }
+      }
+    }
+  }
+  std::vector<float> scratch(static_cast<size_t>(k));
+  return cpu::finalize(plan, d.source_tokens, topk_weights, slot_y, scratch, out);
+}
+
+Status ep_moe_run(Communicator& comm, const cpu::MoePlan& plan, const cpu::PackedWeights& weights,
+                  const MoeInputsView& local, std::span<uint8_t> workspace, std::span<uint8_t> out, EpRunStats* stats) {
+  const auto t0 = Clock::now();
+  K3_ASSIGN_OR_RETURN(EpDispatch d, ep_dispatch(comm, plan.problem.shape, local));
+  const auto t1 = Clock::now();
+  const int64_t k = plan.problem.shape.hidden, topk = plan.problem.shape.top_k;
+  int64_t slots = 0;
+  for (const int64_t v : d.slots_from) slots += v;
+  std::vector<float> y(static_cast<size_t>(slots * k));
+  Status local_st = Status::ok();
+  int64_t done_slots = 0;
+  for (int64_t r0 = 0; r0 < d.rows && local_st.is_ok(); r0 += plan.max_tokens) {
+    const int64_t n = std::min(plan.max_tokens, d.rows - r0);
+    const std::span<const int32_t> ids(d.topk_ids.data() + r0 * topk, static_cast<size_t>(n * topk));
+    const int64_t piece = cpu::local_slot_count(plan.problem.shape, ids);
+    MoeInputsView in{n, std::span<const uint16_t>(d.x.data() + r0 * k, static_cast<size_t>(n * k)), ids, {}};
+    local_st = cpu::run_experts(plan, weights, in, workspace,
+                                std::span<float>(y.data() + done_slots * k, static_cast<size_t>(piece * k)));
+    done_slots += piece;
+  }
+  // A failure on one rank (e.g. kInexact data) must not leave the others waiting in combine.
+  K3_RETURN_IF_ERROR(agree_on_status(comm, local_st));
+  const auto t2 = Clock::now();
+  K3_RETURN_IF_ERROR(ep_combine(comm, d, plan, y, local.topk_weights, out));
+  if (stats != nullptr) {
+    stats->rows_received = d.rows;
+    stats->slots_computed = slots;
+    stats->dispatch_bytes_sent = d.bytes_sent;
+    stats->combine_bytes_sent = slots * k * 4;
+    stats->dispatch_s = std::chrono::duration<double>(t1 - t0).count();
+    stats->experts_s = std::chrono::duration<double>(t2 - t1).count();
+    stats->combine_s = seconds_since(t2);
+  }
+  return Status::ok();
+}
+
+}  // namespace k3::comm

@@ -1,0 +1,111 @@
+// The expert-parallel seam of the CPU backend: run() == run_experts() + finalize(), bit for bit,
+// on every EP rank of a layer; and the one-process expert-parallel run (self communicator).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "ep_test_util.hpp"
+#include "k3/ep.hpp"
+
+namespace {
+
+using k3test::EpRouting;
+using k3test::EpTokens;
+
+// The slot pointers of run_experts' y for the given ids (nullptr for slots of other ranks).
+std::vector<const float*> slot_pointers(const k3::MoeShape& s, std::span<const int32_t> ids, const std::vector<float>& y) {
+  std::vector<const float*> p(ids.size(), nullptr);
+  const int lo = s.first_local_expert(), hi = lo + s.local_experts();
+  const float* at = y.data();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] >= lo && ids[i] < hi) {
+      p[i] = at;
+      at += s.hidden;
+    }
+  }
+  return p;
+}
+
+TEST(EpSeam, RunExpertsPlusFinalizeGivesRunsBitsOnEveryRank) {
+  for (const auto recipe : {k3::Recipe::kW4A8, k3::Recipe::kW4A16}) {
+    for (const auto isa : {k3::IsaLevel::kScalar, k3::best_isa_level()}) {
+      const auto full = k3test::make_ep_full_case(recipe, k3::OutDType::kBF16, k3::RoutingPattern::kMasked, 21, 1,
+                                                  EpTokens::kUneven, EpRouting::kFromCase, 11);
+      for (const int world : {1, 4}) {
+        for (int rank = 0; rank < world; ++rank) {
+          k3::MoeProblem prob = full.c.problem;
+          prob.shape.ep_size = world;
+          prob.shape.ep_rank = rank;
+          auto plan = k3::cpu::plan(prob, {.threads = 2, .isa = isa, .max_tokens = 64, .chunk_tokens = 8});
+          ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+          auto packed = k3::cpu::prepack(*plan, k3test::slice_experts(full.c, world, rank));
+          ASSERT_TRUE(packed.is_ok());
+          std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));
+          const auto in = full.c.inputs();
+          std::vector<uint8_t> want(static_cast<size_t>(in.m * 64 * 2)), got(want.size(), 0xCD);
+          ASSERT_TRUE(k3::cpu::run(*plan, *packed, in, ws, want).is_ok());
+          const int64_t slots = k3::cpu::local_slot_count(prob.shape, in.topk_ids);
+          std::vector<float> y(static_cast<size_t>(slots * 64));
+          ASSERT_TRUE(k3::cpu::run_experts(*plan, *packed, {in.m, in.x, in.topk_ids, {}}, ws, y).is_ok());
+          const auto ptrs = slot_pointers(prob.shape, in.topk_ids, y);
+          std::vector<float> scratch(64);
+          ASSERT_TRUE(k3::cpu::finalize(*plan, in.m, in.topk_weights, ptrs, scratch, got).is_ok());
+          EXPECT_EQ(want, got) << k3::recipe_name(recipe) << " " << k3::isa_level_name(isa) << " rank " << rank << "/" << world;
+        }
+      }
+    }
+  }
+}
+
+TEST(EpSeam, SelfCommunicatorRunEqualsTheFusedRun) {
+  const auto full = k3test::make_ep_full_case(k3::Recipe::kW4A8, k3::OutDType::kFP32, k3::RoutingPattern::kUniform, 13, 1,
+                                              EpTokens::kUneven, EpRouting::kFromCase, 5);
+  auto want = k3test::run_full_layer(full.c, {.threads = 1, .isa = {}});
+  ASSERT_TRUE(want.is_ok());
+  auto plan = k3::cpu::plan(full.c.problem, {.threads = 1, .isa = {}});
+  auto packed = k3::cpu::prepack(*plan, full.c.weights());
+  std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes)), got(want->size());
+  auto self = k3::comm::make_self_communicator();
+  k3::comm::EpRunStats st;
+  ASSERT_TRUE(k3::comm::ep_moe_run(*self, *plan, *packed, full.c.inputs(), ws, got, &st).is_ok());
+  EXPECT_EQ(*want, got);
+  EXPECT_EQ(st.rows_received, 13);
+  EXPECT_EQ(st.slots_computed, 13 * 4);
+}
+
+TEST(EpSeam, WrongSizesAreRefusedNamingTheArgument) {
+  const auto full = k3test::make_ep_full_case(k3::Recipe::kW4A16, k3::OutDType::kBF16, k3::RoutingPattern::kUniform, 3, 1,
+                                              EpTokens::kUneven, EpRouting::kFromCase, 2);
+  auto plan = k3::cpu::plan(full.c.problem, {.threads = 1, .isa = {}});
+  auto packed = k3::cpu::prepack(*plan, full.c.weights());
+  std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));
+  std::vector<float> y(5);
+  auto st = k3::cpu::run_experts(*plan, *packed, full.c.inputs(), ws, y);
+  EXPECT_NE(st.message().find("y has 5 floats, expected local slots * K = 12 * 64"), std::string::npos) << st.message();
+  std::vector<const float*> ptrs(12, nullptr);
+  std::vector<float> scratch(64);
+  std::vector<uint8_t> out(3 * 64 * 2);
+  st = k3::cpu::finalize(*plan, 3, full.c.topk_weights, std::span<const float* const>(ptrs.data(), 11), scratch, out);
+  EXPECT_NE(st.message().find("slot_y 11 entries, expected M*top_k = 12"), std::string::npos) << st.message();
+  st = k3::cpu::finalize(*plan, 3, full.c.topk_weights, ptrs, std::span<float>(scratch.data(), 10), out);
+  EXPECT_NE(st.message().find("scratch has 10 floats, needs K = 64"), std::string::npos) << st.message();
+  st = k3::cpu::finalize(*plan, 3, full.c.topk_weights, ptrs, scratch, std::span<uint8_t>(out.data(), 7));
+  EXPECT_NE(st.message().find("out has 7 bytes, expected M*K*2 = 384"), std::string::npos) << st.message();
+  // All slots absent: exact zeros.
+  ASSERT_TRUE(k3::cpu::finalize(*plan, 3, full.c.topk_weights, ptrs, scratch, out).is_ok());
+  EXPECT_EQ(out, std::vector<uint8_t>(out.size(), 0));
+
+  auto self = k3::comm::make_self_communicator();
+  k3::MoeShape wrong = full.c.problem.shape;
+  wrong.ep_size = 2;
+  auto d = k3::comm::ep_dispatch(*self, wrong, full.c.inputs());
+  ASSERT_FALSE(d.is_ok());
+  EXPECT_NE(d.status().message().find("rank 0 of 1: shape.ep_size = 2, ep_rank = 0 must be the communicator's size 1"),
+            std::string::npos) << d.status().message();
+  std::vector<uint8_t> small(10);
+  st = k3::comm::ep_moe_run(*self, *plan, *packed, full.c.inputs(), ws, small);
+  EXPECT_NE(st.message().find("ep_combine: out has 10 bytes"), std::string::npos) << st.message();
+}
+
+}  // namespace
