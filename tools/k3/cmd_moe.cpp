@@ -8,8 +8,15 @@
 // `topk_weights` F32 [M, k] (global expert ids, -1 masked, any k in [1, 32]). Output safetensors:
 // `out` [M, K] in the output dtype, and the `topk_ids` I32 / `topk_weights` F32 that were used.
 // See docs/moe.md.
+#include <signal.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <thread>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -19,7 +26,10 @@
 #include "k3/atomic_file.hpp"
 #include "k3/build_info.hpp"
 #include "k3/checkpoint.hpp"
+#include "k3/comm.hpp"
+#include "k3/cpu_moe.hpp"
 #include "k3/digest.hpp"
+#include "k3/ep.hpp"
 #include "k3/expert_map.hpp"
 #include "k3/formats.hpp"
 #include "k3/routing.hpp"
@@ -35,6 +45,9 @@ struct MoeRunArgs {
   std::string checkpoint, input, output;
   int layer = 1;
   int ep_size = 1, ep_rank = 0;
+  bool ep_flags_given = false;  // --ep-size or --ep-rank on the command line
+  bool distributed = false;
+  double comm_timeout = 120;
   std::string backend;  // "" = default (highest priority usable)
   std::string recipe = "w4a8";
   std::string out_dtype = "bf16";
@@ -232,6 +245,182 @@ int run_moe(const MoeRunArgs& a) {
   return 0;
 }
 
+// ---- --distributed: one EP rank per MPI process (docs/distributed.md) --------------------------
+
+// Test hook (docs/distributed.md, "Faults"): K3_FAULT_INJECT=kill:R | exit:R | hang:R makes rank R
+// die by SIGKILL, exit(3) without finalizing MPI, or stop answering, right before the dispatch.
+void maybe_inject_fault(int rank) {
+  const char* f = std::getenv("K3_FAULT_INJECT");
+  if (f == nullptr) return;
+  const std::string v(f);
+  const auto colon = v.find(':');
+  if (colon == std::string::npos || std::atoi(v.c_str() + colon + 1) != rank) return;
+  const std::string what = v.substr(0, colon);
+  std::fprintf(stderr, "k3 moe run: rank %d: K3_FAULT_INJECT=%s\n", rank, f);
+  std::fflush(stderr);
+  if (what == "kill") raise(SIGKILL);
+  if (what == "exit") std::_Exit(3);
+  if (what == "hang") {
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
+}
+
+// What every rank must agree on before loading anything: the checkpoint's config.json bytes,
+// the layer, the recipe, the output dtype and the expert-parallel size.
+std::string run_fingerprint(const MoeRunArgs& a, int world) {
+  std::ifstream f(a.checkpoint + "/config.json", std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const std::string cfg = ss.str();
+  return "config.json sha256 " + sha256_hex({reinterpret_cast<const uint8_t*>(cfg.data()), cfg.size()}).substr(0, 16) +
+         ", layer " + std::to_string(a.layer) + ", " + a.recipe + " -> " + a.out_dtype + ", EP" + std::to_string(world);
+}
+
+// Threads per rank: K3_NUM_THREADS when set, else the CPUs shared by the ranks on this node.
+int threads_per_rank() {
+  if (const char* t = std::getenv("K3_NUM_THREADS"); t != nullptr && *t != '\0') return 0;
+  int local = 1;
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
+    if (const char* s = std::getenv(v); s != nullptr && std::atoi(s) > 0) {
+      local = std::atoi(s);
+      break;
+    }
+  }
+  const int cpus = static_cast<int>(std::thread::hardware_concurrency());
+  return std::max(1, (cpus > 0 ? cpus : 1) / local);
+}
+
+int run_moe_distributed(const MoeRunArgs& a) {
+  auto made = comm::make_mpi_communicator({.timeout_s = a.comm_timeout});
+  if (!made.is_ok()) {
+    std::fprintf(stderr, "k3 moe run --distributed: %s\n", made.status().to_string().c_str());
+    return 1;
+  }
+  comm::Communicator& c = *made.value();
+  const int rank = c.rank(), world = c.size();
+  // Every step ends with agree_on_status: all ranks leave together, rank 0 reports.
+  auto fail = [&](const Status& st) {
+    if (rank == 0) std::fprintf(stderr, "k3 moe run --distributed: %s\n", st.to_string().c_str());
+    return 1;
+  };
+  auto agree = [&](const Status& local) { return comm::agree_on_status(c, local); };
+
+  Status st = check_checkpoint_arg("--checkpoint", a.checkpoint);
+  if (st.is_ok() && rank == 0) {
+    st = check_input_file("--input", a.input);
+    if (st.is_ok()) st = check_output_path("--output", a.output);
+    if (st.is_ok()) st = check_output_not_input("--output", a.output, "--input", a.input);
+    if (st.is_ok()) st = check_output_not_checkpoint("--output", a.output, a.checkpoint);
+  }
+  if (st.is_ok() && a.ep_flags_given && (a.ep_size != world || a.ep_rank != rank)) {
+    st = invalid_argument("--ep-size " + std::to_string(a.ep_size) + " --ep-rank " + std::to_string(a.ep_rank) +
+                          " disagree with the MPI job (" + std::to_string(world) + " ranks, this is rank " +
+                          std::to_string(rank) + "); with --distributed leave them out: the launcher sets them");
+  }
+  if (st.is_ok() && !a.backend.empty() && a.backend != "cpu") {
+    st = unsupported("--distributed runs the cpu backend's expert-parallel path; --backend " + a.backend +
+                     " has no multi-rank path yet");
+  }
+  auto recipe = parse_recipe(a.recipe);
+  auto dtype = parse_out_dtype(a.out_dtype);
+  if (st.is_ok() && !recipe.is_ok()) st = recipe.status();
+  if (st.is_ok() && !dtype.is_ok()) st = dtype.status();
+  if (st.is_ok()) {
+    if (Status e = check_ep_flags(world, rank, a.checkpoint); !e.is_ok()) {
+      st = Status(e.code(), "the MPI job's " + std::to_string(world) + " ranks are the EP size (" + e.message() + ")");
+    }
+  }
+  if (Status s = agree(st); !s.is_ok()) return fail(s);
+  if (Status s = comm::check_same_on_all_ranks(c, "checkpoint and run options", run_fingerprint(a, world)); !s.is_ok()) {
+    return fail(s);
+  }
+
+  // Each rank loads its experts only; rank 0 reads (and routes) the tokens.
+  const auto t_load = std::chrono::steady_clock::now();
+  auto layer = load_moe_layer(a.checkpoint, a.layer, world, rank);
+  if (Status s = agree(layer.status()); !s.is_ok()) return fail(s);
+  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
+  auto prob = problem_from_layer(layer.value(), recipe.value(), dtype.value());
+  if (Status s = agree(prob.status()); !s.is_ok()) return fail(s);
+  UserInputs in;
+  Status read_st = Status::ok();
+  if (rank == 0) {
+    auto r = read_inputs(a.input, layer.value());
+    if (r.is_ok()) in = std::move(r).value();
+    else read_st = r.status();
+  }
+  if (Status s = agree(read_st); !s.is_ok()) return fail(s);
+  std::vector<int32_t> top_ks(static_cast<size_t>(world));
+  const int32_t my_top_k = in.top_k;
+  if (Status s = c.allgather(&my_top_k, sizeof my_top_k, top_ks.data()); !s.is_ok()) return fail(s);
+  MoeProblem p = prob.value();
+  p.shape.top_k = top_ks[0];  // the input's slots per token (rank 0's file)
+  BackendOptions bo = backend_options();
+  cpu::MoeOptions co;
+  co.threads = threads_per_rank();
+  if (co.threads == 0) co.threads = bo.threads;
+  co.isa = bo.isa;
+  auto plan = cpu::plan(p, co);
+  if (Status s = agree(plan.status()); !s.is_ok()) return fail(s);
+  auto packed = cpu::prepack(plan.value(), layer->view());
+  if (Status s = agree(packed.status()); !s.is_ok()) return fail(s);
+  std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));
+  std::vector<uint8_t> out(static_cast<size_t>(in.m * p.shape.hidden * out_dtype_size(p.out_dtype)));
+
+  maybe_inject_fault(rank);
+  const MoeInputsView view{in.m, in.x, in.topk_ids, in.topk_weights};
+  comm::EpRunStats stats;
+  const auto t0 = std::chrono::steady_clock::now();
+  Status run_st = comm::ep_moe_run(c, plan.value(), packed.value(), view, ws, out, &stats);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (run_st.code() == StatusCode::kUnavailable) {  // a peer is gone: the communicator is unusable
+    std::fprintf(stderr, "k3 moe run --distributed: %s\n", run_st.to_string().c_str());
+    std::fflush(stderr);
+    c.abort(1);
+  }
+  if (!run_st.is_ok()) return fail(run_st);  // ep_moe_run agrees on its errors itself
+
+  // Per-rank figures to rank 0: rows received, slots computed, bytes sent (dispatch + combine).
+  const int64_t mine[4] = {stats.rows_received, stats.slots_computed, stats.dispatch_bytes_sent + stats.combine_bytes_sent,
+                           static_cast<int64_t>(load_s * 1e3)};
+  std::vector<int64_t> all(static_cast<size_t>(4 * world));
+  if (Status s = c.allgather(mine, sizeof mine, all.data()); !s.is_ok()) return fail(s);
+  Status write_st = Status::ok();
+  if (rank == 0) {
+    st::Writer w;
+    const st::DType out_st = p.out_dtype == OutDType::kBF16 ? st::DType::kBF16
+                                                            : (p.out_dtype == OutDType::kFP16 ? st::DType::kF16 : st::DType::kF32);
+    write_st = w.add("out", out_st, {in.m, p.shape.hidden}, out);
+    if (write_st.is_ok()) write_st = w.add("topk_ids", st::DType::kI32, {in.m, in.top_k}, as_bytes(in.topk_ids));
+    if (write_st.is_ok()) write_st = w.add("topk_weights", st::DType::kF32, {in.m, in.top_k}, as_bytes(in.topk_weights));
+    w.set_metadata({{"k3_version", build::kVersion},
+                    {"backend", "cpu (distributed, mpi)"},
+                    {"checkpoint", a.checkpoint},
+                    {"layer", std::to_string(a.layer)},
+                    {"ep_size", std::to_string(world)},
+                    {"recipe", recipe_name(p.recipe)},
+                    {"activation", activation_name(p.activation.kind)},
+                    {"routing", in.routed_here ? "logits routed by k3" : "topk_ids/topk_weights from the input"}});
+    if (write_st.is_ok()) write_st = w.write(a.output, "--output");
+  }
+  if (Status s = agree(write_st); !s.is_ok()) return fail(s);
+  if (rank == 0) {
+    std::printf("k3 moe run: layer %d, distributed over %d MPI ranks (EP%d, %d threads each), M %lld, top-%d, %s %s -> %s, "
+                "backend cpu, %.3f s (dispatch %.3f, experts %.3f, combine %.3f on rank 0)\n",
+                a.layer, world, world, plan->threads, static_cast<long long>(in.m), in.top_k, recipe_name(p.recipe),
+                activation_name(p.activation.kind), out_dtype_name(p.out_dtype), secs, stats.dispatch_s, stats.experts_s,
+                stats.combine_s);
+    for (int q = 0; q < world; ++q) {
+      const int64_t* v = all.data() + 4 * q;
+      std::printf("  rank %d: experts [%d, %d), loaded in %lld ms, %lld rows received, %lld slots computed, %lld bytes sent\n",
+                  q, q * p.shape.local_experts(), (q + 1) * p.shape.local_experts(), static_cast<long long>(v[3]),
+                  static_cast<long long>(v[0]), static_cast<long long>(v[1]), static_cast<long long>(v[2]));
+    }
+    std::printf("out sha256 %s -> %s\n", sha256_hex(out).c_str(), a.output.c_str());
+  }
+  return 0;
+}
+
 const CommandRegistration kRegistration("moe", 30, [](CLI::App& app) -> std::function<int()> {
   auto* cmd = app.add_subcommand("moe", "Run a checkpoint's fused-MoE layer on your own tensors");
   cmd->require_subcommand(1);
@@ -243,12 +432,20 @@ const CommandRegistration kRegistration("moe", 30, [](CLI::App& app) -> std::fun
       ->required();
   run->add_option("--output", a->output, "safetensors to write: out, topk_ids, topk_weights")->required();
   run->add_option("--backend", a->backend, "Backend (default: the fastest usable one)");
-  run->add_option("--ep-size", a->ep_size, "Expert-parallel ranks")->capture_default_str();
-  run->add_option("--ep-rank", a->ep_rank, "This rank (its experts only; other slots contribute zero)")
+  auto* ep_size = run->add_option("--ep-size", a->ep_size, "Expert-parallel ranks")->capture_default_str();
+  auto* ep_rank = run->add_option("--ep-rank", a->ep_rank, "This rank (its experts only; other slots contribute zero)")
       ->capture_default_str();
+  run->add_flag("--distributed", a->distributed,
+                "Under mpirun: one EP rank per process; each loads its experts, rank 0 reads --input and writes --output");
+  run->add_option("--comm-timeout", a->comm_timeout, "--distributed: seconds a collective may wait for a peer")
+      ->capture_default_str()
+      ->check(CLI::Range(0.1, 86400.0));
   run->add_option("--recipe", a->recipe, "w4a8 (MXFP8 x MXFP4) or w4a16 (BF16 x MXFP4)")->capture_default_str();
   run->add_option("--out-dtype", a->out_dtype, "bf16, fp16 or fp32")->capture_default_str();
-  return [a]() { return run_moe(*a); };
+  return [a, ep_size, ep_rank]() {
+    a->ep_flags_given = ep_size->count() > 0 || ep_rank->count() > 0;
+    return a->distributed ? run_moe_distributed(*a) : run_moe(*a);
+  };
 });
 
 }  // namespace

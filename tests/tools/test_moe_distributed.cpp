@@ -1,0 +1,153 @@
+// `mpirun -np R k3 moe run --distributed` end to end on a synthetic Kimi-format checkpoint: the
+// output equals the single-process `k3 moe run` bit for bit at EP 2, 4 and 8; start-up refusals
+// (world size, mismatched checkpoints) name the rank; a rank that dies or hangs fails the job
+// within a bounded time with a message naming it.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/st_test_util.hpp"
+#include "k3/checkpoint_synth.hpp"
+#include "k3/safetensors.hpp"
+#include "tools/cli_run.hpp"
+
+#ifdef K3_MPIEXEC
+namespace k3 {
+namespace {
+
+using k3::test::run_cli;
+using k3::test::run_sh;
+
+std::string mpirun(int np, const std::string& args, const std::string& env = "") {
+  return "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader K3_NUM_THREADS=1 " + env +
+         " timeout 300 " + std::string(K3_MPIEXEC) + " --oversubscribe -np " + std::to_string(np) + " " +
+         std::string(K3_CLI_PATH) + " " + args;
+}
+
+std::string sha_line(const std::string& out) {
+  const auto p = out.find("out sha256 ");
+  return p == std::string::npos ? "<none>" : out.substr(p + 11, 64);
+}
+
+class MoeDistributed : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SynthOptions o;  // Kimi-format names and config; E 64, top-8, K 64, N 32
+    o.output_dir = ckpt_.str();
+    o.hidden_size = 64;
+    o.expert_hidden = 64;
+    o.intermediate = 32;
+    o.num_experts = 64;
+    o.top_k = 8;
+    o.layers = {1};
+    o.seed = 9;
+    ASSERT_TRUE(write_synthetic_checkpoint(o).is_ok());
+    const int64_t m = 37, k = 64, e = 64;
+    std::mt19937_64 rng(4);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<float> x(m * k), logits(m * e);
+    for (auto& v : x) v = nd(rng);
+    for (auto& v : logits) v = nd(rng);
+    st::Writer w;
+    ASSERT_TRUE(w.add("x", st::DType::kF32, {m, k}, {reinterpret_cast<const uint8_t*>(x.data()), x.size() * 4}).is_ok());
+    ASSERT_TRUE(w.add("logits", st::DType::kF32, {m, e}, {reinterpret_cast<const uint8_t*>(logits.data()), logits.size() * 4}).is_ok());
+    ASSERT_TRUE(w.write(io_.file("in.safetensors")).is_ok());
+  }
+  std::string args(const std::string& out, const std::string& extra = "") const {
+    return "moe run --checkpoint " + ckpt_.str() + " --layer 1 --input " + io_.file("in.safetensors") + " --output " +
+           io_.file(out) + " " + extra;
+  }
+  test::TempDir ckpt_{"dist_ckpt"};
+  test::TempDir io_{"dist_io"};
+};
+
+TEST_F(MoeDistributed, OutputIsBitIdenticalToTheSingleProcessRunAtEveryWorldSize) {
+  for (const char* recipe : {"w4a8", "w4a16"}) {
+    const std::string opts = std::string("--recipe ") + recipe + " --out-dtype fp32";
+    const auto single = run_cli(args("single.safetensors", opts + " --backend cpu"));
+    ASSERT_EQ(single.code, 0) << single.out;
+    for (const int np : {2, 4, 8}) {
+      const auto r = run_sh(mpirun(np, args("dist" + std::to_string(np) + ".safetensors", opts + " --distributed")));
+      ASSERT_EQ(r.code, 0) << r.out;
+      EXPECT_NE(r.out.find("distributed over " + std::to_string(np) + " MPI ranks (EP" + std::to_string(np)), std::string::npos) << r.out;
+      EXPECT_EQ(sha_line(r.out), sha_line(single.out)) << recipe << " np " << np << "\n" << r.out;
+      // The file, not only the digest line: same `out` tensor bytes.
+      auto a = st::File::open(io_.file("single.safetensors"));
+      auto b = st::File::open(io_.file("dist" + std::to_string(np) + ".safetensors"));
+      ASSERT_TRUE(a.is_ok() && b.is_ok());
+      const auto ab = a->bytes(*a->find("out"));
+      const auto bb = b->bytes(*b->find("out"));
+      EXPECT_TRUE(std::equal(ab.begin(), ab.end(), bb.begin(), bb.end()));
+      // Each rank loads only its experts: the listing shows [r*E/W, (r+1)*E/W).
+      EXPECT_NE(r.out.find("rank " + std::to_string(np - 1) + ": experts [" + std::to_string(64 - 64 / np) + ", 64)"),
+                std::string::npos) << r.out;
+    }
+  }
+}
+
+TEST_F(MoeDistributed, StartUpRefusalsNameTheRank) {
+  auto r = run_sh(mpirun(2, args("o.safetensors", "--distributed --ep-size 4")));
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("rank 0 of 2: --ep-size 4 --ep-rank 0 disagree with the MPI job (2 ranks, this is rank 0)"),
+            std::string::npos) << r.out;
+  // A rank pointed at another checkpoint (same shapes, other config): refused before loading.
+  test::TempDir other{"dist_other"};
+  SynthOptions o;
+  o.output_dir = other.str();
+  o.hidden_size = 64;
+  o.expert_hidden = 64;
+  o.intermediate = 32;
+  o.num_experts = 64;
+  o.top_k = 8;
+  o.layers = {1};
+  o.num_hidden_layers = 61;
+  o.seed = 9;
+  ASSERT_TRUE(write_synthetic_checkpoint(o).is_ok());
+  std::string bad_other = args("o.safetensors", "--distributed");
+  bad_other.replace(bad_other.find(ckpt_.str()), ckpt_.str().size(), other.str());
+  const std::string mpmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader timeout 300 " +
+                           std::string(K3_MPIEXEC) + " --oversubscribe -np 3 " + K3_CLI_PATH + " " +
+                           args("o.safetensors", "--distributed") + " : -np 1 " + K3_CLI_PATH + " " + bad_other;
+  r = run_sh(mpmd);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("checkpoint and run options differs between ranks: rank 3 has 'config.json sha256"), std::string::npos)
+      << r.out;
+  // Another backend has no multi-rank path: said, not attempted.
+  r = run_sh(mpirun(2, args("o.safetensors", "--distributed --backend reference")));
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("--backend reference has no multi-rank path yet"), std::string::npos) << r.out;
+  // Bad input on rank 0: every rank leaves, rank 0 says why.
+  r = run_sh(mpirun(4, "moe run --checkpoint " + ckpt_.str() + " --layer 1 --input " + io_.file("missing.safetensors") +
+                           " --output " + io_.file("o.safetensors") + " --distributed"));
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("rank 0 of 4: --input " + io_.file("missing.safetensors") + ": cannot open"), std::string::npos) << r.out;
+  // A world size that does not divide the experts.
+  r = run_sh(mpirun(3, args("o.safetensors", "--distributed")));
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("rank 0 of 3: the MPI job's 3 ranks are the EP size"), std::string::npos) << r.out;
+}
+
+TEST_F(MoeDistributed, ADeadOrHungRankFailsTheJobWithinBoundedTime) {
+  struct Fault {
+    const char* inject;
+    const char* expect;
+  };
+  for (const Fault f : {Fault{"hang:1", "did not complete within the timeout of 3 s: a peer rank has exited, crashed or hangs"},
+                        Fault{"kill:1", "rank 1"}, Fault{"exit:2", "rank 2"}}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto r = run_sh(mpirun(4, args("o.safetensors", "--distributed --comm-timeout 3"), std::string("K3_FAULT_INJECT=") + f.inject));
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_NE(r.code, 0) << f.inject << "\n" << r.out;
+    EXPECT_NE(r.code, 124) << f.inject << ": the job hung until the test's 300 s timeout\n" << r.out;
+    EXPECT_LT(s, 60) << f.inject;
+    EXPECT_NE(r.out.find(f.expect), std::string::npos) << f.inject << "\n" << r.out;
+    EXPECT_NE(r.out.find(std::string("K3_FAULT_INJECT=") + f.inject), std::string::npos) << r.out;
+  }
+}
+
+}  // namespace
+}  // namespace k3
+#endif  // K3_MPIEXEC
