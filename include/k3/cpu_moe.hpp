@@ -133,8 +133,19 @@ int64_t local_slot_count(const MoeShape& shape, std::span<const int32_t> topk_id
 // The expert outputs of every local slot, before the routing weights: y [local slots, K] FP32,
 // one row per slot whose id is a local expert, in slot order (token-major: token t, then slot k).
 // inputs.topk_weights is not used (may be empty). Same checks as run() except out.
+// x_mxfp8 (W4A8 only, optional): x already quantized by quantize_x_mxfp8 (e.g. on the rank that
+// sent it), inputs.x then empty; the result is the same bits as quantizing here.
+struct Mxfp8Rows {
+  std::span<const uint8_t> codes;   // [M, K] E4M3
+  std::span<const uint8_t> scales;  // [M, K/32] E8M0
+};
 Status run_experts(const MoePlan& plan, const PackedWeights& weights, const MoeInputsView& inputs,
-                   std::span<uint8_t> workspace, std::span<float> y);
+                   std::span<uint8_t> workspace, std::span<float> y, const Mxfp8Rows& x_mxfp8 = {});
+
+// The W4A8 activation quantizer of run() (MXFP8 E4M3, RCEIL scales, per 32 along K) on rows of x:
+// codes [rows, K], scales [rows, K/32]. Same bits as the quantization inside run().
+Status quantize_x_mxfp8(const MoePlan& plan, std::span<const uint16_t> x, std::span<uint8_t> codes,
+                        std::span<uint8_t> scales);
 
 // run()'s last step: out[t] = sum over slots k in order, skipping slot_y[t * top_k + k] == nullptr
 // (masked or absent), of topk_weights[t, k] * y, as FP32 FMAs from +0, rounded once to the plan's

@@ -35,7 +35,10 @@ struct EpDispatch {
   // Rows to compute here: x [rows, K] BF16 and topk_ids [rows, top_k], ids outside this rank's
   // experts replaced by -1. Grouped by source rank (rank order), then by source token order.
   int64_t rows = 0;
-  std::vector<uint16_t> x;
+  bool mxfp8 = false;                // rows arrived as MXFP8 (x_codes / x_scales) rather than BF16 (x)
+  std::vector<uint16_t> x;           // [rows, K] BF16 (when !mxfp8)
+  std::vector<uint8_t> x_codes;      // [rows, K] E4M3 (when mxfp8)
+  std::vector<uint8_t> x_scales;     // [rows, K/32] E8M0 (when mxfp8)
   std::vector<int32_t> topk_ids;
   std::vector<int64_t> rows_from;    // [W] rows received from each rank
   std::vector<int64_t> slots_from;   // [W] local slots among them (the y rows combine returns)
@@ -47,10 +50,15 @@ struct EpDispatch {
   std::string to_string() const;     // "rows 12 from [3 4 0 5], slots 40, sent 10 rows 143 KB"
 };
 
+struct EpOptions {
+  bool mxfp8_wire = true;  // W4A8: send MXFP8 codes + scales (about half the bytes of BF16)
+};
+
 // Sends this rank's tokens (local.x [M, K] BF16, local.topk_ids [M, top_k] global ids) to the
 // experts' ranks. local.topk_weights is not sent (the source applies the weights in combine).
-// shape.ep_size must be comm.size() and shape.ep_rank comm.rank().
-Result<EpDispatch> ep_dispatch(Communicator& comm, const MoeShape& shape, const MoeInputsView& local);
+// plan: this rank's (shape.ep_size must be comm.size() and ep_rank comm.rank()).
+Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, const MoeInputsView& local,
+                               const EpOptions& options = {});
 
 // y: the expert outputs of d's local slots ([sum of d.slots_from, K] FP32, the order of
 // cpu::run_experts on d's rows). Returns every slot's y to its source and writes
@@ -69,6 +77,6 @@ struct EpRunStats {
 // workspace: plan.workspace_bytes. out: [local.m, K] of the plan's output dtype.
 Status ep_moe_run(Communicator& comm, const cpu::MoePlan& plan, const cpu::PackedWeights& weights,
                   const MoeInputsView& local, std::span<uint8_t> workspace, std::span<uint8_t> out,
-                  EpRunStats* stats = nullptr);
+                  EpRunStats* stats = nullptr, const EpOptions& options = {});
 
 }  // namespace k3::comm

@@ -74,6 +74,38 @@ TEST(EpSeam, SelfCommunicatorRunEqualsTheFusedRun) {
   EXPECT_EQ(st.slots_computed, 13 * 4);
 }
 
+TEST(EpSeam, PreQuantizedW4A8RowsGiveTheSameBitsAsQuantizingInside) {
+  const auto full = k3test::make_ep_full_case(k3::Recipe::kW4A8, k3::OutDType::kBF16, k3::RoutingPattern::kUniform, 9, 1,
+                                              EpTokens::kUneven, EpRouting::kFromCase, 8);
+  for (const auto isa : {k3::IsaLevel::kScalar, k3::best_isa_level()}) {
+    auto plan = k3::cpu::plan(full.c.problem, {.threads = 1, .isa = isa});
+    auto packed = k3::cpu::prepack(*plan, full.c.weights());
+    std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));
+    const auto in = full.c.inputs();
+    std::vector<float> want(static_cast<size_t>(9 * 4 * 64)), got(want.size(), -1.f);
+    ASSERT_TRUE(k3::cpu::run_experts(*plan, *packed, in, ws, want).is_ok());
+    std::vector<uint8_t> codes(9 * 64), scales(9 * 2);
+    ASSERT_TRUE(k3::cpu::quantize_x_mxfp8(*plan, in.x, codes, scales).is_ok());
+    ASSERT_TRUE(k3::cpu::run_experts(*plan, *packed, {in.m, {}, in.topk_ids, {}}, ws, got, {codes, scales}).is_ok());
+    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * 4)) << k3::isa_level_name(isa);
+    // Misuse is refused: both x and codes, wrong sizes, a W4A16 plan.
+    auto st = k3::cpu::run_experts(*plan, *packed, in, ws, got, {codes, scales});
+    EXPECT_NE(st.message().find("inputs.x must be empty"), std::string::npos) << st.message();
+    st = k3::cpu::run_experts(*plan, *packed, {in.m, {}, in.topk_ids, {}}, ws, got,
+                              {std::span<const uint8_t>(codes.data(), 10), scales});
+    EXPECT_NE(st.message().find("codes has 10 bytes and scales 18, expected M*K = 576 and M*K/32 = 18"), std::string::npos)
+        << st.message();
+  }
+  k3::MoeProblem a16 = full.c.problem;
+  a16.recipe = k3::Recipe::kW4A16;
+  auto plan16 = k3::cpu::plan(a16, {.threads = 1, .isa = {}});
+  auto packed16 = k3::cpu::prepack(*plan16, full.c.weights());
+  std::vector<uint8_t> ws(static_cast<size_t>(plan16->workspace_bytes)), codes(9 * 64), scales(18);
+  std::vector<float> y(static_cast<size_t>(9 * 4 * 64));
+  const auto st = k3::cpu::run_experts(*plan16, *packed16, {9, {}, full.c.topk_ids, {}}, ws, y, {codes, scales});
+  EXPECT_NE(st.message().find("the plan's recipe is w4a16"), std::string::npos) << st.message();
+}
+
 TEST(EpSeam, WrongSizesAreRefusedNamingTheArgument) {
   const auto full = k3test::make_ep_full_case(k3::Recipe::kW4A16, k3::OutDType::kBF16, k3::RoutingPattern::kUniform, 3, 1,
                                               EpTokens::kUneven, EpRouting::kFromCase, 2);
@@ -97,9 +129,11 @@ TEST(EpSeam, WrongSizesAreRefusedNamingTheArgument) {
   EXPECT_EQ(out, std::vector<uint8_t>(out.size(), 0));
 
   auto self = k3::comm::make_self_communicator();
-  k3::MoeShape wrong = full.c.problem.shape;
-  wrong.ep_size = 2;
-  auto d = k3::comm::ep_dispatch(*self, wrong, full.c.inputs());
+  k3::MoeProblem wrong = full.c.problem;
+  wrong.shape.ep_size = 2;
+  auto wrong_plan = k3::cpu::plan(wrong, {.threads = 1, .isa = {}});
+  ASSERT_TRUE(wrong_plan.is_ok());
+  auto d = k3::comm::ep_dispatch(*self, *wrong_plan, full.c.inputs());
   ASSERT_FALSE(d.is_ok());
   EXPECT_NE(d.status().message().find("rank 0 of 1: shape.ep_size = 2, ep_rank = 0 must be the communicator's size 1"),
             std::string::npos) << d.status().message();

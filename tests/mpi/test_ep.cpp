@@ -3,6 +3,8 @@
 // holds all experts and all tokens.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -48,13 +50,21 @@ TEST_P(EpMpi, DistributedLayerIsBitIdenticalToTheSingleProcessLayer) {
   const int64_t row_bytes = prob.shape.hidden * k3::out_dtype_size(p.out);
   std::vector<uint8_t> out(static_cast<size_t>(mine.m * row_bytes), 0xAB);
   k3::comm::EpRunStats stats;
-  const k3::Status st = k3::comm::ep_moe_run(w, *plan, *packed, mine, ws, out, &stats);
-  ASSERT_TRUE(st.is_ok()) << st.to_string();
-  const int64_t t0 = full.token_off[static_cast<size_t>(rank)];
-  for (int64_t t = 0; t < mine.m; ++t) {
-    ASSERT_EQ(0, std::memcmp(out.data() + t * row_bytes, oracle.data() + (t0 + t) * row_bytes, static_cast<size_t>(row_bytes)))
-        << "rank " << rank << " of " << world << ", its token " << t << " (global " << t0 + t << ")";
+  int64_t bytes[2] = {0, 0};
+  for (const bool mxfp8 : {true, false}) {  // W4A8 rows as MXFP8 codes + scales, or as BF16
+    std::fill(out.begin(), out.end(), 0xAB);
+    const k3::Status st = k3::comm::ep_moe_run(w, *plan, *packed, mine, ws, out, &stats, {.mxfp8_wire = mxfp8});
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    bytes[mxfp8 ? 0 : 1] = stats.dispatch_bytes_sent;
+    const int64_t t0 = full.token_off[static_cast<size_t>(rank)];
+    for (int64_t t = 0; t < mine.m; ++t) {
+      ASSERT_EQ(0, std::memcmp(out.data() + t * row_bytes, oracle.data() + (t0 + t) * row_bytes, static_cast<size_t>(row_bytes)))
+          << "rank " << rank << " of " << world << ", its token " << t << " (global " << t0 + t << "), mxfp8 wire " << mxfp8;
+    }
   }
+  // Records: 4 top_k id bytes + K + K/32 (MXFP8) or 2K (BF16) per (token, destination).
+  const int64_t records = bytes[1] / (16 + 128);
+  EXPECT_EQ(bytes[0], p.recipe == k3::Recipe::kW4A8 ? records * (16 + 64 + 2) : bytes[1]);
   // The data each rank computed is exactly its experts' slots of all tokens.
   int64_t expect_slots = 0;
   for (const int32_t id : full.c.topk_ids) expect_slots += id >= prob.shape.first_local_expert() && id < prob.shape.first_local_expert() + prob.shape.local_experts();
@@ -88,7 +98,11 @@ TEST(EpMpiErrors, ABadArgumentOnOneRankFailsEveryRankWithItsMessage) {
     mine.x = std::span<const uint16_t>(full.c.x.data(), 64);
   }
   mine.topk_ids = bad_ids;
-  auto d = k3::comm::ep_dispatch(w, shape, mine);
+  k3::MoeProblem prob = full.c.problem;
+  prob.shape = shape;
+  auto plan = k3::cpu::plan(prob, {.threads = 1, .isa = {}});
+  ASSERT_TRUE(plan.is_ok());
+  auto d = k3::comm::ep_dispatch(w, *plan, mine);
   ASSERT_FALSE(d.is_ok());
   EXPECT_NE(d.status().message().find("rank " + std::to_string(culprit) + " of " + std::to_string(world) + ": local.topk_ids[0, 0] = 99"),
             std::string::npos) << d.status().message();
@@ -96,9 +110,12 @@ TEST(EpMpiErrors, ABadArgumentOnOneRankFailsEveryRankWithItsMessage) {
 
 TEST(EpMpiErrors, ShapeThatDoesNotMatchTheCommunicatorIsRefused) {
   k3::comm::Communicator& w = k3test::world();
-  k3::MoeShape shape{64, 64, 32, 4, w.size() == 1 ? 2 : 1, 0};
+  k3::MoeProblem prob;
+  prob.shape = {64, 64, 32, 4, w.size() == 1 ? 2 : 1, 0};
+  auto plan = k3::cpu::plan(prob, {.threads = 1, .isa = {}});
+  ASSERT_TRUE(plan.is_ok());
   const k3::MoeInputsView none{};
-  auto d = k3::comm::ep_dispatch(w, shape, none);
+  auto d = k3::comm::ep_dispatch(w, *plan, none);
   ASSERT_FALSE(d.is_ok());
   EXPECT_NE(d.status().message().find("must be the communicator's size " + std::to_string(w.size())), std::string::npos)
       << d.status().message();

@@ -62,7 +62,9 @@ std::string EpDispatch::to_string() const {
   return s;
 }
 
-Result<EpDispatch> ep_dispatch(Communicator& comm, const MoeShape& shape, const MoeInputsView& local) {
+Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, const MoeInputsView& local,
+                               const EpOptions& options) {
+  const MoeShape& shape = plan.problem.shape;
   K3_RETURN_IF_ERROR(agree_on_status(comm, check_dispatch_args(comm, shape, local)));
   const int w = comm.size();
   const int64_t k = shape.hidden, topk = shape.top_k, e_local = shape.local_experts();
@@ -71,6 +73,15 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const MoeShape& shape, const 
   d.shape = shape;
   d.source_tokens = local.m;
   d.source_ids.assign(local.topk_ids.begin(), local.topk_ids.end());
+  d.mxfp8 = options.mxfp8_wire && plan.problem.recipe == Recipe::kW4A8;
+  // W4A8: each token's row quantized once here (the experts' own quantizer), sent as codes + scales.
+  std::vector<uint8_t> codes, scales;
+  if (d.mxfp8) {
+    codes.resize(local.x.size());
+    scales.resize(local.x.size() / 32);
+    K3_RETURN_IF_ERROR(cpu::quantize_x_mxfp8(plan, local.x, codes, scales));
+  }
+  const int64_t row_bytes = d.mxfp8 ? k + k / 32 : 2 * k;
 
   // Which tokens go where (token order per destination).
   std::vector<std::vector<int32_t>> to(W);
@@ -86,7 +97,7 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const MoeShape& shape, const 
       }
     }
   }
-  const int64_t record = 4 * topk + 2 * k;
+  const int64_t record = 4 * topk + row_bytes;
   std::vector<int64_t> send_bytes(W), recv_bytes(W);
   d.sent_offsets.assign(W + 1, 0);
   for (size_t q = 0; q < W; ++q) {
@@ -105,7 +116,12 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const MoeShape& shape, const 
         ids[s] = id >= lo && id < hi ? id : -1;
       }
       std::memcpy(p, ids, static_cast<size_t>(4 * topk));
-      std::memcpy(p + 4 * topk, local.x.data() + t * k, static_cast<size_t>(2 * k));
+      if (d.mxfp8) {
+        std::memcpy(p + 4 * topk, codes.data() + t * k, static_cast<size_t>(k));
+        std::memcpy(p + 4 * topk + k, scales.data() + t * (k / 32), static_cast<size_t>(k / 32));
+      } else {
+        std::memcpy(p + 4 * topk, local.x.data() + t * k, static_cast<size_t>(2 * k));
+      }
       p += record;
     }
   }
@@ -127,7 +143,12 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const MoeShape& shape, const 
   d.bytes_received = total;
 
   d.rows = total / record;
-  d.x.resize(static_cast<size_t>(d.rows * k));
+  if (d.mxfp8) {
+    d.x_codes.resize(static_cast<size_t>(d.rows * k));
+    d.x_scales.resize(static_cast<size_t>(d.rows * (k / 32)));
+  } else {
+    d.x.resize(static_cast<size_t>(d.rows * k));
+  }
   d.topk_ids.resize(static_cast<size_t>(d.rows * topk));
   d.slots_from.assign(W, 0);
   const int64_t lo = shape.first_local_expert(), hi = lo + e_local;
@@ -145,7 +166,12 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const MoeShape& shape, const 
         }
         ++d.slots_from[q];
       }
-      std::memcpy(d.x.data() + row * k, r + 4 * topk, static_cast<size_t>(2 * k));
+      if (d.mxfp8) {
+        std::memcpy(d.x_codes.data() + row * k, r + 4 * topk, static_cast<size_t>(k));
+        std::memcpy(d.x_scales.data() + row * (k / 32), r + 4 * topk + k, static_cast<size_t>(k / 32));
+      } else {
+        std::memcpy(d.x.data() + row * k, r + 4 * topk, static_cast<size_t>(2 * k));
+      }
     }
   }
   return d;
@@ -226,9 +252,10 @@ Status ep_combine(Communicator& comm, const EpDispatch& d, const cpu::MoePlan& p
 }
 
 Status ep_moe_run(Communicator& comm, const cpu::MoePlan& plan, const cpu::PackedWeights& weights,
-                  const MoeInputsView& local, std::span<uint8_t> workspace, std::span<uint8_t> out, EpRunStats* stats) {
+                  const MoeInputsView& local, std::span<uint8_t> workspace, std::span<uint8_t> out, EpRunStats* stats,
+                  const EpOptions& options) {
   const auto t0 = Clock::now();
-  K3_ASSIGN_OR_RETURN(EpDispatch d, ep_dispatch(comm, plan.problem.shape, local));
+  K3_ASSIGN_OR_RETURN(EpDispatch d, ep_dispatch(comm, plan, local, options));
   const auto t1 = Clock::now();
   const int64_t k = plan.problem.shape.hidden, topk = plan.problem.shape.top_k;
   int64_t slots = 0;
@@ -240,9 +267,16 @@ Status ep_moe_run(Communicator& comm, const cpu::MoePlan& plan, const cpu::Packe
     const int64_t n = std::min(plan.max_tokens, d.rows - r0);
     const std::span<const int32_t> ids(d.topk_ids.data() + r0 * topk, static_cast<size_t>(n * topk));
     const int64_t piece = cpu::local_slot_count(plan.problem.shape, ids);
-    MoeInputsView in{n, std::span<const uint16_t>(d.x.data() + r0 * k, static_cast<size_t>(n * k)), ids, {}};
-    local_st = cpu::run_experts(plan, weights, in, workspace,
-                                std::span<float>(y.data() + done_slots * k, static_cast<size_t>(piece * k)));
+    const std::span<float> y_piece(y.data() + done_slots * k, static_cast<size_t>(piece * k));
+    if (d.mxfp8) {
+      const MoeInputsView in{n, {}, ids, {}};
+      const cpu::Mxfp8Rows xq{std::span<const uint8_t>(d.x_codes.data() + r0 * k, static_cast<size_t>(n * k)),
+                              std::span<const uint8_t>(d.x_scales.data() + r0 * (k / 32), static_cast<size_t>(n * k / 32))};
+      local_st = cpu::run_experts(plan, weights, in, workspace, y_piece, xq);
+    } else {
+      const MoeInputsView in{n, std::span<const uint16_t>(d.x.data() + r0 * k, static_cast<size_t>(n * k)), ids, {}};
+      local_st = cpu::run_experts(plan, weights, in, workspace, y_piece);
+    }
     done_slots += piece;
   }
   // A failure on one rank (e.g. kInexact data) must not leave the others waiting in combine.

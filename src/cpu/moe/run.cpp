@@ -39,6 +39,8 @@ struct Pass {
   uint8_t* base;      // aligned workspace
   uint8_t* out;       // [M, K] output dtype (run), or nullptr (run_experts)
   float* y_slots;     // run_experts: [local slots, K] FP32 in slot order; nullptr for run
+  const uint8_t* xq_codes;   // run_experts with pre-quantized x: [M, K] E4M3, else nullptr
+  const uint8_t* xq_scales;  // ... [M, K/32] E8M0
   int64_t slot_base = 0;  // run_experts: local slots of the tokens before this chunk
   TileGemmFn gemm;
   const Elementwise& ew;
@@ -84,7 +86,7 @@ void build_routing(Pass& p) {
 
 // 2. x operand of one token.
 void prepare_x(const Pass& p, int64_t t) {
-  const uint16_t* x = p.in.x.data() + (p.t0 + t) * p.k;
+  const uint16_t* x = p.xq_codes != nullptr ? nullptr : p.in.x.data() + (p.t0 + t) * p.k;
   uint8_t* dst = p.region<uint8_t>(p.lay.x_op) + t * p.k * p.ob;
   int32_t& shift = p.region<int32_t>(p.lay.x_shift)[t];
   if (p.plan.problem.recipe == Recipe::kW4A16) {
@@ -97,12 +99,21 @@ void prepare_x(const Pass& p, int64_t t) {
     }
     return;
   }
-  uint8_t* codes = p.thread_region(p.lay.pt_codes);
-  uint8_t* scales = codes + p.k;
-  float* vals = reinterpret_cast<float*>(p.thread_region(p.lay.pt_acc));
-  for (int64_t b = 0; b < p.k / kBlock; ++b) {
-    for (int i = 0; i < kBlock; ++i) vals[i] = bf16_to_f32(x[b * kBlock + i]);
-    scales[b] = p.ew.quantize_e4m3_block(vals, codes + b * kBlock);
+  const uint8_t* codes = nullptr;
+  const uint8_t* scales = nullptr;
+  if (p.xq_codes != nullptr) {  // quantized by quantize_x_mxfp8 (the same quantizer, elsewhere)
+    codes = p.xq_codes + (p.t0 + t) * p.k;
+    scales = p.xq_scales + (p.t0 + t) * (p.k / kBlock);
+  } else {
+    uint8_t* c = p.thread_region(p.lay.pt_codes);
+    uint8_t* sc = c + p.k;
+    float* vals = reinterpret_cast<float*>(p.thread_region(p.lay.pt_acc));
+    for (int64_t b = 0; b < p.k / kBlock; ++b) {
+      for (int i = 0; i < kBlock; ++i) vals[i] = bf16_to_f32(x[b * kBlock + i]);
+      sc[b] = p.ew.quantize_e4m3_block(vals, c + b * kBlock);
+    }
+    codes = c;
+    scales = sc;
   }
   if (p.bf16) {
     shift = mxfp8_row_to_bf16(codes, scales, p.k, reinterpret_cast<uint16_t*>(dst));
@@ -382,7 +393,7 @@ Status run_chunk(Pass& p) {
 
 // Checks shared by run() and run_experts(); the pipeline over chunks of tokens.
 Status check_common(const MoePlan& plan, const PackedWeights& weights, const MoeInputsView& in, bool need_weights,
-                    std::span<uint8_t> workspace) {
+                    std::span<uint8_t> workspace, bool x_quantized = false) {
   const MoeProblem& pr = plan.problem;
   const MoeShape& ws = weights.shape();
   if (ws.hidden != pr.shape.hidden || ws.intermediate != pr.shape.intermediate ||
@@ -399,7 +410,7 @@ Status check_common(const MoePlan& plan, const PackedWeights& weights, const Moe
                             std::to_string(plan.max_tokens) + "]");
   }
   const int64_t k = pr.shape.hidden;
-  if (in.x.size() != static_cast<size_t>(in.m * k) || in.topk_ids.size() != static_cast<size_t>(in.m * pr.shape.top_k) ||
+  if ((!x_quantized && in.x.size() != static_cast<size_t>(in.m * k)) || in.topk_ids.size() != static_cast<size_t>(in.m * pr.shape.top_k) ||
       (need_weights && in.topk_weights.size() != static_cast<size_t>(in.m * pr.shape.top_k))) {
     return invalid_argument("inputs: x has " + std::to_string(in.x.size()) + " elements (expected M*K = " +
                             std::to_string(in.m * k) + "), topk_ids " + std::to_string(in.topk_ids.size()) +
@@ -426,7 +437,7 @@ Status check_common(const MoePlan& plan, const PackedWeights& weights, const Moe
 }
 
 Status run_pipeline(const MoePlan& plan, const PackedWeights& weights, const MoeInputsView& in,
-                    std::span<uint8_t> workspace, uint8_t* out, float* y_slots) {
+                    std::span<uint8_t> workspace, uint8_t* out, float* y_slots, const Mxfp8Rows& xq = {}) {
   const MoeProblem& pr = plan.problem;
   const int64_t k = pr.shape.hidden;
   const WorkspaceLayout lay = workspace_layout(pr, plan.isa, plan.threads, plan.chunk_tokens);
@@ -440,6 +451,8 @@ Status run_pipeline(const MoePlan& plan, const PackedWeights& weights, const Moe
          base,
          out,
          y_slots,
+         xq.codes.empty() ? nullptr : xq.codes.data(),
+         xq.codes.empty() ? nullptr : xq.scales.data(),
          0,
          bf16 ? tile_gemm_bf16() : tile_gemm_fp32(plan.isa),
          elementwise(plan.isa),
@@ -484,15 +497,45 @@ int64_t local_slot_count(const MoeShape& shape, std::span<const int32_t> topk_id
 }
 
 Status run_experts(const MoePlan& plan, const PackedWeights& weights, const MoeInputsView& in,
-                   std::span<uint8_t> workspace, std::span<float> y) {
-  K3_RETURN_IF_ERROR(check_common(plan, weights, in, false, workspace));
+                   std::span<uint8_t> workspace, std::span<float> y, const Mxfp8Rows& x_mxfp8) {
+  const bool xq = !x_mxfp8.codes.empty() || !x_mxfp8.scales.empty();
+  if (xq) {
+    const int64_t k = plan.problem.shape.hidden;
+    if (plan.problem.recipe != Recipe::kW4A8) {
+      return invalid_argument("x_mxfp8: pre-quantized rows are W4A8 operands; the plan's recipe is w4a16");
+    }
+    if (!in.x.empty()) return invalid_argument("x_mxfp8 given: inputs.x must be empty (one source of x)");
+    if (x_mxfp8.codes.size() != static_cast<size_t>(in.m * k) || x_mxfp8.scales.size() != static_cast<size_t>(in.m * k / 32)) {
+      return invalid_argument("x_mxfp8: codes has " + std::to_string(x_mxfp8.codes.size()) + " bytes and scales " +
+                              std::to_string(x_mxfp8.scales.size()) + ", expected M*K = " + std::to_string(in.m * k) +
+                              " and M*K/32 = " + std::to_string(in.m * k / 32));
+    }
+  }
+  K3_RETURN_IF_ERROR(check_common(plan, weights, in, false, workspace, xq));
   const int64_t slots = count_local_slots(plan.problem.shape, in.topk_ids);
   const int64_t k = plan.problem.shape.hidden;
   if (static_cast<int64_t>(y.size()) != slots * k) {
     return invalid_argument("y has " + std::to_string(y.size()) + " floats, expected local slots * K = " +
                             std::to_string(slots) + " * " + std::to_string(k) + " = " + std::to_string(slots * k));
   }
-  return run_pipeline(plan, weights, in, workspace, nullptr, y.data());
+  return run_pipeline(plan, weights, in, workspace, nullptr, y.data(), x_mxfp8);
+}
+
+Status quantize_x_mxfp8(const MoePlan& plan, std::span<const uint16_t> x, std::span<uint8_t> codes,
+                        std::span<uint8_t> scales) {
+  const int64_t k = plan.problem.shape.hidden;
+  if (x.size() % static_cast<size_t>(k) != 0 || codes.size() != x.size() || scales.size() != x.size() / kBlock) {
+    return invalid_argument("quantize_x_mxfp8: x has " + std::to_string(x.size()) + " elements (a multiple of K = " +
+                            std::to_string(k) + "), codes " + std::to_string(codes.size()) + " bytes (= x) and scales " +
+                            std::to_string(scales.size()) + " (= x / 32)");
+  }
+  const Elementwise& ew = elementwise(plan.isa);
+  float vals[kBlock];
+  for (size_t b = 0; b < x.size() / kBlock; ++b) {
+    for (int i = 0; i < kBlock; ++i) vals[i] = bf16_to_f32(x[b * kBlock + static_cast<size_t>(i)]);
+    scales[b] = ew.quantize_e4m3_block(vals, codes.data() + b * kBlock);
+  }
+  return Status::ok();
 }
 
 Status finalize(const MoePlan& plan, int64_t m, std::span<const float> topk_weights,
