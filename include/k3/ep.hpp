@@ -50,6 +50,14 @@ struct EpDispatch {
   std::string to_string() const;     // "rows 12 from [3 4 0 5], slots 40, sent 10 rows 143 KB"
 };
 
+// Transfer buffers kept between calls (they only grow): give the same object to every call of a
+// serving loop and no call allocates or first-touches memory in steady state (at the Kimi shape
+// the combine's FP32 rows are tens of MB per rank). nullptr: each call uses its own.
+struct EpBuffers {
+  std::vector<uint8_t> send, recv, codes, scales;
+  std::vector<float> y, back;
+};
+
 struct EpOptions {
   bool mxfp8_wire = true;  // W4A8: send MXFP8 codes + scales (about half the bytes of BF16)
 };
@@ -58,13 +66,13 @@ struct EpOptions {
 // experts' ranks. local.topk_weights is not sent (the source applies the weights in combine).
 // plan: this rank's (shape.ep_size must be comm.size() and ep_rank comm.rank()).
 Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, const MoeInputsView& local,
-                               const EpOptions& options = {});
+                               const EpOptions& options = {}, EpBuffers* buffers = nullptr);
 
 // y: the expert outputs of d's local slots ([sum of d.slots_from, K] FP32, the order of
 // cpu::run_experts on d's rows). Returns every slot's y to its source and writes
 // out [M, K] (plan's output dtype) for this rank's M tokens with cpu::finalize(topk_weights).
 Status ep_combine(Communicator& comm, const EpDispatch& d, const cpu::MoePlan& plan, std::span<const float> y,
-                  std::span<const float> topk_weights, std::span<uint8_t> out);
+                  std::span<const float> topk_weights, std::span<uint8_t> out, EpBuffers* buffers = nullptr);
 
 struct EpRunStats {
   int64_t rows_received = 0, slots_computed = 0;
@@ -77,6 +85,6 @@ struct EpRunStats {
 // workspace: plan.workspace_bytes. out: [local.m, K] of the plan's output dtype.
 Status ep_moe_run(Communicator& comm, const cpu::MoePlan& plan, const cpu::PackedWeights& weights,
                   const MoeInputsView& local, std::span<uint8_t> workspace, std::span<uint8_t> out,
-                  EpRunStats* stats = nullptr, const EpOptions& options = {});
+                  EpRunStats* stats = nullptr, const EpOptions& options = {}, EpBuffers* buffers = nullptr);
 
 }  // namespace k3::comm

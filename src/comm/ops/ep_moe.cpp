@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,12 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 std::string num(int64_t v) { return std::to_string(v); }
+
+// Grow-only resize (+1 so that data() is never null for empty transfers).
+template <typename T>
+void grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n + 1) v.resize(n + 1);
+}
 
 Status check_dispatch_args(const Communicator& comm, const MoeShape& shape, const MoeInputsView& local) {
   K3_RETURN_IF_ERROR(validate_moe_shape(shape));
@@ -63,7 +70,9 @@ std::string EpDispatch::to_string() const {
 }
 
 Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, const MoeInputsView& local,
-                               const EpOptions& options) {
+                               const EpOptions& options, EpBuffers* buffers) {
+  EpBuffers own;
+  EpBuffers& b = buffers != nullptr ? *buffers : own;
   const MoeShape& shape = plan.problem.shape;
   K3_RETURN_IF_ERROR(agree_on_status(comm, check_dispatch_args(comm, shape, local)));
   const int w = comm.size();
@@ -75,11 +84,13 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, con
   d.source_ids.assign(local.topk_ids.begin(), local.topk_ids.end());
   d.mxfp8 = options.mxfp8_wire && plan.problem.recipe == Recipe::kW4A8;
   // W4A8: each token's row quantized once here (the experts' own quantizer), sent as codes + scales.
-  std::vector<uint8_t> codes, scales;
+  std::vector<uint8_t>& codes = b.codes;
+  std::vector<uint8_t>& scales = b.scales;
   if (d.mxfp8) {
-    codes.resize(local.x.size());
-    scales.resize(local.x.size() / 32);
-    K3_RETURN_IF_ERROR(cpu::quantize_x_mxfp8(plan, local.x, codes, scales));
+    grow(codes, local.x.size());
+    grow(scales, local.x.size() / 32);
+    K3_RETURN_IF_ERROR(cpu::quantize_x_mxfp8(plan, local.x, std::span<uint8_t>(codes.data(), local.x.size()),
+                                             std::span<uint8_t>(scales.data(), local.x.size() / 32)));
   }
   const int64_t row_bytes = d.mxfp8 ? k + k / 32 : 2 * k;
 
@@ -105,8 +116,9 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, con
     d.sent_offsets[q + 1] = d.sent_offsets[q] + static_cast<int64_t>(to[q].size());
     d.sent_tokens.insert(d.sent_tokens.end(), to[q].begin(), to[q].end());
   }
-  std::vector<uint8_t> send(static_cast<size_t>(d.sent_offsets[W] * record));
-  uint8_t* p = send.data();
+  const size_t send_total = static_cast<size_t>(d.sent_offsets[W] * record);
+  grow(b.send, send_total);
+  uint8_t* p = b.send.data();
   for (size_t q = 0; q < W; ++q) {
     const int64_t lo = static_cast<int64_t>(q) * e_local, hi = lo + e_local;
     for (const int32_t t : to[q]) {
@@ -137,9 +149,9 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, con
     d.rows_from[q] = recv_bytes[q] / record;
     total += recv_bytes[q];
   }
-  std::vector<uint8_t> recv(static_cast<size_t>(total));
-  K3_RETURN_IF_ERROR(comm.alltoallv(send.data(), send_bytes, recv.data(), recv_bytes));
-  d.bytes_sent = static_cast<int64_t>(send.size());
+  grow(b.recv, static_cast<size_t>(total));
+  K3_RETURN_IF_ERROR(comm.alltoallv(b.send.data(), send_bytes, b.recv.data(), recv_bytes));
+  d.bytes_sent = static_cast<int64_t>(send_total);
   d.bytes_received = total;
 
   d.rows = total / record;
@@ -155,7 +167,7 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, con
   int64_t row = 0;
   for (size_t q = 0; q < W; ++q) {
     for (int64_t i = 0; i < d.rows_from[q]; ++i, ++row) {
-      const uint8_t* r = recv.data() + row * record;
+      const uint8_t* r = b.recv.data() + row * record;
       int32_t* ids = d.topk_ids.data() + row * topk;
       std::memcpy(ids, r, static_cast<size_t>(4 * topk));
       for (int64_t s = 0; s < topk; ++s) {
@@ -178,7 +190,9 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, con
 }
 
 Status ep_combine(Communicator& comm, const EpDispatch& d, const cpu::MoePlan& plan, std::span<const float> y,
-                  std::span<const float> topk_weights, std::span<uint8_t> out) {
+                  std::span<const float> topk_weights, std::span<uint8_t> out, EpBuffers* buffers) {
+  EpBuffers own;
+  EpBuffers& b = buffers != nullptr ? *buffers : own;
   const MoeShape& shape = d.shape;
   const int64_t k = shape.hidden, topk = shape.top_k, e_local = shape.local_experts();
   const size_t W = static_cast<size_t>(comm.size());
@@ -227,13 +241,13 @@ Status ep_combine(Communicator& comm, const EpDispatch& d, const cpu::MoePlan& p
     }
   }
   int64_t total = 0;
-  for (const int64_t b : recv_bytes) total += b;
-  std::vector<float> back(static_cast<size_t>(total / 4));
-  K3_RETURN_IF_ERROR(comm.alltoallv(y.data(), send_bytes, back.data(), recv_bytes));
+  for (const int64_t n : recv_bytes) total += n;
+  grow(b.back, static_cast<size_t>(total / 4));
+  K3_RETURN_IF_ERROR(comm.alltoallv(y.data(), send_bytes, b.back.data(), recv_bytes));
 
   // Each slot's y row, then the finalize of the single-process run.
   std::vector<const float*> slot_y(static_cast<size_t>(d.source_tokens * topk), nullptr);
-  const float* at = back.data();
+  const float* at = b.back.data();
   for (size_t q = 0; q < W; ++q) {
     const int64_t lo = static_cast<int64_t>(q) * e_local, hi = lo + e_local;
     for (int64_t i = d.sent_offsets[q]; i < d.sent_offsets[q + 1]; ++i) {
@@ -253,14 +267,17 @@ Status ep_combine(Communicator& comm, const EpDispatch& d, const cpu::MoePlan& p
 
 Status ep_moe_run(Communicator& comm, const cpu::MoePlan& plan, const cpu::PackedWeights& weights,
                   const MoeInputsView& local, std::span<uint8_t> workspace, std::span<uint8_t> out, EpRunStats* stats,
-                  const EpOptions& options) {
+                  const EpOptions& options, EpBuffers* buffers) {
+  EpBuffers own;
+  EpBuffers& b = buffers != nullptr ? *buffers : own;
   const auto t0 = Clock::now();
-  K3_ASSIGN_OR_RETURN(EpDispatch d, ep_dispatch(comm, plan, local, options));
+  K3_ASSIGN_OR_RETURN(EpDispatch d, ep_dispatch(comm, plan, local, options, &b));
   const auto t1 = Clock::now();
   const int64_t k = plan.problem.shape.hidden, topk = plan.problem.shape.top_k;
   int64_t slots = 0;
   for (const int64_t v : d.slots_from) slots += v;
-  std::vector<float> y(static_cast<size_t>(slots * k));
+  grow(b.y, static_cast<size_t>(slots * k));
+  const std::span<float> y(b.y.data(), static_cast<size_t>(slots * k));
   Status local_st = Status::ok();
   int64_t done_slots = 0;
   for (int64_t r0 = 0; r0 < d.rows && local_st.is_ok(); r0 += plan.max_tokens) {
@@ -282,7 +299,7 @@ Status ep_moe_run(Communicator& comm, const cpu::MoePlan& plan, const cpu::Packe
   // A failure on one rank (e.g. kInexact data) must not leave the others waiting in combine.
   K3_RETURN_IF_ERROR(agree_on_status(comm, local_st));
   const auto t2 = Clock::now();
-  K3_RETURN_IF_ERROR(ep_combine(comm, d, plan, y, local.topk_weights, out));
+  K3_RETURN_IF_ERROR(ep_combine(comm, d, plan, y, local.topk_weights, out, &b));
   if (stats != nullptr) {
     stats->rows_received = d.rows;
     stats->slots_computed = slots;

@@ -530,10 +530,12 @@ Status quantize_x_mxfp8(const MoePlan& plan, std::span<const uint16_t> x, std::s
                             std::to_string(scales.size()) + " (= x / 32)");
   }
   const Elementwise& ew = elementwise(plan.isa);
-  float vals[kBlock];
-  for (size_t b = 0; b < x.size() / kBlock; ++b) {
-    for (int i = 0; i < kBlock; ++i) vals[i] = bf16_to_f32(x[b * kBlock + static_cast<size_t>(i)]);
-    scales[b] = ew.quantize_e4m3_block(vals, codes.data() + b * kBlock);
+  const int64_t blocks = static_cast<int64_t>(x.size()) / kBlock;
+#pragma omp parallel for num_threads(plan.threads) schedule(static) if (blocks * kBlock >= kParallelMinElements)
+  for (int64_t b = 0; b < blocks; ++b) {
+    float vals[kBlock];
+    for (int i = 0; i < kBlock; ++i) vals[i] = bf16_to_f32(x[static_cast<size_t>(b * kBlock + i)]);
+    scales[static_cast<size_t>(b)] = ew.quantize_e4m3_block(vals, codes.data() + b * kBlock);
   }
   return Status::ok();
 }

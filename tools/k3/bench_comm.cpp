@@ -1,0 +1,119 @@
+// `k3 bench comm`: the multi-rank ops' data movement, next to the transport's own collectives
+// measured in the same run (docs/distributed.md, "Benchmarks"). Run it under the launcher:
+//   mpirun -np 8 k3 bench comm [--m 1,16,128] [--output comm.json]
+// Without a launcher it runs as one rank (the numbers then show only k3's local overheads).
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend_options.hpp"
+#include "bench.hpp"
+#include "k3/atomic_file.hpp"
+#include "k3/comm.hpp"
+#include "k3/ep_bench.hpp"
+#include "paths.hpp"
+
+namespace k3::tool {
+namespace {
+
+struct Args {
+  std::vector<int64_t> m = {1, 16, 128};
+  int iters = 10;
+  std::string recipe = "w4a8";
+  bool bf16_wire = false;
+  double timeout = 120;
+  std::string output;
+};
+
+std::string fmt_bytes(double b) {
+  char buf[32];
+  if (b >= 1e6) std::snprintf(buf, sizeof buf, "%.2f MB", b / 1e6);
+  else if (b >= 1e3) std::snprintf(buf, sizeof buf, "%.1f KB", b / 1e3);
+  else std::snprintf(buf, sizeof buf, "%.0f B", b);
+  return buf;
+}
+
+int run(const Args& a) {
+  std::unique_ptr<comm::Communicator> c;
+  if (comm::mpi_available().is_ok()) {
+    auto made = comm::make_mpi_communicator({.timeout_s = a.timeout});
+    if (!made.is_ok()) {
+      std::fprintf(stderr, "k3 bench comm: %s\n", made.status().to_string().c_str());
+      return 1;
+    }
+    c = std::move(made).value();
+  } else {
+    std::fprintf(stderr, "k3 bench comm: %s; measuring one rank only\n", comm::mpi_available().message().c_str());
+    c = comm::make_self_communicator();
+  }
+  const int rank = c->rank(), world = c->size();
+  auto fail = [&](const Status& st) {
+    if (rank == 0) std::fprintf(stderr, "k3 bench comm: %s\n", st.to_string().c_str());
+    return 1;
+  };
+  Status ok = Status::ok();
+  if (rank == 0 && !a.output.empty()) ok = check_output_path("--output", a.output);
+  auto recipe = parse_recipe(a.recipe);
+  if (ok.is_ok() && !recipe.is_ok()) ok = recipe.status();
+  if (Status s = comm::agree_on_status(*c, ok); !s.is_ok()) return fail(s);
+
+  MoeProblem p;  // Kimi-K3: K 3584, N 3072, E 896, top-16
+  p.recipe = recipe.value();
+  p.shape.ep_size = world;
+  p.shape.ep_rank = rank;
+  cpu::MoeOptions opt;
+  opt.threads = 1;
+  opt.isa = backend_options().isa;
+  auto plan = cpu::plan(p, opt);
+  if (Status s = comm::agree_on_status(*c, plan.status()); !s.is_ok()) return fail(s);
+  auto ep = comm::bench_ep(*c, plan.value(), a.m, a.iters, !a.bf16_wire);
+  if (!ep.is_ok()) return fail(ep.status());
+
+  nlohmann::json j;
+  if (rank == 0) {
+    const bool mx = !ep->empty() && ep->front().mxfp8_wire;
+    std::printf("EP dispatch / combine: %d %s rank%s (EP%d), K %lld, E %d, top-%d, %s, rows as %s; median of %d, max over ranks\n",
+                world, c->transport(), world == 1 ? "" : "s", world, static_cast<long long>(p.shape.hidden),
+                p.shape.num_experts, p.shape.top_k, recipe_name(p.recipe), mx ? "MXFP8 codes + scales" : "BF16", a.iters);
+    std::printf("%8s %12s %12s %14s %12s %12s %14s\n", "M/rank", "dispatch", "k3 us", "alltoallv us", "combine",
+                "k3 us", "alltoallv us");
+    for (const auto& r : ep.value()) {
+      std::printf("%8lld %12s %12.1f %14.1f %12s %12.1f %14.1f\n", static_cast<long long>(r.m),
+                  fmt_bytes(static_cast<double>(r.dispatch_bytes)).c_str(), r.dispatch_us, r.native_dispatch_us,
+                  fmt_bytes(static_cast<double>(r.combine_bytes)).c_str(), r.combine_us, r.native_combine_us);
+      j["ep"].push_back({{"m_per_rank", r.m},
+                         {"mxfp8_wire", r.mxfp8_wire},
+                         {"dispatch_bytes_per_rank", r.dispatch_bytes},
+                         {"combine_bytes_per_rank", r.combine_bytes},
+                         {"k3_dispatch_us", r.dispatch_us},
+                         {"k3_combine_us", r.combine_us},
+                         {"native_alltoallv_dispatch_us", r.native_dispatch_us},
+                         {"native_alltoallv_combine_us", r.native_combine_us}});
+    }
+    std::fflush(stdout);
+  }
+  if (rank == 0 && !a.output.empty()) {
+    j["machine"] = machine_json(1);
+    j["world_size"] = world;
+    j["transport"] = c->transport();
+    if (Status s = write_file_atomic(a.output, j.dump(2) + "\n", "--output"); !s.is_ok()) return fail(s);
+    std::printf("wrote %s\n", a.output.c_str());
+  }
+  return 0;
+}
+
+const BenchRegistration kComm("comm", [](CLI::App& bench) -> std::function<int()> {
+  auto* cmd = bench.add_subcommand("comm", "Multi-rank data movement (run under mpirun): EP dispatch/combine, all-reduce");
+  auto a = std::make_shared<Args>();
+  cmd->add_option("--m", a->m, "Tokens per rank for dispatch / combine")->delimiter(',')->check(CLI::Range(0, 1 << 20));
+  cmd->add_option("--iters", a->iters, "Timed iterations per point")->check(CLI::Range(1, 100000))->capture_default_str();
+  cmd->add_option("--recipe", a->recipe, "w4a8 (rows sent as MXFP8) or w4a16 (BF16)")->capture_default_str();
+  cmd->add_flag("--bf16-wire", a->bf16_wire, "W4A8: send BF16 rows instead of MXFP8 codes + scales");
+  cmd->add_option("--comm-timeout", a->timeout, "Seconds a collective may wait for a peer")->capture_default_str();
+  cmd->add_option("--output", a->output, "Write JSON to this file (rank 0)");
+  return [a]() { return run(*a); };
+});
+
+}  // namespace
+}  // namespace k3::tool
