@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
@@ -146,6 +148,29 @@ TEST_F(MoeDistributed, ADeadOrHungRankFailsTheJobWithinBoundedTime) {
     EXPECT_NE(r.out.find(f.expect), std::string::npos) << f.inject << "\n" << r.out;
     EXPECT_NE(r.out.find(std::string("K3_FAULT_INJECT=") + f.inject), std::string::npos) << r.out;
   }
+}
+
+TEST(BenchComm, TableAndJsonUnderMpirunAndClearErrors) {
+  test::TempDir io{"bench_comm"};
+  const std::string json = io.file("comm.json");
+  auto r = run_sh(mpirun(2, "bench comm --m 1,4 --iters 2 --output " + json));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("EP dispatch / combine: 2 mpi ranks (EP2), K 3584, E 896, top-16, w4a8, rows as MXFP8 codes + scales"),
+            std::string::npos) << r.out;
+  std::ifstream f(json);
+  const auto j = nlohmann::json::parse(f);
+  ASSERT_EQ(j.at("ep").size(), 2u);
+  EXPECT_EQ(j.at("world_size"), 2);
+  EXPECT_EQ(j.at("ep")[1].at("m_per_rank"), 4);
+  // 4 tokens x 16 slots, each on one of 2 ranks: every token reaches both ranks or one; the
+  // MXFP8 record is 64 + 3584 + 112 bytes.
+  const int64_t db = j.at("ep")[1].at("dispatch_bytes_per_rank");
+  EXPECT_EQ(db % (64 + 3584 + 112), 0) << db;
+  EXPECT_GT(j.at("ep")[1].at("k3_dispatch_us").get<double>(), 0.0);
+  r = run_sh(mpirun(2, "bench comm --recipe w8a8 --m 1"));
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("rank 0 of 2: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("w8a8"), std::string::npos) << r.out;
 }
 
 }  // namespace
