@@ -6,10 +6,12 @@
 
 #include <bit>
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <vector>
 
 #include "k3/allreduce.hpp"
+#include "k3/comm_bench.hpp"
 #include "k3/formats.hpp"
 #include "mpi/mpi_world.hpp"
 
@@ -269,3 +271,22 @@ TEST(MpiAllreduce, NativeAllreduceSumsOverRanks) {
 }
 
 }  // namespace
+
+// The benchmark table (k3/comm_bench.hpp), printed by rank 0. Not part of the suite (timings on
+// an oversubscribed CI machine mean little); run with
+//   mpirun -np 2 tests/k3_mpi_tests --gtest_also_run_disabled_tests --gtest_filter='*BenchTable*'
+TEST(MpiAllreduce, DISABLED_BenchTable) {
+  Communicator& w = k3test::world();
+  std::vector<int64_t> sizes;
+  for (int64_t b = int64_t{8} << 10; b <= int64_t{64} << 20; b *= 4) sizes.push_back(b);
+  auto t = k3::comm::bench_allreduce(w, sizes, 5, 1);
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  if (w.rank() != 0) return;
+  std::printf("W=%d %10s %6s %5s %10s %10s %10s %9s %9s\n", w.size(), "bytes", "rows", "cols", "k3_us", "k3norm_us",
+              "native_us", "k3_GB/s", "nat_GB/s");
+  for (const auto& r : *t) {
+    std::printf("    %10lld %6lld %5lld %10.1f %10.1f %10.1f %9.3f %9.3f\n", static_cast<long long>(r.bytes),
+                static_cast<long long>(r.rows), static_cast<long long>(r.cols), r.k3_us, r.k3_rmsnorm_us, r.native_us,
+                r.k3_busbw_gbs, r.native_busbw_gbs);
+  }
+}

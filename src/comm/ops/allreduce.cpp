@@ -4,8 +4,10 @@
 #include "k3/allreduce.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -38,12 +40,17 @@ struct Header {
   uint64_t gamma_digest = 0;
 };
 
+// FNV-1a over 64-bit words (4 BF16 at a time: one multiply per word keeps it cheap next to the
+// reduction), then the tail element by element. A digest for the agreement check, not a MAC.
 uint64_t fnv1a(std::span<const uint16_t> v) {
   uint64_t h = 0xcbf29ce484222325ull;
-  for (const uint16_t x : v) {
-    h = (h ^ (x & 0xFFu)) * 0x100000001b3ull;
-    h = (h ^ (x >> 8)) * 0x100000001b3ull;
+  size_t i = 0;
+  for (; i + 4 <= v.size(); i += 4) {
+    uint64_t word;
+    std::memcpy(&word, v.data() + i, sizeof word);
+    h = (h ^ word) * 0x100000001b3ull;
   }
+  for (; i < v.size(); ++i) h = (h ^ v[i]) * 0x100000001b3ull;
   return h;
 }
 
@@ -154,57 +161,112 @@ Status agree(Communicator& comm, const Call& c, const Status& local) {
   return Status::ok();
 }
 
+// One owned row i: the exact sums of its W contributions (recv plane q = rank q) and the
+// epilogue. Compiled for AVX2 and for the baseline ISA (ifunc dispatch): the same IEEE operations
+// in both (no FMA: -ffp-contract=off), so the bits do not depend on the CPU either.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#define K3_AR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define K3_AR_CLONES
+#endif
+K3_AR_CLONES void reduce_row(const Call& c, const uint16_t* recv, int w, int64_t plane, int64_t i, int64_t row0,
+                             uint16_t* out_rows, uint16_t* res_rows, double* s, double* err, float* sum) {
+  const int64_t cols = c.cols;
+  const size_t ncols = static_cast<size_t>(cols);
+  {  // plane 0: -0.0 + x is x exactly (the -0 start keeps exact_sum.hpp's zero-sign rule)
+    const uint16_t* src = recv + i * cols;
+    for (size_t j = 0; j < ncols; ++j) {
+      s[j] = static_cast<double>(bf16_to_f32(src[j]));
+      err[j] = 0.0;
+    }
+  }
+  for (int q = 1; q < w; ++q) {  // FP64 + TwoSum, vectorized over columns
+    const uint16_t* src = recv + q * plane + i * cols;
+    for (size_t j = 0; j < ncols; ++j) {
+      const double xv = static_cast<double>(bf16_to_f32(src[j]));
+      const double t = s[j] + xv;
+      const double bp = t - s[j];
+      const double e = (s[j] - (t - bp)) + (xv - bp);
+      s[j] = t;
+      err[j] += std::fabs(e);  // stays 0 iff every step was exact; NaN for non-finite inputs
+    }
+  }
+  // Exact and in FP32's range: one conversion; the rest (err != 0, NaN, Inf, overflow) is
+  // summed again by exact_sum_bf16 (whose fallback is the fixed-point accumulator).
+  // Integer compares on the bit patterns (FP compares may trap, which blocks vectorization):
+  // err == +0 exactly, and |s| below FP32's overflow threshold (NaN fails both).
+  constexpr uint64_t kInfFromBits = 0x47EFFFFFF0000000ull;  // 0x1.ffffffp127
+  constexpr uint64_t kOneBits = 0x3FF0000000000000ull;       // 1.0
+  int64_t slow = 0;
+  for (size_t j = 0; j < ncols; ++j) {
+    const uint64_t sb = std::bit_cast<uint64_t>(s[j]);
+    const uint64_t ok = static_cast<uint64_t>((std::bit_cast<uint64_t>(err[j]) == 0) &
+                                              ((sb & 0x7FFFFFFFFFFFFFFFull) < kInfFromBits));
+    const uint64_t m = 0 - ok;  // all ones on the fast path
+    sum[j] = static_cast<float>(std::bit_cast<double>(sb & m));
+    err[j] = std::bit_cast<double>(~m & kOneBits);  // 1.0 marks the elements to redo
+    slow += static_cast<int64_t>(1 - ok);
+  }
+  if (slow > 0) {
+    for (size_t j = 0; j < ncols; ++j) {
+      if (err[j] != 0.0) sum[j] = detail::exact_sum_bf16(recv + i * cols + static_cast<int64_t>(j), plane, w);
+    }
+  }
+  uint16_t* o = out_rows + i * cols;
+  if (!c.norm) {
+    for (size_t j = 0; j < ncols; ++j) o[j] = bf16_from_f32(sum[j]);
+    return;
+  }
+  uint16_t* ro = res_rows + i * cols;
+  if (!c.residual.empty()) {
+    const uint16_t* res = c.residual.data() + (row0 + i) * cols;
+    for (size_t j = 0; j < ncols; ++j) ro[j] = bf16_from_f32(sum[j] + bf16_to_f32(res[j]));
+  } else {
+    for (size_t j = 0; j < ncols; ++j) ro[j] = bf16_from_f32(sum[j]);
+  }
+  double acc = 0.0;  // column order, FP64 (a serial chain by contract)
+  for (size_t j = 0; j < ncols; ++j) {
+    const double r = static_cast<double>(bf16_to_f32(ro[j]));
+    acc += r * r;
+  }
+  const double rstd = 1.0 / std::sqrt(acc / static_cast<double>(cols) + static_cast<double>(c.eps));
+  const uint16_t* g = c.gamma.data();
+  for (size_t j = 0; j < ncols; ++j) {
+    const double y = (static_cast<double>(bf16_to_f32(ro[j])) * rstd) * static_cast<double>(bf16_to_f32(g[j]));
+    o[j] = bf16_from_f32(detail::f32_from_f64(y));
+  }
+}
+
 // Reduces the owned rows: recv holds W planes of [mine, cols] (plane q from rank q).
 void reduce_rows(const Call& c, const uint16_t* recv, int w, int64_t mine, int64_t row0, uint16_t* out_rows,
                  uint16_t* res_rows) {
-  const int64_t cols = c.cols;
-  const int64_t plane = mine * cols;
-  const size_t ncols = static_cast<size_t>(cols);
+  const auto ncols = static_cast<size_t>(c.cols);
 #pragma omp parallel num_threads(c.opt.threads)
   {
     std::vector<double> s(ncols), err(ncols);
     std::vector<float> sum(ncols);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < mine; ++i) {
-      std::fill(s.begin(), s.end(), -0.0);  // -0: the zero-sign rule of exact_sum.hpp
-      std::fill(err.begin(), err.end(), 0.0);
-      for (int q = 0; q < w; ++q) {  // FP64 + TwoSum, vectorizable over columns
-        const uint16_t* src = recv + q * plane + i * cols;
-        for (size_t j = 0; j < ncols; ++j) {
-          const double xv = static_cast<double>(bf16_to_f32(src[j]));
-          const double t = s[j] + xv;
-          const double bp = t - s[j];
-          const double e = (s[j] - (t - bp)) + (xv - bp);
-          s[j] = t;
-          err[j] += std::fabs(e);  // stays 0 iff every step was exact; NaN for non-finite inputs
-        }
-      }
-      for (size_t j = 0; j < ncols; ++j) {
-        sum[j] = err[j] == 0.0 ? detail::f32_from_f64(s[j])
-                               : detail::exact_sum_bf16_fixed(recv + i * cols + static_cast<int64_t>(j), plane, w);
-      }
-      uint16_t* o = out_rows + i * cols;
-      if (!c.norm) {
-        for (size_t j = 0; j < ncols; ++j) o[j] = bf16_from_f32(sum[j]);
-        continue;
-      }
-      uint16_t* ro = res_rows + i * cols;
-      const uint16_t* res = c.residual.empty() ? nullptr : c.residual.data() + (row0 + i) * cols;
-      double acc = 0.0;
-      for (size_t j = 0; j < ncols; ++j) {
-        const float z = res != nullptr ? sum[j] + bf16_to_f32(res[j]) : sum[j];
-        ro[j] = bf16_from_f32(z);
-        const double r = static_cast<double>(bf16_to_f32(ro[j]));
-        acc += r * r;
-      }
-      const double rstd = 1.0 / std::sqrt(acc / static_cast<double>(cols) + static_cast<double>(c.eps));
-      for (size_t j = 0; j < ncols; ++j) {
-        const double r = static_cast<double>(bf16_to_f32(ro[j]));
-        const double g = static_cast<double>(bf16_to_f32(c.gamma[j]));
-        o[j] = bf16_from_f32(detail::f32_from_f64((r * rstd) * g));
-      }
+      reduce_row(c, recv, w, mine * c.cols, i, row0, out_rows, res_rows, s.data(), err.data(), sum.data());
     }
   }
+}
+
+// Scratch of a call: uninitialized (no zero-fill of buffers about to be overwritten) and, up to
+// kKeepScratchBytes, kept per calling thread so that repeated calls do not fault pages in again.
+constexpr size_t kKeepScratchBytes = size_t{256} << 20;
+uint16_t* scratch(size_t elements, std::unique_ptr<uint16_t[]>& own) {
+  thread_local std::unique_ptr<uint16_t[]> kept;
+  thread_local size_t kept_elements = 0;
+  if (elements * 2 > kKeepScratchBytes) {
+    own.reset(new uint16_t[elements]);
+    return own.get();
+  }
+  if (elements > kept_elements) {
+    kept.reset(new uint16_t[elements]);
+    kept_elements = elements;
+  }
+  return kept.get();
 }
 
 Status run(Communicator& comm, const Call& c) {
@@ -217,7 +279,12 @@ Status run(Communicator& comm, const Call& c) {
   // The owner receives ceil(n / W) <= (n + W - 1) / W rows from each of W ranks.
   const int64_t round_rows = std::max<int64_t>(1, limit / row_bytes - (w - 1));
   std::vector<int64_t> counts(uw), recv_counts(uw);
-  std::vector<uint16_t> recv, out_stage, res_stage;
+  // Largest round: the owner gets at most ceil(round_rows / W) rows from each of W ranks.
+  const int64_t max_mine = (std::min(round_rows, c.rows) + w - 1) / w;
+  std::unique_ptr<uint16_t[]> own;
+  uint16_t* const recv = scratch(static_cast<size_t>((w + 2) * max_mine * c.cols), own);
+  uint16_t* const out_stage = recv + w * max_mine * c.cols;
+  uint16_t* const res_stage = out_stage + max_mine * c.cols;
   for (int64_t r0 = 0; r0 < c.rows; r0 += round_rows) {
     const int64_t n = std::min(round_rows, c.rows - r0);
     auto lo = [&](int q) { return r0 + n * q / w; };  // rank q owns rows [lo(q), lo(q + 1))
@@ -226,17 +293,13 @@ Status run(Communicator& comm, const Call& c) {
       counts[static_cast<size_t>(q)] = (lo(q + 1) - lo(q)) * row_bytes;
       recv_counts[static_cast<size_t>(q)] = mine * row_bytes;
     }
-    recv.resize(static_cast<size_t>(w * mine * c.cols));
-    out_stage.resize(static_cast<size_t>(mine * c.cols));
-    if (c.norm) res_stage.resize(static_cast<size_t>(mine * c.cols));
     // Phase 1: my partial rows of shard q go to rank q (x's shards are contiguous: no packing).
-    K3_RETURN_IF_ERROR(comm.alltoallv(c.x.data() + r0 * c.cols, counts, recv.data(), recv_counts));
-    if (mine > 0) reduce_rows(c, recv.data(), w, mine, lo(me), out_stage.data(), res_stage.data());
+    K3_RETURN_IF_ERROR(comm.alltoallv(c.x.data() + r0 * c.cols, counts, recv, recv_counts));
+    if (mine > 0) reduce_rows(c, recv, w, mine, lo(me), out_stage, res_stage);
     // Phase 2: every rank gathers every shard's results.
-    K3_RETURN_IF_ERROR(comm.allgatherv(out_stage.data(), mine * row_bytes, c.out.data() + r0 * c.cols, counts));
+    K3_RETURN_IF_ERROR(comm.allgatherv(out_stage, mine * row_bytes, c.out.data() + r0 * c.cols, counts));
     if (c.norm) {
-      K3_RETURN_IF_ERROR(
-          comm.allgatherv(res_stage.data(), mine * row_bytes, c.residual_out.data() + r0 * c.cols, counts));
+      K3_RETURN_IF_ERROR(comm.allgatherv(res_stage, mine * row_bytes, c.residual_out.data() + r0 * c.cols, counts));
     }
   }
   return Status::ok();

@@ -76,11 +76,13 @@ Result<std::vector<AllreduceBenchRecord>> bench_allreduce(Communicator& comm, st
     rec.rows = requested >= 2 * kCols ? requested / (2 * kCols) : 1;
     rec.bytes = rec.rows * rec.cols * 2;
     const auto n = static_cast<size_t>(rec.rows * rec.cols);
-    uint64_t state = 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(comm.rank());
+    // x differs per rank; residual and gamma are replicated, as in tensor parallelism.
+    uint64_t state = 0x9E3779B97F4A7C15ull;
     std::vector<uint16_t> x(n), residual(n), out(n), residual_out(n), gamma(static_cast<size_t>(rec.cols));
-    for (auto& v : x) v = random_bf16(state);
     for (auto& v : residual) v = random_bf16(state);
     for (auto& v : gamma) v = bf16_from_f32(1.0f + 0.25f * bf16_to_f32(random_bf16(state)));
+    state ^= static_cast<uint64_t>(comm.rank() + 1) * 0xD1B54A32D192ED03ull;
+    for (auto& v : x) v = random_bf16(state);
     const auto nothing = [] {};
     K3_ASSIGN_OR_RETURN(rec.k3_us, time_us(comm, warmup, iters, nothing,
                                            [&] { return allreduce_bf16(comm, x, rec.rows, rec.cols, out, opt); }));

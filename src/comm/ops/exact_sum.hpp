@@ -164,12 +164,17 @@ inline float exact_sum_bf16_fixed(const uint16_t* v, int64_t stride, int64_t n) 
 }
 
 // FP64 -> FP32, round to nearest even, +-Inf from 2^128 - 2^103 on (explicit: a double -> float
-// conversion out of float's range is undefined in C++). NaN stays NaN.
+// conversion out of float's range is undefined in C++). NaN stays NaN. Integer compares on the
+// bit pattern only, so that loops over it vectorize (FP compares may trap: no if-conversion).
 inline float f32_from_f64(double s) {
-  constexpr double kInfFrom = 0x1.ffffffp127;  // halfway between FLT_MAX and 2^128: ties to Inf
-  if (s >= kInfFrom) return std::numeric_limits<float>::infinity();
-  if (s <= -kInfFrom) return -std::numeric_limits<float>::infinity();
-  return static_cast<float>(s);
+  const uint64_t b = std::bit_cast<uint64_t>(s);
+  const uint64_t a = b & 0x7FFFFFFFFFFFFFFFull;
+  // all ones when |s| >= 0x1.ffffffp127 (FLT_MAX + half an ulp) and s is not NaN
+  const uint64_t huge = 0 - static_cast<uint64_t>((a >= 0x47EFFFFFF0000000ull) & (a <= 0x7FF0000000000000ull));
+  const float f = static_cast<float>(std::bit_cast<double>(b & ~huge));  // 0 in place of huge values
+  const uint32_t inf = 0x7F800000u | (static_cast<uint32_t>(b >> 32) & 0x80000000u);
+  const auto m = static_cast<uint32_t>(huge);
+  return std::bit_cast<float>((std::bit_cast<uint32_t>(f) & ~m) | (inf & m));
 }
 
 // One TwoSum step: s += x; returns whether the FP64 addition was inexact (or non-finite).
