@@ -14,6 +14,9 @@
 // kInvalidArgument (the bad rank names its argument; the others name that rank) and nothing
 // is moved, so one bad rank never leaves its peers waiting. Transport failures (a peer gone)
 // return kUnavailable as in k3/comm.hpp.
+//
+// Memory: each call needs (W + 2) * ceil(rows / W) * cols BF16 of scratch (per round); up to
+// 256 MiB of it is kept per calling thread between calls.
 #pragma once
 
 #include <cstdint>
