@@ -272,6 +272,25 @@ TEST(MpiAllreduce, NativeAllreduceSumsOverRanks) {
 
 }  // namespace
 
+TEST(MpiAllreduce, BenchReturnsTheSameTableOnEveryRank) {
+  Communicator& w = k3test::world();
+  const std::vector<int64_t> sizes = {64, 3 * 7168};
+  auto t = k3::comm::bench_allreduce(w, sizes, 2, 1);
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  ASSERT_EQ(t->size(), 2u);
+  EXPECT_EQ((*t)[1].rows, 3);
+  EXPECT_EQ((*t)[1].cols, 3584);
+  const double mine[3] = {(*t)[1].k3_us, (*t)[1].k3_rmsnorm_us, (*t)[1].native_us};
+  std::vector<double> all(3 * static_cast<size_t>(w.size()));
+  ASSERT_TRUE(w.allgather(mine, sizeof mine, all.data()).is_ok());
+  for (size_t k = 0; k < all.size(); ++k) EXPECT_EQ(all[k], mine[k % 3]) << "rank " << k / 3;
+  EXPECT_EQ((*t)[1].k3_busbw_gbs > 0, w.size() > 1);
+  // different sizes on one rank: every rank gets the error
+  const std::vector<int64_t> other = {w.rank() == w.size() - 1 ? int64_t{128} : int64_t{64}};
+  const auto bad = k3::comm::bench_allreduce(w, other, 2, 1);
+  EXPECT_EQ(bad.is_ok(), w.size() == 1) << bad.status().to_string();
+}
+
 // The benchmark table (k3/comm_bench.hpp), printed by rank 0. Not part of the suite (timings on
 // an oversubscribed CI machine mean little); run with
 //   mpirun -np 2 tests/k3_mpi_tests --gtest_also_run_disabled_tests --gtest_filter='*BenchTable*'
