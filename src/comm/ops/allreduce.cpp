@@ -241,7 +241,16 @@ K3_AR_CLONES void reduce_row(const Call& c, const uint16_t* recv, int w, int64_t
 void reduce_rows(const Call& c, const uint16_t* recv, int w, int64_t mine, int64_t row0, uint16_t* out_rows,
                  uint16_t* res_rows) {
   const auto ncols = static_cast<size_t>(c.cols);
-#pragma omp parallel num_threads(c.opt.threads)
+  const int threads = static_cast<int>(std::min<int64_t>(c.opt.threads, mine));
+  if (threads <= 1) {  // no parallel region for one thread (latency of small messages)
+    std::vector<double> s(ncols), err(ncols);
+    std::vector<float> sum(ncols);
+    for (int64_t i = 0; i < mine; ++i) {
+      reduce_row(c, recv, w, mine * c.cols, i, row0, out_rows, res_rows, s.data(), err.data(), sum.data());
+    }
+    return;
+  }
+#pragma omp parallel num_threads(threads)
   {
     std::vector<double> s(ncols), err(ncols);
     std::vector<float> sum(ncols);
