@@ -15,8 +15,10 @@
 // is moved, so one bad rank never leaves its peers waiting. Transport failures (a peer gone)
 // return kUnavailable as in k3/comm.hpp.
 //
-// Memory: each call needs (W + 2) * ceil(rows / W) * cols BF16 of scratch (per round); up to
-// 256 MiB of it is kept per calling thread between calls.
+// Memory: each call needs (W + 2) * ceil(rows / W) * cols BF16 of scratch (per round) plus
+// 20 * cols bytes per thread, allocated before the agreement (a rank that cannot allocate it
+// returns kUnavailable and fails the others as a bad argument would); up to 256 MiB of it is
+// kept per calling thread between calls.
 #pragma once
 
 #include <cstdint>

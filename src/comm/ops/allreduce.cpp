@@ -3,8 +3,12 @@
 // reduction (+ residual add + RMSNorm) of the owned rows, allgatherv of the results.
 #include "k3/allreduce.hpp"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <bit>
+#include <cstddef>
+#include <new>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -133,7 +137,8 @@ Status agree(Communicator& comm, const Call& c, const Status& local) {
   for (int q = 0; q < w; ++q) {
     if (all[static_cast<size_t>(q)].ok == 0) {
       return invalid_argument(fn + ": rank " + str(q) + " of " + str(w) +
-                              " rejected its arguments (that rank's error names them); no data was moved");
+                              " rejected its arguments or could not allocate its scratch (that rank's error says "
+                              "which); no data was moved");
     }
   }
   const Header& h0 = all[0];
@@ -237,63 +242,100 @@ K3_AR_CLONES void reduce_row(const Call& c, const uint16_t* recv, int w, int64_t
   }
 }
 
-// Reduces the owned rows: recv holds W planes of [mine, cols] (plane q from rank q).
-void reduce_rows(const Call& c, const uint16_t* recv, int w, int64_t mine, int64_t row0, uint16_t* out_rows,
-                 uint16_t* res_rows) {
+// Scratch of a call, one block: per thread the row buffers (s and err: double[cols], sum:
+// float[cols]), then the W receive planes and the two staging buffers ([max_mine, cols] BF16).
+// Allocated before the agreement (an allocation failure is one more reason for every rank to
+// return an error), without zero-filling, and up to kKeepScratchBytes kept per calling thread so
+// that repeated calls do not fault its pages in again.
+constexpr size_t kKeepScratchBytes = size_t{256} << 20;
+
+struct FreeAligned {
+  void operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t{64}); }
+};
+using AlignedBytes = std::unique_ptr<std::byte[], FreeAligned>;
+
+size_t round64(size_t n) { return (n + 63) / 64 * 64; }
+
+struct Scratch {
+  AlignedBytes own;             // when too large to keep
+  std::byte* base = nullptr;
+  int threads = 1;
+  size_t thread_bytes = 0;      // row buffers of one thread
+  uint16_t *recv = nullptr, *out_stage = nullptr, *res_stage = nullptr;
+
+  double* s(int t) const { return reinterpret_cast<double*>(base + static_cast<size_t>(t) * thread_bytes); }
+};
+
+Status make_scratch(const Call& c, int w, int64_t round_rows, Scratch& sc) {
   const auto ncols = static_cast<size_t>(c.cols);
-  const int threads = static_cast<int>(std::min<int64_t>(c.opt.threads, mine));
-  if (threads <= 1) {  // no parallel region for one thread (latency of small messages)
-    std::vector<double> s(ncols), err(ncols);
-    std::vector<float> sum(ncols);
-    for (int64_t i = 0; i < mine; ++i) {
-      reduce_row(c, recv, w, mine * c.cols, i, row0, out_rows, res_rows, s.data(), err.data(), sum.data());
+  const int64_t max_mine = (std::min(round_rows, c.rows) + w - 1) / w;  // rows owned in a round
+  sc.threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(c.opt.threads, max_mine)));
+  sc.thread_bytes = round64(ncols * (2 * sizeof(double) + sizeof(float)));
+  const size_t planes = static_cast<size_t>(max_mine * c.cols);  // one [max_mine, cols] plane
+  const size_t bytes = static_cast<size_t>(sc.threads) * sc.thread_bytes + round64(planes * (static_cast<size_t>(w) + 2) * 2);
+  auto alloc = [](size_t n) {
+    return AlignedBytes(static_cast<std::byte*>(::operator new[](n, std::align_val_t{64}, std::nothrow)));
+  };
+  thread_local AlignedBytes kept;
+  thread_local size_t kept_bytes = 0;
+  if (bytes > kKeepScratchBytes) {
+    sc.own = alloc(bytes);
+    sc.base = sc.own.get();
+  } else {
+    if (bytes > kept_bytes) {
+      kept.reset();
+      kept_bytes = 0;
+      kept = alloc(bytes);
+      if (kept) kept_bytes = bytes;
     }
+    sc.base = kept.get();
+  }
+  if (sc.base == nullptr) {
+    return unavailable(std::string(c.fn) + ": cannot allocate " + std::to_string(bytes) + " bytes of scratch (rows = " +
+                       str(c.rows) + ", cols = " + str(c.cols) + ", " + str(w) + " ranks)");
+  }
+  sc.recv = reinterpret_cast<uint16_t*>(sc.base + static_cast<size_t>(sc.threads) * sc.thread_bytes);
+  sc.out_stage = sc.recv + static_cast<size_t>(w) * planes;
+  sc.res_stage = sc.out_stage + planes;
+  return Status::ok();
+}
+
+// Reduces the owned rows: sc.recv holds W planes of [mine, cols] (plane q from rank q).
+void reduce_rows(const Call& c, const Scratch& sc, int w, int64_t mine, int64_t row0) {
+  const auto ncols = static_cast<size_t>(c.cols);
+  const auto kernel = [&](int t, int64_t i) {
+    double* s = sc.s(t);
+    double* err = s + ncols;
+    auto* sum = reinterpret_cast<float*>(err + ncols);
+    reduce_row(c, sc.recv, w, mine * c.cols, i, row0, sc.out_stage, sc.res_stage, s, err, sum);
+  };
+  const int threads = static_cast<int>(std::min<int64_t>(sc.threads, mine));
+  if (threads <= 1) {  // no parallel region for one thread (latency of small messages)
+    for (int64_t i = 0; i < mine; ++i) kernel(0, i);
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<double> s(ncols), err(ncols);
-    std::vector<float> sum(ncols);
+    const int t = omp_get_thread_num();
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < mine; ++i) {
-      reduce_row(c, recv, w, mine * c.cols, i, row0, out_rows, res_rows, s.data(), err.data(), sum.data());
-    }
+    for (int64_t i = 0; i < mine; ++i) kernel(t, i);
   }
-}
-
-// Scratch of a call: uninitialized (no zero-fill of buffers about to be overwritten) and, up to
-// kKeepScratchBytes, kept per calling thread so that repeated calls do not fault pages in again.
-constexpr size_t kKeepScratchBytes = size_t{256} << 20;
-uint16_t* scratch(size_t elements, std::unique_ptr<uint16_t[]>& own) {
-  thread_local std::unique_ptr<uint16_t[]> kept;
-  thread_local size_t kept_elements = 0;
-  if (elements * 2 > kKeepScratchBytes) {
-    own.reset(new uint16_t[elements]);
-    return own.get();
-  }
-  if (elements > kept_elements) {
-    kept.reset(new uint16_t[elements]);
-    kept_elements = elements;
-  }
-  return kept.get();
 }
 
 Status run(Communicator& comm, const Call& c) {
-  K3_RETURN_IF_ERROR(agree(comm, c, validate_local(c)));
-  if (c.rows == 0 || c.cols == 0) return Status::ok();
   const int w = comm.size(), me = comm.rank();
   const auto uw = static_cast<size_t>(w);
+  Status local = validate_local(c);
   const int64_t row_bytes = 2 * c.cols;
   const int64_t limit = c.opt.max_call_bytes > 0 ? c.opt.max_call_bytes : kDefaultCallBytes;
-  // The owner receives ceil(n / W) <= (n + W - 1) / W rows from each of W ranks.
-  const int64_t round_rows = std::max<int64_t>(1, limit / row_bytes - (w - 1));
+  // Rows per round: the owner receives ceil(n / W) <= (n + W - 1) / W rows from each of W
+  // ranks, so (n + W - 1) rows of bytes must fit the limit (at least one row per round).
+  const int64_t round_rows = row_bytes > 0 ? std::max<int64_t>(1, limit / row_bytes - (w - 1)) : 1;
+  Scratch sc;
+  if (local.is_ok() && c.rows > 0 && c.cols > 0) local = make_scratch(c, w, round_rows, sc);
+  K3_RETURN_IF_ERROR(agree(comm, c, local));
+  if (c.rows == 0 || c.cols == 0) return Status::ok();
   std::vector<int64_t> counts(uw), recv_counts(uw);
-  // Largest round: the owner gets at most ceil(round_rows / W) rows from each of W ranks.
-  const int64_t max_mine = (std::min(round_rows, c.rows) + w - 1) / w;
-  std::unique_ptr<uint16_t[]> own;
-  uint16_t* const recv = scratch(static_cast<size_t>((w + 2) * max_mine * c.cols), own);
-  uint16_t* const out_stage = recv + w * max_mine * c.cols;
-  uint16_t* const res_stage = out_stage + max_mine * c.cols;
   for (int64_t r0 = 0; r0 < c.rows; r0 += round_rows) {
     const int64_t n = std::min(round_rows, c.rows - r0);
     auto lo = [&](int q) { return r0 + n * q / w; };  // rank q owns rows [lo(q), lo(q + 1))
@@ -303,12 +345,12 @@ Status run(Communicator& comm, const Call& c) {
       recv_counts[static_cast<size_t>(q)] = mine * row_bytes;
     }
     // Phase 1: my partial rows of shard q go to rank q (x's shards are contiguous: no packing).
-    K3_RETURN_IF_ERROR(comm.alltoallv(c.x.data() + r0 * c.cols, counts, recv, recv_counts));
-    if (mine > 0) reduce_rows(c, recv, w, mine, lo(me), out_stage, res_stage);
+    K3_RETURN_IF_ERROR(comm.alltoallv(c.x.data() + r0 * c.cols, counts, sc.recv, recv_counts));
+    if (mine > 0) reduce_rows(c, sc, w, mine, lo(me));
     // Phase 2: every rank gathers every shard's results.
-    K3_RETURN_IF_ERROR(comm.allgatherv(out_stage, mine * row_bytes, c.out.data() + r0 * c.cols, counts));
+    K3_RETURN_IF_ERROR(comm.allgatherv(sc.out_stage, mine * row_bytes, c.out.data() + r0 * c.cols, counts));
     if (c.norm) {
-      K3_RETURN_IF_ERROR(comm.allgatherv(res_stage, mine * row_bytes, c.residual_out.data() + r0 * c.cols, counts));
+      K3_RETURN_IF_ERROR(comm.allgatherv(sc.res_stage, mine * row_bytes, c.residual_out.data() + r0 * c.cols, counts));
     }
   }
   return Status::ok();

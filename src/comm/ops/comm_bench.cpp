@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <new>
 #include <string>
 
 #include "k3/allreduce.hpp"
@@ -46,10 +47,8 @@ uint16_t random_bf16(uint64_t& state) {
   return bf16_from_f32(static_cast<float>(2.0 * u - 1.0));
 }
 
-}  // namespace
-
-Result<std::vector<AllreduceBenchRecord>> bench_allreduce(Communicator& comm, std::span<const int64_t> sizes_bytes,
-                                                          int iters, int threads) {
+Result<std::vector<AllreduceBenchRecord>> bench_impl(Communicator& comm, std::span<const int64_t> sizes_bytes,
+                                                     int iters, int threads) {
   if (iters < 1 || iters > 10000) return invalid_argument("bench_allreduce: iters = " + std::to_string(iters) + " must be in [1, 10000]");
   std::string key = "iters=" + std::to_string(iters);
   for (size_t k = 0; k < sizes_bytes.size(); ++k) {
@@ -113,6 +112,18 @@ Result<std::vector<AllreduceBenchRecord>> bench_allreduce(Communicator& comm, st
     table.push_back(rec);
   }
   return table;
+}
+
+}  // namespace
+
+Result<std::vector<AllreduceBenchRecord>> bench_allreduce(Communicator& comm, std::span<const int64_t> sizes_bytes,
+                                                          int iters, int threads) {
+  try {
+    return bench_impl(comm, sizes_bytes, iters, threads);
+  } catch (const std::bad_alloc&) {  // the inputs of a size too large for this machine
+    return unavailable("bench_allreduce: out of memory for the benchmark buffers (rank " + std::to_string(comm.rank()) +
+                       ")");
+  }
 }
 
 }  // namespace k3::comm
