@@ -85,6 +85,17 @@ class MpiCommunicator final : public Communicator {
     const int rc0 = MPI_Ibarrier(MPI_COMM_WORLD, &req);
     return wait("MPI_Ibarrier", rc0, req);
   }
+  Status native_allreduce_sum_f32(float* data, int64_t count) override {
+    if (count < 0 || count > INT_MAX) {
+      return invalid_argument("native_allreduce_sum_f32: count = " + std::to_string(count) + " must be in [0, 2^31 - 1]");
+    }
+    if (count > 0 && data == nullptr) {
+      return invalid_argument("native_allreduce_sum_f32: data is null with count = " + std::to_string(count));
+    }
+    MPI_Request req;
+    const int rc0 = MPI_Iallreduce(MPI_IN_PLACE, data, static_cast<int>(count), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &req);
+    return wait("MPI_Iallreduce", rc0, req);
+  }
   void abort(int exit_code) override {
     MPI_Abort(MPI_COMM_WORLD, exit_code);
     std::_Exit(exit_code);
