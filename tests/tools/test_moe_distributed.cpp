@@ -153,7 +153,7 @@ TEST_F(MoeDistributed, ADeadOrHungRankFailsTheJobWithinBoundedTime) {
 TEST(BenchComm, TableAndJsonUnderMpirunAndClearErrors) {
   test::TempDir io{"bench_comm"};
   const std::string json = io.file("comm.json");
-  auto r = run_sh(mpirun(2, "bench comm --m 1,4 --iters 2 --output " + json));
+  auto r = run_sh(mpirun(2, "bench comm --m 1,4 --iters 2 --allreduce-kib 8,64 --output " + json));
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("EP dispatch / combine: 2 mpi ranks (EP2), K 3584, E 896, top-16, w4a8, rows as MXFP8 codes + scales"),
             std::string::npos) << r.out;
@@ -167,6 +167,10 @@ TEST(BenchComm, TableAndJsonUnderMpirunAndClearErrors) {
   const int64_t db = j.at("ep")[1].at("dispatch_bytes_per_rank");
   EXPECT_EQ(db % (64 + 3584 + 112), 0) << db;
   EXPECT_GT(j.at("ep")[1].at("k3_dispatch_us").get<double>(), 0.0);
+  ASSERT_EQ(j.at("allreduce").size(), 2u);
+  EXPECT_EQ(j.at("allreduce")[1].at("bytes"), 64 * 1024 / 7168 * 7168);
+  EXPECT_GT(j.at("allreduce")[1].at("native_allreduce_f32_us").get<double>(), 0.0);
+  EXPECT_NE(r.out.find("TP all-reduce (BF16 in/out, exact sum"), std::string::npos) << r.out;
   r = run_sh(mpirun(2, "bench comm --recipe w8a8 --m 1"));
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("rank 0 of 2: "), std::string::npos) << r.out;

@@ -11,6 +11,7 @@
 #include "bench.hpp"
 #include "k3/atomic_file.hpp"
 #include "k3/comm.hpp"
+#include "k3/comm_bench.hpp"
 #include "k3/ep_bench.hpp"
 #include "paths.hpp"
 
@@ -22,6 +23,8 @@ struct Args {
   int iters = 10;
   std::string recipe = "w4a8";
   bool bf16_wire = false;
+  std::vector<int64_t> allreduce_kib = {8, 64, 512, 4096, 32768, 65536};
+  bool skip_ep = false, skip_allreduce = false;
   double timeout = 120;
   std::string output;
 };
@@ -67,11 +70,12 @@ int run(const Args& a) {
   opt.isa = backend_options().isa;
   auto plan = cpu::plan(p, opt);
   if (Status s = comm::agree_on_status(*c, plan.status()); !s.is_ok()) return fail(s);
-  auto ep = comm::bench_ep(*c, plan.value(), a.m, a.iters, !a.bf16_wire);
+  Result<std::vector<comm::EpBenchRecord>> ep = std::vector<comm::EpBenchRecord>{};
+  if (!a.skip_ep) ep = comm::bench_ep(*c, plan.value(), a.m, a.iters, !a.bf16_wire);
   if (!ep.is_ok()) return fail(ep.status());
 
   nlohmann::json j;
-  if (rank == 0) {
+  if (rank == 0 && !a.skip_ep) {
     const bool mx = !ep->empty() && ep->front().mxfp8_wire;
     std::printf("EP dispatch / combine: %d %s rank%s (EP%d), K %lld, E %d, top-%d, %s, rows as %s; median of %d, max over ranks\n",
                 world, c->transport(), world == 1 ? "" : "s", world, static_cast<long long>(p.shape.hidden),
@@ -93,6 +97,34 @@ int run(const Args& a) {
     }
     std::fflush(stdout);
   }
+  if (!a.skip_allreduce) {
+    std::vector<int64_t> sizes;
+    for (const int64_t kib : a.allreduce_kib) sizes.push_back(kib * 1024);
+    auto ar = comm::bench_allreduce(*c, sizes, a.iters, 1);
+    if (!ar.is_ok()) return fail(ar.status());
+    if (rank == 0) {
+      std::printf("\nTP all-reduce (BF16 in/out, exact sum rounded once to FP32; same bits for every world size): %d %s rank%s, "
+                  "median of %d, max over ranks; bus bandwidth 2(W-1)/W x bytes / time\n",
+                  world, c->transport(), world == 1 ? "" : "s", a.iters);
+      std::printf("%10s %10s %12s %14s %16s %12s %14s\n", "bytes", "rows", "k3 us", "k3 GB/s", "k3+RMSNorm us",
+                  "native us", "native GB/s");
+      for (const auto& r : ar.value()) {
+        std::printf("%10s %10lld %12.1f %14.2f %16.1f %12.1f %14.2f\n", fmt_bytes(static_cast<double>(r.bytes)).c_str(),
+                    static_cast<long long>(r.rows), r.k3_us, r.k3_busbw_gbs, r.k3_rmsnorm_us, r.native_us,
+                    r.native_busbw_gbs);
+        j["allreduce"].push_back({{"bytes", r.bytes},
+                                  {"rows", r.rows},
+                                  {"cols", r.cols},
+                                  {"k3_us", r.k3_us},
+                                  {"k3_rmsnorm_us", r.k3_rmsnorm_us},
+                                  {"native_allreduce_f32_us", r.native_us},
+                                  {"k3_busbw_gbs", r.k3_busbw_gbs},
+                                  {"native_busbw_gbs", r.native_busbw_gbs}});
+      }
+      std::printf("(native: %s's own all-reduce of bytes/4 FP32 values, MPI_Allreduce; its bits depend on the reduction order)\n",
+                  c->transport());
+    }
+  }
   if (rank == 0 && !a.output.empty()) {
     j["machine"] = machine_json(1);
     j["world_size"] = world;
@@ -111,6 +143,11 @@ const BenchRegistration kComm("comm", [](CLI::App& bench) -> std::function<int()
   cmd->add_option("--recipe", a->recipe, "w4a8 (rows sent as MXFP8) or w4a16 (BF16)")->capture_default_str();
   cmd->add_flag("--bf16-wire", a->bf16_wire, "W4A8: send BF16 rows instead of MXFP8 codes + scales");
   cmd->add_option("--comm-timeout", a->timeout, "Seconds a collective may wait for a peer")->capture_default_str();
+  cmd->add_option("--allreduce-kib", a->allreduce_kib, "All-reduce message sizes in KiB")
+      ->delimiter(',')
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_flag("--skip-ep", a->skip_ep, "Leave out the dispatch / combine table");
+  cmd->add_flag("--skip-allreduce", a->skip_allreduce, "Leave out the all-reduce table");
   cmd->add_option("--output", a->output, "Write JSON to this file (rank 0)");
   return [a]() { return run(*a); };
 });
