@@ -63,6 +63,9 @@ std::unique_ptr<Communicator> make_self_communicator();
 Result<std::unique_ptr<Communicator>> make_mpi_communicator(const MpiOptions& options = {});
 // ok when this build has the MPI transport; otherwise why not.
 Status mpi_available();
+// The MPI library's version line ("Open MPI v4.1.4, ..."), without initializing MPI; empty
+// when built without MPI.
+std::string mpi_library_version();
 // True when this process was started by an MPI launcher (mpirun / mpiexec / srun), judged from
 // the launcher's environment variables, without initializing MPI.
 bool launched_by_mpi();

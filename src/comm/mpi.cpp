@@ -164,6 +164,15 @@ class MpiCommunicator final : public Communicator {
 
 Status mpi_available() { return Status::ok(); }
 
+std::string mpi_library_version() {
+  char buf[MPI_MAX_LIBRARY_VERSION_STRING];
+  int len = 0;
+  if (MPI_Get_library_version(buf, &len) != MPI_SUCCESS) return "MPI (version unknown)";
+  std::string v(buf, static_cast<size_t>(len));
+  const auto cut = v.find_first_of(",\n");  // "Open MPI v4.1.4, package: ..." -> "Open MPI v4.1.4"
+  return cut == std::string::npos ? v : v.substr(0, cut);
+}
+
 Result<std::unique_ptr<Communicator>> make_mpi_communicator(const MpiOptions& options) {
   if (!(options.timeout_s > 0) || options.timeout_s > 86400) {
     return invalid_argument("MpiOptions.timeout_s = " + std::to_string(options.timeout_s) + " must be in (0, 86400]");

@@ -22,6 +22,14 @@ TEST(Cli, InfoJsonHasTheFacts) {
   EXPECT_TRUE(j["cpu"]["features"].contains("avx2"));
   EXPECT_GE(j["threads"].get<int>(), 1);
   EXPECT_TRUE(j["cuda"].contains("devices"));
+  // Transports of the multi-rank ops: each ok or the reason it is missing.
+  const std::string mpi = j["transports"]["mpi"].get<std::string>();
+#ifdef K3_WITH_MPI
+  EXPECT_EQ(mpi.rfind("ok (", 0), 0u) << mpi;
+#else
+  EXPECT_NE(mpi.find("built without MPI"), std::string::npos) << mpi;
+#endif
+  EXPECT_NE(j["transports"]["nccl"].get<std::string>().find("no NCCL transport"), std::string::npos);
 }
 
 TEST(Cli, StartsWithoutLoadingCublas) {

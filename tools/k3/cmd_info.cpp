@@ -5,6 +5,7 @@
 
 #include "command.hpp"
 #include "k3/build_info.hpp"
+#include "k3/comm.hpp"
 #include "k3/cuda.hpp"
 #include "k3/system.hpp"
 
@@ -33,6 +34,11 @@ nlohmann::json info_json() {
                           {"avx512vl", f.avx512vl}, {"avx512_bf16", f.avx512_bf16},
                           {"avx512_vnni", f.avx512_vnni}};
   j["threads"] = default_thread_count();
+  // Transports of the multi-rank ops (docs/distributed.md).
+  j["transports"]["self"] = "ok (one process)";
+  j["transports"]["mpi"] = comm::mpi_available().is_ok() ? "ok (" + comm::mpi_library_version() + ")"
+                                                          : comm::mpi_available().message();
+  j["transports"]["nccl"] = "not available: k3 has no NCCL transport yet (docs/distributed.md)";
   auto devs = cuda::devices();
   j["cuda"]["devices"] = nlohmann::json::array();
   if (devs.is_ok()) {
@@ -68,6 +74,9 @@ void print_text(const nlohmann::json& j) {
   for (const auto& [name, on] : j["cpu"]["features"].items()) feats += "  " + name + (on.get<bool>() ? "+" : "-");
   std::printf("simd:         %s\n", feats.c_str());
   std::printf("threads:       %d (K3_NUM_THREADS / OMP_NUM_THREADS override)\n", j["threads"].get<int>());
+  for (const auto& [name, what] : j["transports"].items()) {
+    std::printf("transport %-4s %s\n", (name + ":").c_str(), what.get<std::string>().c_str());
+  }
   if (j["cuda"]["devices"].empty()) {
     std::printf("cuda devices:  none (%s)\n", j["cuda"].value("devices_note", std::string("none found")).c_str());
   } else {
