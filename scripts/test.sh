@@ -35,6 +35,9 @@ venv="$root/build-venv"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/pip" install -q --upgrade pip
 "$venv/bin/pip" install -q numpy pytest "scikit-build-core>=0.10" "nanobind>=2.4"
+# torch is optional (its PyPI wheel with the CUDA libraries is several GB): K3_TEST_TORCH=1 installs
+# it and runs the torch tests (custom ops, opcheck, torch.compile); otherwise they skip, saying so.
+if [ "${K3_TEST_TORCH:-0}" = "1" ]; then "$venv/bin/pip" install -q torch; fi
 CMAKE_BUILD_PARALLEL_LEVEL="$jobs" "$venv/bin/pip" install -q --no-build-isolation "$root"
-(cd "$root/python/tests" && "$venv/bin/python" -m pytest -q)
+(cd "$root/python/tests" && "$venv/bin/python" -m pytest -q -rs)
 echo "== all tests passed"

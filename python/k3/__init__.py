@@ -5,14 +5,16 @@ function accepts an ``out=`` array and writes into it; when none is given a nump
 allocated. Errors raise ``ValueError`` (bad argument: the message names it, the limit and the
 value) or ``RuntimeError`` (anything else), carrying the library's message.
 
-Sub-modules: :mod:`k3.mx` (MXFP4 / MXFP8), :mod:`k3.moe` (fused MoE), :mod:`k3.kda`.
+Sub-modules: :mod:`k3.mx` (MXFP4 / MXFP8), :mod:`k3.moe` (fused MoE), :mod:`k3.kda`,
+:mod:`k3.torch` (torch custom ops and the FusedMoE module; import it explicitly, it needs torch).
 """
 
 from . import _k3
 from . import kda, moe, mx
+from .checkpoint import MoeLayer, load_checkpoint_layer
 from .routing import route
 
-__all__ = ["info", "route", "mx", "moe", "kda", "__version__"]
+__all__ = ["info", "route", "load_checkpoint_layer", "MoeLayer", "mx", "moe", "kda", "__version__"]
 __version__ = "0.1.0"
 
 

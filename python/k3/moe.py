@@ -11,7 +11,7 @@ patterns, "fp32" as float32.
 import numpy as np
 
 from . import _k3
-from ._arrays import need, out_or_new
+from ._arrays import host_view, need, out_or_new
 
 _OUT = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.float32}
 
@@ -25,13 +25,14 @@ def problem(hidden=3584, intermediate=3072, num_experts=896, top_k=16, ep_size=1
     p = _k3.moe_problem(hidden, intermediate, num_experts, top_k, ep_size, ep_rank, recipe, activation, out_dtype,
                         situ_beta, situ_linear_beta, swiglu_alpha, swiglu_beta, swiglu_limit)
     p_out = _OUT[out_dtype]
-    return _Problem(p, hidden, intermediate, top_k, p_out)
+    return _Problem(p, hidden, intermediate, top_k, p_out, out_dtype)
 
 
 class _Problem:
-    def __init__(self, native, hidden, intermediate, top_k, out_type):
+    def __init__(self, native, hidden, intermediate, top_k, out_type, out_dtype_name):
         self.native, self.hidden, self.intermediate, self.top_k, self.out_type = (native, hidden, intermediate,
                                                                                   top_k, out_type)
+        self.out_dtype_name = out_dtype_name  # "bf16", "fp16" or "fp32"
 
     @property
     def local_experts(self):
@@ -51,11 +52,13 @@ def _check_weights(p, fc1_q, fc1_scale, fc2_q, fc2_scale):
 
 def _check_inputs(p, x, topk_ids, topk_weights, out):
     need("x", x, dtype=np.uint16)
-    if len(x.shape) != 2 or x.shape[1] != p.hidden:
-        raise ValueError(f"x has shape {tuple(x.shape)}, expected [M, {p.hidden}] (BF16 bits as uint16)")
-    m = x.shape[0]
-    need("topk_ids", topk_ids, (m, p.top_k), np.int32)
-    need("topk_weights", topk_weights, (m, p.top_k), np.float32)
+    shape = tuple(x.shape)
+    if len(shape) != 2 or shape[1] != p.hidden:
+        raise ValueError(f"x has shape {shape}, expected [M, {p.hidden}] (BF16 bits as uint16)")
+    m = shape[0]
+    slots = (m, p.top_k)
+    need("topk_ids", topk_ids, slots, np.int32)
+    need("topk_weights", topk_weights, slots, np.float32)
     return m, out_or_new("out", out, (m, p.hidden), p.out_type)
 
 
@@ -85,6 +88,8 @@ class CpuMoe:
         return self._native.describe
 
     def run(self, x, topk_ids, topk_weights, out=None):
-        m, out = _check_inputs(self.problem, x, topk_ids, topk_weights, out)
-        self._native.run(x, topk_ids, topk_weights, m, out)
-        return out
+        given = out
+        x, topk_ids, topk_weights = host_view(x), host_view(topk_ids), host_view(topk_weights)
+        m, o = _check_inputs(self.problem, x, topk_ids, topk_weights, None if out is None else host_view(out))
+        self._native.run(x, topk_ids, topk_weights, m, o)
+        return o if given is None else given

@@ -9,6 +9,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <mutex>
 #include <optional>
@@ -17,6 +19,7 @@
 #include <vector>
 
 #include "k3/backend.hpp"
+#include "k3/checkpoint.hpp"
 #include "k3/cpu_moe.hpp"
 #include "k3/kda.hpp"
 #include "k3/moe.hpp"
@@ -212,6 +215,81 @@ void cpu_moe_run(CpuMoe& c, In<uint16_t> x, In<int32_t> ids, In<float> weights, 
   check(k3::cpu::run(c.plan, c.packed, in, c.workspace, bytes(out)));
 }
 
+// Seconds per call of the C++ run() alone (median of `iters` calls on the same buffers, after one
+// untimed call): the baseline that the Python per-call overhead is measured against.
+double cpu_moe_time_native(CpuMoe& c, In<uint16_t> x, In<int32_t> ids, In<float> weights, int64_t m, AnyOut out,
+                           int iters) {
+  if (iters < 1 || iters > 10000000) throw nb::value_error("iters must be in [1, 10^7]");
+  const k3::MoeInputsView in{m, span(x), span(ids), span(weights)};
+  const std::span<uint8_t> o = bytes(out);
+  nb::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(c.mu);
+  check(k3::cpu::run(c.plan, c.packed, in, c.workspace, o));
+  std::vector<double> t(static_cast<size_t>(iters));
+  for (auto& v : t) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const k3::Status st = k3::cpu::run(c.plan, c.packed, in, c.workspace, o);
+    v = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!st.is_ok()) check(st);
+  }
+  std::nth_element(t.begin(), t.begin() + iters / 2, t.end());
+  return t[static_cast<size_t>(iters / 2)];
+}
+
+// ---- checkpoints ---------------------------------------------------------------------------
+// One EP rank's experts of a checkpoint layer: numpy arrays over the loaded buffers (one owner
+// object frees them when the last array dies: no copy) and the config facts as a dict.
+nb::dict load_checkpoint_layer(const std::string& dir, int layer, int ep_size, int ep_rank) {
+  std::optional<k3::Result<k3::MoeLayerWeights>> r;
+  {
+    nb::gil_scoped_release release;
+    r.emplace(k3::load_moe_layer(dir, layer, ep_size, ep_rank));
+  }
+  auto* w = new k3::MoeLayerWeights(value(std::move(*r)));
+  nb::capsule owner(w, [](void* p) noexcept { delete static_cast<k3::MoeLayerWeights*>(p); });
+  const auto& s = w->shape;
+  const size_t e = static_cast<size_t>(s.local_experts()), k = static_cast<size_t>(s.hidden),
+               n = static_cast<size_t>(s.intermediate);
+  auto u8 = [&](std::vector<uint8_t>& v, std::initializer_list<size_t> shape) {
+    return nb::ndarray<nb::numpy, uint8_t>(v.data(), shape, owner);
+  };
+  nb::dict d;
+  d["fc1_q"] = u8(w->fc1_q, {e, 2 * n, k / 2});
+  d["fc1_scale"] = u8(w->fc1_scale, {e, 2 * n, k / 32});
+  d["fc2_q"] = u8(w->fc2_q, {e, k, n / 2});
+  d["fc2_scale"] = u8(w->fc2_scale, {e, k, n / 32});
+  if (!w->router_bias.empty()) {
+    d["router_bias"] = nb::ndarray<nb::numpy, float>(w->router_bias.data(), {w->router_bias.size()}, owner);
+  }
+  if (!w->router_weight.empty()) {
+    const size_t hid = static_cast<size_t>(w->config.hidden_size);
+    d["router_weight"] = nb::ndarray<nb::numpy, uint16_t>(w->router_weight.data(),
+                                                          {w->router_weight.size() / hid, hid}, owner);
+  }
+  const k3::MoeModelConfig& c = w->config;
+  nb::dict cfg;
+  cfg["model_type"] = c.model_type;
+  cfg["hidden_size"] = c.hidden_size;
+  cfg["hidden"] = s.hidden;
+  cfg["intermediate"] = s.intermediate;
+  cfg["num_experts"] = s.num_experts;
+  cfg["top_k"] = s.top_k;
+  cfg["ep_size"] = s.ep_size;
+  cfg["ep_rank"] = s.ep_rank;
+  cfg["n_group"] = c.n_group;
+  cfg["topk_group"] = c.topk_group;
+  cfg["renormalize"] = c.renormalize;
+  cfg["routed_scaling_factor"] = c.routed_scaling_factor;
+  cfg["scoring_func"] = c.scoring_func;
+  cfg["hidden_act"] = c.hidden_act;
+  cfg["situ_beta"] = c.situ_beta;
+  cfg["situ_linear_beta"] = c.situ_linear_beta;
+  cfg["source"] = c.source;
+  d["config"] = cfg;
+  d["layer"] = w->layer;
+  return d;
+}
+
 // ---- KDA -----------------------------------------------------------------------------------
 k3::kda::KdaConfig kda_config(int64_t heads, int64_t head_k, int64_t head_v, const std::string& gate, float lb,
                               bool beta_logits, bool l2norm, float scale, const std::string& layout) {
@@ -286,10 +364,12 @@ NB_MODULE(_k3, m) {
       .def_prop_ro("describe", [](const CpuMoe& c) { return c.plan.describe(); })
       .def_prop_ro("workspace_bytes", [](const CpuMoe& c) { return c.plan.workspace_bytes; })
       .def_prop_ro("max_tokens", [](const CpuMoe& c) { return c.plan.max_tokens; })
-      .def("run", &cpu_moe_run, "x"_a, "topk_ids"_a, "topk_weights"_a, "m"_a, "out"_a);
+      .def("run", &cpu_moe_run, "x"_a, "topk_ids"_a, "topk_weights"_a, "m"_a, "out"_a)
+      .def("time_native", &cpu_moe_time_native, "x"_a, "topk_ids"_a, "topk_weights"_a, "m"_a, "out"_a, "iters"_a);
   m.def("cpu_moe_prepare", &cpu_moe_prepare, nb::rv_policy::take_ownership, "problem"_a, "max_tokens"_a,
         "threads"_a, "isa"_a, "fc1_q"_a, "fc1_scale"_a, "fc2_q"_a, "fc2_scale"_a);
 
+  m.def("load_checkpoint_layer", &load_checkpoint_layer, "dir"_a, "layer"_a, "ep_size"_a, "ep_rank"_a);
   nb::class_<k3::kda::KdaConfig>(m, "KdaConfig")
       .def_ro("num_heads", &k3::kda::KdaConfig::num_heads)
       .def_ro("head_k", &k3::kda::KdaConfig::head_k)

@@ -179,3 +179,38 @@ def test_torch_tensors_pass_through_dlpack():
     k3.mx.quantize(x, q=q, scales=s)
     rq, rs = k3.mx.quantize(x.numpy())
     assert (q.numpy() == rq).all() and (s.numpy() == rs).all()
+
+
+def synth_checkpoint(tmp_path):
+    """A small Kimi-K3-format checkpoint written by the packaged `k3` tool."""
+    import subprocess
+    import sys
+    d = tmp_path / "ckpt"
+    subprocess.run([sys.executable, "-m", "k3", "checkpoint", "synth", "-o", str(d), "--hidden", "64",
+                    "--expert-hidden", "64", "--intermediate", "32", "--num-experts", "16", "--top-k", "4",
+                    "--seed", "3"], check=True, capture_output=True)
+    return d
+
+
+def test_load_checkpoint_layer_reads_one_ranks_experts_without_copies(tmp_path):
+    d = synth_checkpoint(tmp_path)
+    full = k3.load_checkpoint_layer(d, 1)
+    half = k3.load_checkpoint_layer(d, 1, ep_size=2, ep_rank=1)
+    assert "EP2 rank 1: 8 experts, K 64, N 32, top-4, situ" in repr(half)
+    assert half.fc1_q.shape == (8, 64, 32) and half.fc2_scale.shape == (8, 64, 1)
+    np.testing.assert_array_equal(half.fc1_q, full.fc1_q[8:])
+    np.testing.assert_array_equal(half.fc2_scale, full.fc2_scale[8:])
+    assert half.router_bias.shape == (16,) and half.router_bias.dtype == np.float32
+    assert not half.fc1_q.flags.owndata  # a view of the loaded buffer
+    p = half.problem(recipe="w4a16", out_dtype="fp32")
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((5, 16)).astype(np.float32)
+    ids, wts = k3.route(logits, half.router_bias, **half.routing())
+    x = (rng.standard_normal((5, 64)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    ref = k3.moe.run(p, **half.weights, x=x, topk_ids=ids, topk_weights=wts, backend="reference")
+    got = k3.moe.run(p, **half.weights, x=x, topk_ids=ids, topk_weights=wts, backend="cpu")
+    assert np.sqrt(((got - ref) ** 2).sum() / max((ref ** 2).sum(), 1e-30)) < 1e-5
+    with pytest.raises((ValueError, RuntimeError), match="layer"):
+        k3.load_checkpoint_layer(d, 7)
+    with pytest.raises((ValueError, RuntimeError), match="ep_size|--ep-size|divide"):
+        k3.load_checkpoint_layer(d, 1, ep_size=3, ep_rank=0)

@@ -6,6 +6,7 @@
 #include "command.hpp"
 #include "k3/build_info.hpp"
 #include "k3/comm.hpp"
+#include "k3/comm_nccl.hpp"
 #include "k3/cuda.hpp"
 #include "k3/system.hpp"
 
@@ -38,7 +39,8 @@ nlohmann::json info_json() {
   j["transports"]["self"] = "ok (one process)";
   j["transports"]["mpi"] = comm::mpi_available().is_ok() ? "ok (" + comm::mpi_library_version() + ")"
                                                           : comm::mpi_available().message();
-  j["transports"]["nccl"] = "not available: k3 has no NCCL transport yet (docs/distributed.md)";
+  const Status nccl = comm::nccl_available();
+  j["transports"]["nccl"] = nccl.is_ok() ? "ok (unverified: never run on a GPU)" : nccl.message();
   auto devs = cuda::devices();
   j["cuda"]["devices"] = nlohmann::json::array();
   if (devs.is_ok()) {

@@ -18,21 +18,34 @@
 //   Fallback (Bf16FixedAccumulator): a fixed-point integer in units of 2^-133 with ten 32-bit
 //     digits held in int64 limbs (320 bits, signed; carries deferred, normalized every 2^30
 //     additions), rounded to FP32 by inspecting its top 25 bits and a sticky bit.
+//
+// Host and device code (K3_HOST_DEVICE): the CPU all-reduce and the CUDA one (docs/distributed.md)
+// use this one definition, so both give the same bits. Only additions and subtractions of
+// doubles: nothing a compiler may contract into an FMA.
 #pragma once
 
-#include <bit>
 #include <cstdint>
-#include <limits>
 
+#include "k3/config.hpp"
 #include "k3/formats.hpp"
 
 namespace k3::comm::detail {
+
+K3_HOST_DEVICE inline int countl_zero32(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __clz(static_cast<int>(v));
+#else
+  return v == 0 ? 32 : __builtin_clz(v);
+#endif
+}
+K3_HOST_DEVICE inline uint64_t f64_bits(double d) { return __builtin_bit_cast(uint64_t, d); }
+K3_HOST_DEVICE inline double f64_from_bits(uint64_t u) { return __builtin_bit_cast(double, u); }
 
 // Non-finite classification shared by both paths.
 struct Bf16NonFinite {
   bool nan = false, pos_inf = false, neg_inf = false;
   // Returns true (and records it) when h is Inf or NaN.
-  bool record(uint16_t h) {
+  K3_HOST_DEVICE bool record(uint16_t h) {
     if ((h & 0x7F80u) != 0x7F80u) return false;
     if ((h & 0x007Fu) != 0) {
       nan = true;
@@ -43,10 +56,10 @@ struct Bf16NonFinite {
     }
     return true;
   }
-  bool any() const { return nan || pos_inf || neg_inf; }
-  float result() const {
-    if (nan || (pos_inf && neg_inf)) return std::numeric_limits<float>::quiet_NaN();
-    return pos_inf ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity();
+  K3_HOST_DEVICE bool any() const { return nan || pos_inf || neg_inf; }
+  K3_HOST_DEVICE float result() const {
+    if (nan || (pos_inf && neg_inf)) return bits_to_f32(0x7FC00000u);  // quiet NaN
+    return bits_to_f32(pos_inf ? 0x7F800000u : 0xFF800000u);
   }
 };
 
@@ -57,7 +70,7 @@ class Bf16FixedAccumulator {
   static constexpr int64_t kAddsBeforeNormalize = int64_t{1} << 30;  // |limb| < 2^31 * 2^32
 
   // Adds one finite BF16 (Inf / NaN must be filtered by the caller).
-  void add(uint16_t h) {
+  K3_HOST_DEVICE void add(uint16_t h) {
     const uint32_t e = (h >> 7) & 0xFFu;
     const uint64_t m = e != 0 ? (h & 0x7Fu) | 0x80u : (h & 0x7Fu);
     if (m == 0) return;
@@ -76,17 +89,17 @@ class Bf16FixedAccumulator {
   }
 
   // The sum rounded to FP32 (RNE; +-Inf past the largest finite FP32; an exact zero is +0).
-  float to_f32() {
+  K3_HOST_DEVICE float to_f32() {
     normalize();
     const bool negative = limb_[kLimbs - 1] < 0;
     if (negative) {
-      for (auto& l : limb_) l = -l;
+      for (int i = 0; i < kLimbs; ++i) limb_[i] = -limb_[i];
       normalize();
     }
     int top = kLimbs - 1;
     while (top >= 0 && limb_[top] == 0) --top;
     if (top < 0) return 0.0f;
-    const int p = 32 * top + 31 - std::countl_zero(static_cast<uint32_t>(limb_[top]));  // top bit
+    const int p = 32 * top + 31 - countl_zero32(static_cast<uint32_t>(limb_[top]));  // top bit
     uint32_t bits;
     if (p <= 23) {  // fits the 24-bit significand: exact
       const uint32_t mag = static_cast<uint32_t>(limb_[0]);
@@ -114,7 +127,7 @@ class Bf16FixedAccumulator {
 
  private:
   // Carries to digits in [0, 2^32); the top limb keeps the sign.
-  void normalize() {
+  K3_HOST_DEVICE void normalize() {
     for (int i = 0; i + 1 < kLimbs; ++i) {
       const int64_t c = limb_[i] >> 32;  // floor division by 2^32 (arithmetic shift)
       limb_[i] -= c * (int64_t{1} << 32);
@@ -123,7 +136,7 @@ class Bf16FixedAccumulator {
     adds_ = 0;
   }
   // `count` (<= 32) bits starting at bit `lo` of the normalized magnitude (lo may be negative).
-  uint64_t bits_at(int lo, int count) const {
+  K3_HOST_DEVICE uint64_t bits_at(int lo, int count) const {
     uint64_t r = 0;
     for (int i = count - 1; i >= 0; --i) {
       const int b = lo + i;
@@ -133,7 +146,7 @@ class Bf16FixedAccumulator {
     return r;
   }
   // Whether any bit below bit `b` is set.
-  bool any_below(int b) const {
+  K3_HOST_DEVICE bool any_below(int b) const {
     if (b <= 0) return false;
     const int full = b >> 5;
     for (int i = 0; i < full; ++i) {
@@ -148,7 +161,7 @@ class Bf16FixedAccumulator {
 };
 
 // The fallback alone (all inputs through the fixed-point accumulator); same contract.
-inline float exact_sum_bf16_fixed(const uint16_t* v, int64_t stride, int64_t n) {
+K3_HOST_DEVICE inline float exact_sum_bf16_fixed(const uint16_t* v, int64_t stride, int64_t n) {
   Bf16NonFinite nf;
   Bf16FixedAccumulator acc;
   bool all_neg_zero = n > 0;
@@ -166,19 +179,19 @@ inline float exact_sum_bf16_fixed(const uint16_t* v, int64_t stride, int64_t n) 
 // FP64 -> FP32, round to nearest even, +-Inf from 2^128 - 2^103 on (explicit: a double -> float
 // conversion out of float's range is undefined in C++). NaN stays NaN. Integer compares on the
 // bit pattern only, so that loops over it vectorize (FP compares may trap: no if-conversion).
-inline float f32_from_f64(double s) {
-  const uint64_t b = std::bit_cast<uint64_t>(s);
+K3_HOST_DEVICE inline float f32_from_f64(double s) {
+  const uint64_t b = f64_bits(s);
   const uint64_t a = b & 0x7FFFFFFFFFFFFFFFull;
   // all ones when |s| >= 0x1.ffffffp127 (FLT_MAX + half an ulp) and s is not NaN
   const uint64_t huge = 0 - static_cast<uint64_t>((a >= 0x47EFFFFFF0000000ull) & (a <= 0x7FF0000000000000ull));
-  const float f = static_cast<float>(std::bit_cast<double>(b & ~huge));  // 0 in place of huge values
+  const float f = static_cast<float>(f64_from_bits(b & ~huge));  // 0 in place of huge values
   const uint32_t inf = 0x7F800000u | (static_cast<uint32_t>(b >> 32) & 0x80000000u);
   const auto m = static_cast<uint32_t>(huge);
-  return std::bit_cast<float>((std::bit_cast<uint32_t>(f) & ~m) | (inf & m));
+  return bits_to_f32((f32_to_bits(f) & ~m) | (inf & m));
 }
 
 // One TwoSum step: s += x; returns whether the FP64 addition was inexact (or non-finite).
-inline bool two_sum_inexact(double& s, double x) {
+K3_HOST_DEVICE inline bool two_sum_inexact(double& s, double x) {
   const double t = s + x;
   const double bp = t - s;
   const double err = (s - (t - bp)) + (x - bp);
@@ -187,7 +200,7 @@ inline bool two_sum_inexact(double& s, double x) {
 }
 
 // The full contract: FP64 + TwoSum fast path, fixed-point fallback when any step was inexact.
-inline float exact_sum_bf16(const uint16_t* v, int64_t stride, int64_t n) {
+K3_HOST_DEVICE inline float exact_sum_bf16(const uint16_t* v, int64_t stride, int64_t n) {
   if (n == 0) return 0.0f;
   double s = -0.0;  // -0 + ... keeps IEEE's zero-sign rule: -0 only when every input is -0
   bool inexact = false;

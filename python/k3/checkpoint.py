@@ -1,0 +1,53 @@
+"""Checkpoint loading: one EP rank's experts of a Kimi-K3-format checkpoint layer."""
+
+from . import _k3
+from . import moe as _moe
+
+
+class MoeLayer:
+    """One layer's experts for one EP rank, loaded from a checkpoint directory (config.json +
+    safetensors, sharded or not). Arrays are numpy views of the loaded buffers (no copy):
+    ``fc1_q``, ``fc1_scale``, ``fc2_q``, ``fc2_scale`` (uint8, checkpoint layout), ``router_bias``
+    ([E] float32, or None), ``router_weight`` ([E, hidden_size] BF16 bits, or None); ``config`` is
+    the dict of facts read from config.json."""
+
+    def __init__(self, d):
+        self.fc1_q, self.fc1_scale = d["fc1_q"], d["fc1_scale"]
+        self.fc2_q, self.fc2_scale = d["fc2_q"], d["fc2_scale"]
+        self.router_bias = d.get("router_bias")
+        self.router_weight = d.get("router_weight")
+        self.config = d["config"]
+        self.layer = d["layer"]
+
+    @property
+    def weights(self):
+        """The four expert tensors as keyword arguments of k3.moe.run / CpuMoe / FusedMoE."""
+        return dict(fc1_q=self.fc1_q, fc1_scale=self.fc1_scale, fc2_q=self.fc2_q, fc2_scale=self.fc2_scale)
+
+    def problem(self, recipe="w4a8", out_dtype="bf16"):
+        """The fused-MoE problem of this layer: shape and activation from config.json."""
+        c = self.config
+        return _moe.problem(hidden=c["hidden"], intermediate=c["intermediate"], num_experts=c["num_experts"],
+                            top_k=c["top_k"], ep_size=c["ep_size"], ep_rank=c["ep_rank"], recipe=recipe,
+                            activation=c["hidden_act"], out_dtype=out_dtype, situ_beta=c["situ_beta"],
+                            situ_linear_beta=c["situ_linear_beta"])
+
+    def routing(self):
+        """Keyword arguments of k3.route / FusedMoE for this checkpoint's router."""
+        c = self.config
+        if c["scoring_func"] != "sigmoid":
+            raise ValueError(f"{c['source']}: scoring_func = '{c['scoring_func']}' cannot be routed by k3 (sigmoid only)")
+        return dict(top_k=c["top_k"], n_group=c["n_group"], topk_group=c["topk_group"], renormalize=c["renormalize"],
+                    routed_scaling_factor=c["routed_scaling_factor"])
+
+    def __repr__(self):
+        c = self.config
+        return (f"MoeLayer(layer {self.layer}, EP{c['ep_size']} rank {c['ep_rank']}: {self.fc1_q.shape[0]} experts, "
+                f"K {c['hidden']}, N {c['intermediate']}, top-{c['top_k']}, {c['hidden_act']})")
+
+
+def load_checkpoint_layer(path, layer, ep_size=1, ep_rank=0):
+    """Loads layer ``layer``'s experts of EP rank ``ep_rank`` of ``ep_size`` (only that rank's
+    experts are read). Errors name the missing experts, tensor or config key (ValueError /
+    RuntimeError with the library's message)."""
+    return MoeLayer(_k3.load_checkpoint_layer(str(path), int(layer), int(ep_size), int(ep_rank)))

@@ -1,0 +1,151 @@
+"""k3's kernels as torch custom ops (``torch.library``), and a drop-in fused-MoE module.
+
+Importing ``k3.torch`` registers, in the ``k3`` op namespace:
+
+- ``torch.ops.k3.route(logits, bias, top_k, n_group, topk_group, renormalize, routed_scaling_factor,
+  topk_ids!, topk_weights!)``: the Kimi-K3 router, writing the caller's ``topk_ids`` (int32) and
+  ``topk_weights`` (float32).
+- ``torch.ops.k3.moe_run(layer, x, topk_ids, topk_weights, out!)``: the fused MoE of a prepared
+  layer (``layer`` is the integer handle of a :class:`FusedMoE` / :func:`prepare_moe`), ``x`` BF16
+  ``[M, K]``, ``out`` ``[M, K]`` in the layer's output dtype (bfloat16, float16 or float32).
+
+Both mutate only their ``!`` outputs and return nothing, so they work under
+``torch.compile(fullgraph=True)`` (fake implementations describe them to the compiler) and in
+CUDA-graph-style static-buffer loops; tensors cross to the library through DLPack without a copy
+(BF16 tensors are viewed as uint16 bit patterns, never converted). The extension does not link
+against torch. Kernels are registered for CPU tensors only: this build of k3's Python package has
+no CUDA kernels, and a CUDA tensor gets torch's "no kernel for CUDA" error.
+"""
+
+import atexit
+import itertools
+import threading
+
+import torch
+
+from . import moe as _moe
+from .routing import route as _route
+
+__all__ = ["FusedMoE", "prepare_moe", "release_moe"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_layers = {}
+_next_id = itertools.count(1)
+_lock = threading.Lock()
+
+
+@atexit.register
+def _release_all():
+    """Prepared layers still registered at exit are freed before the extension goes away."""
+    with _lock:
+        _layers.clear()
+
+
+def _bits(t, name):
+    """A bfloat16 / float16 tensor as its uint16 bit patterns (a view: no copy)."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.uint16)
+    raise ValueError(f"{name} has dtype {t.dtype}, expected torch.bfloat16")
+
+
+def _np(t):
+    """A CPU tensor as a numpy array over the same memory. Crossing as numpy costs about 1 us per
+    tensor; torch's own DLPack export costs about 10 (measured with python/benchmarks/overhead.py)."""
+    return t.detach().numpy()
+
+
+def prepare_moe(problem, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=8192, threads=0, isa=""):
+    """Plans and prepacks one layer's experts (k3.moe.CpuMoe) and returns its integer handle for
+    ``torch.ops.k3.moe_run``. Weights: uint8 tensors or arrays in the checkpoint layout."""
+    layer = _moe.CpuMoe(problem, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=max_tokens, threads=threads, isa=isa)
+    with _lock:
+        handle = next(_next_id)
+        _layers[handle] = layer
+    return handle
+
+
+def release_moe(handle):
+    """Frees a prepared layer (its packed weights)."""
+    with _lock:
+        _layers.pop(handle, None)
+
+
+def _layer(handle):
+    with _lock:
+        layer = _layers.get(handle)
+    if layer is None:
+        raise ValueError(f"layer = {handle} is not a prepared k3 MoE layer (prepare_moe returns the handle)")
+    return layer
+
+
+# Registered with torch.library.Library (schema + CPU kernel) rather than the custom_op decorator:
+# the same op for the dispatcher and the compiler, at about a fifth of the per-call cost.
+_lib = torch.library.Library("k3", "DEF")
+_lib.define("route(Tensor logits, Tensor bias, int top_k, int n_group, int topk_group, bool renormalize, "
+            "float routed_scaling_factor, Tensor(a!) topk_ids, Tensor(b!) topk_weights) -> ()")
+_lib.define("moe_run(int layer, Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor(a!) out) -> ()")
+
+
+def _route_cpu(logits, bias, top_k, n_group, topk_group, renormalize, routed_scaling_factor, topk_ids, topk_weights):
+    _route(_np(logits), _np(bias) if bias.numel() > 0 else None, top_k, n_group, topk_group, renormalize,
+           routed_scaling_factor, ids=_np(topk_ids), weights=_np(topk_weights))
+
+
+def _moe_run_cpu(layer, x, topk_ids, topk_weights, out):
+    lay = _layer(layer)
+    o = out if out.dtype == torch.float32 else _bits(out, "out")
+    lay.run(_np(_bits(x, "x")), _np(topk_ids), _np(topk_weights), out=_np(o))
+
+
+_lib.impl("route", _route_cpu, "CPU")
+_lib.impl("moe_run", _moe_run_cpu, "CPU")
+
+
+@torch.library.register_fake("k3::route", lib=_lib)
+def _(logits, bias, top_k, n_group, topk_group, renormalize, routed_scaling_factor, topk_ids, topk_weights):
+    return None
+
+
+@torch.library.register_fake("k3::moe_run", lib=_lib)
+def _(layer, x, topk_ids, topk_weights, out):
+    return None
+
+
+class FusedMoE(torch.nn.Module):
+    """The routed experts of one Kimi-K3 MoE layer, in the call shape engines use:
+    ``forward(hidden_states [M, K] bfloat16, router_logits [M, E] float32) -> [M, K]``.
+
+    Routing is the Kimi-K3 router (sigmoid + ``router_bias``, top-k, renormalized, scaled); the
+    experts are this EP rank's (``problem.ep_size`` / ``ep_rank``; slots of other ranks contribute
+    zero). The weights are prepacked once at construction. ``out=`` in ``forward`` writes into the
+    caller's tensor (static buffers for graph capture); otherwise a new tensor is returned.
+
+    From a checkpoint: ``layer = k3.load_checkpoint_layer(dir, 1, ep_size, ep_rank)`` then
+    ``FusedMoE(layer.problem(), **layer.weights, router_bias=layer.router_bias, **layer.routing())``.
+    """
+
+    def __init__(self, problem, fc1_q, fc1_scale, fc2_q, fc2_scale, router_bias=None, top_k=None, n_group=1,
+                 topk_group=1, renormalize=True, routed_scaling_factor=1.0, max_tokens=8192, threads=0, isa=""):
+        super().__init__()
+        if top_k is not None and top_k != problem.top_k:
+            raise ValueError(f"top_k = {top_k} differs from the problem's top_k = {problem.top_k}")
+        self.problem = problem
+        self.handle = prepare_moe(problem, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens, threads, isa)
+        bias = torch.empty(0, dtype=torch.float32) if router_bias is None else torch.as_tensor(router_bias)
+        self.register_buffer("router_bias", bias.to(torch.float32).contiguous(), persistent=False)
+        self.route_args = (problem.top_k, n_group, topk_group, renormalize, float(routed_scaling_factor))
+        self.out_dtype = _DTYPES[problem.out_dtype_name]
+
+    def __del__(self):
+        release_moe(getattr(self, "handle", None))
+
+    def forward(self, hidden_states, router_logits, out=None):
+        m = hidden_states.shape[0]
+        top_k = self.route_args[0]
+        ids = torch.empty((m, top_k), dtype=torch.int32, device=hidden_states.device)
+        wts = torch.empty((m, top_k), dtype=torch.float32, device=hidden_states.device)
+        torch.ops.k3.route(router_logits, self.router_bias, *self.route_args, ids, wts)
+        if out is None:
+            out = torch.empty((m, self.problem.hidden), dtype=self.out_dtype, device=hidden_states.device)
+        torch.ops.k3.moe_run(self.handle, hidden_states, ids, wts, out)
+        return out

@@ -1,0 +1,104 @@
+"""k3.torch: the custom ops (torch.library.opcheck), torch.compile(fullgraph=True), FusedMoE
+against the numpy path bit for bit, in-place outputs and errors. Skipped without torch
+(scripts/test.sh installs it only with K3_TEST_TORCH=1: the PyPI wheel is several GB)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it with K3_TEST_TORCH=1)")
+
+import k3  # noqa: E402
+import k3.torch as k3t  # noqa: E402
+
+
+def kimi_like(m=7, k=64, n=96, e=16, top_k=4, out_dtype="bf16", seed=5):
+    rng = np.random.default_rng(seed)
+    p = k3.moe.problem(hidden=k, intermediate=n, num_experts=e, top_k=top_k, out_dtype=out_dtype)
+    w = dict(fc1_q=rng.integers(0, 256, (e, 2 * n, k // 2), dtype=np.uint8),
+             fc1_scale=rng.integers(120, 124, (e, 2 * n, k // 32), dtype=np.uint8),
+             fc2_q=rng.integers(0, 256, (e, k, n // 2), dtype=np.uint8),
+             fc2_scale=rng.integers(120, 124, (e, k, n // 32), dtype=np.uint8))
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(torch.bfloat16)
+    logits = torch.from_numpy(rng.standard_normal((m, e)).astype(np.float32))
+    bias = torch.from_numpy((0.05 * rng.standard_normal(e)).astype(np.float32))
+    return p, w, x, logits, bias
+
+
+def numpy_path(p, w, x, logits, bias):
+    ids, wts = k3.route(logits.numpy(), bias.numpy(), top_k=p.top_k)
+    return k3.moe.run(p, **w, x=x.view(torch.uint16).numpy(), topk_ids=ids, topk_weights=wts, backend="cpu")
+
+
+@pytest.mark.parametrize("out_dtype", ["bf16", "fp16", "fp32"])
+def test_fused_moe_module_equals_the_numpy_path_bit_for_bit(out_dtype):
+    p, w, x, logits, bias = kimi_like(out_dtype=out_dtype)
+    layer = k3t.FusedMoE(p, **w, router_bias=bias, max_tokens=16)
+    got = layer(x, logits)
+    assert got.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[out_dtype]
+    want = numpy_path(p, w, x, logits, bias)
+    got_bits = got.numpy() if out_dtype == "fp32" else got.view(torch.uint16).numpy()
+    np.testing.assert_array_equal(got_bits, want)
+
+
+def test_outputs_are_written_in_place():
+    p, w, x, logits, bias = kimi_like()
+    layer = k3t.FusedMoE(p, **w, router_bias=bias, max_tokens=16)
+    out = torch.full((7, 64), float("nan"), dtype=torch.bfloat16)
+    ptr = out.data_ptr()
+    res = layer(x, logits, out=out)
+    assert res is out and out.data_ptr() == ptr and not torch.isnan(out.float()).any()
+    ids = torch.zeros((7, 4), dtype=torch.int32)
+    wts = torch.zeros((7, 4), dtype=torch.float32)
+    torch.ops.k3.route(logits, bias, 4, 1, 1, True, 1.0, ids, wts)
+    rid, rw = k3.route(logits.numpy(), bias.numpy(), top_k=4)
+    np.testing.assert_array_equal(ids.numpy(), rid)
+    np.testing.assert_array_equal(wts.numpy(), rw)
+
+
+def test_opcheck_on_every_op():
+    p, w, x, logits, bias = kimi_like()
+    handle = k3t.prepare_moe(p, **w, max_tokens=16)
+    try:
+        ids = torch.zeros((7, 4), dtype=torch.int32)
+        wts = torch.zeros((7, 4), dtype=torch.float32)
+        torch.library.opcheck(torch.ops.k3.route.default, (logits, bias, 4, 1, 1, True, 1.0, ids, wts))
+        torch.ops.k3.route(logits, bias, 4, 1, 1, True, 1.0, ids, wts)
+        out = torch.zeros((7, 64), dtype=torch.bfloat16)
+        torch.library.opcheck(torch.ops.k3.moe_run.default, (handle, x, ids, wts, out))
+    finally:
+        k3t.release_moe(handle)
+
+
+def test_torch_compile_fullgraph_gives_the_eager_bits():
+    p, w, x, logits, bias = kimi_like()
+    layer = k3t.FusedMoE(p, **w, router_bias=bias, max_tokens=16)
+    eager = layer(x, logits)
+    compiled = torch.compile(layer, fullgraph=True)
+    got = compiled(x, logits)
+    assert torch.equal(got.view(torch.uint16), eager.view(torch.uint16))
+
+
+def test_errors_carry_the_library_message():
+    p, w, x, logits, bias = kimi_like()
+    with pytest.raises(ValueError, match="is not a prepared k3 MoE layer"):
+        torch.ops.k3.moe_run(12345, x, torch.zeros((7, 4), dtype=torch.int32), torch.zeros((7, 4)),
+                             torch.zeros((7, 64), dtype=torch.bfloat16))
+    layer = k3t.FusedMoE(p, **w, router_bias=bias, max_tokens=16)
+    with pytest.raises(ValueError, match="x has dtype torch.float32, expected torch.bfloat16"):
+        layer(x.float(), logits)
+    with pytest.raises(ValueError, match="m = 40 must be in"):
+        layer(torch.zeros((40, 64), dtype=torch.bfloat16), torch.zeros((40, 16)))
+
+
+def test_fused_moe_from_a_checkpoint_layer(tmp_path):
+    from test_k3 import synth_checkpoint
+    d = synth_checkpoint(tmp_path)
+    layer = k3.load_checkpoint_layer(d, 1, ep_size=2, ep_rank=0)
+    moe = k3t.FusedMoE(layer.problem(), **layer.weights, router_bias=layer.router_bias, **layer.routing())
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    logits = torch.randn(3, 16)
+    out = moe(x, logits)
+    ids, wts = k3.route(logits.numpy(), layer.router_bias, **layer.routing())
+    want = k3.moe.run(layer.problem(), **layer.weights, x=x.view(torch.uint16).numpy(), topk_ids=ids,
+                      topk_weights=wts, backend="cpu")
+    np.testing.assert_array_equal(out.view(torch.uint16).numpy(), want)
