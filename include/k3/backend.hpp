@@ -7,7 +7,8 @@
 // the bindings all ask the registry; nothing outside it names a backend's functions.
 //
 // Options come in through BackendOptions; backends never read environment variables (the `k3`
-// tool reads K3_NUM_THREADS and K3_ISA and passes them here).
+// tool reads K3_NUM_THREADS and K3_ISA and passes them here). Left at their defaults, the options
+// mean hardware facts: all logical CPUs and the best SIMD level of this CPU.
 //
 // The list is built explicitly (no static-initialisation registration, which a linker drops from
 // static archives). Adding a backend: docs/architecture.md, "Adding a backend".
@@ -28,8 +29,11 @@
 namespace k3 {
 
 struct BackendOptions {
-  int threads = 0;              // CPU threads; 0: default_thread_count()
+  int threads = 0;              // CPU threads; 0: all logical CPUs (hardware_thread_count())
   std::optional<IsaLevel> isa;  // CPU SIMD level; unset: best_isa_level()
+  // KDA prefill: kAuto = the backend's choice. The cpu backend runs recurrent or chunked as asked;
+  // the reference backend is token-recurrent and refuses kChunked.
+  kda::Algorithm kda_algorithm = kda::Algorithm::kAuto;
 };
 
 // ---- fused MoE -------------------------------------------------------------------------------
@@ -71,5 +75,13 @@ struct KdaBackend {
 std::span<const KdaBackend> kda_backends();
 Result<const KdaBackend*> find_kda_backend(std::string_view name);
 const KdaBackend& default_kda_backend();
+// Check available() and supports(cfg), then call the entry; a backend without the entry is
+// kUnsupported: "kda backend 'reference' has no decode entry (it implements: prefill)".
+Status run_kda_prefill(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::KdaInputs& in,
+                       const kda::KdaOutputs& out, const BackendOptions& opt = {});
+Status run_kda_decode(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::DecodeArgs& args,
+                      const BackendOptions& opt = {});
+Status run_kda_verify(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::VerifyArgs& args,
+                      const BackendOptions& opt = {});
 
 }  // namespace k3

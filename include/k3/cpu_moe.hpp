@@ -31,9 +31,13 @@
 
 namespace k3::cpu {
 
+inline constexpr int kMaxThreads = 256;  // the largest MoeOptions::threads plan() accepts
+
+// The library reads no environment variable: threads and isa are what the caller passes, else
+// hardware facts. (The `k3` tool passes K3_NUM_THREADS / K3_ISA in explicitly.)
 struct MoeOptions {
-  int threads = 0;               // 0: default_thread_count() (K3_NUM_THREADS / OMP_NUM_THREADS / all CPUs)
-  std::optional<IsaLevel> isa;   // unset: active_isa_level() (honours K3_ISA)
+  int threads = 0;               // 0: all logical CPUs, hardware_thread_count(), at most kMaxThreads
+  std::optional<IsaLevel> isa;   // unset: best_isa_level()
   int64_t max_tokens = 8192;     // the largest M that run() accepts with this plan
   int64_t chunk_tokens = 256;    // tokens per pipeline pass: bounds the workspace (8..4096)
 };
@@ -61,7 +65,7 @@ struct MoePlan {
 };
 
 // Checks the problem (validate_moe_shape; K and N multiples of 32), the ISA level (must be
-// supported by this CPU), threads in [1, 256], max_tokens in [1, 2^24], chunk_tokens in [8, 4096].
+// supported by this CPU), threads in [0, kMaxThreads], max_tokens in [1, 2^24], chunk_tokens in [8, 4096].
 Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options = {});
 
 // Weights of one EP rank in the backend's tiled layout (docs/cpu_moe.md). Movable, not copyable.
@@ -115,7 +119,7 @@ Result<PackedWeights> prepack(const MoePlan& plan, const MoeWeightsView& weights
 // plan.workspace_bytes. Checks the inputs (validate_moe_buffers) and M <= plan.max_tokens.
 // A W4A16 BF16 row (x or intermediate) whose nonzero magnitudes span more than 2^237 cannot be
 // scaled into the range where the BF16 dot products are exact: on the avx512bf16 level run()
-// then fails with kInexact naming the row (use K3_ISA=avx512 for such data); other levels
+// then fails with kInexact naming the row (use the ISA level avx512 for such data); other levels
 // compute it in FP32.
 Status run(const MoePlan& plan, const PackedWeights& weights, const MoeInputsView& inputs,
            std::span<uint8_t> workspace, std::span<uint8_t> out);
@@ -155,7 +159,7 @@ Status finalize(const MoePlan& plan, int64_t m, std::span<const float> topk_weig
                 std::span<const float* const> slot_y, std::span<float> scratch, std::span<uint8_t> out);
 
 // situ_and_mul: in [rows, 2D] with row stride ld (elements; gate = first D columns, up = next D),
-// out [rows, D], row-major. FP32, SIMD where the ISA level allows (same bits on every level).
+// out [rows, D], row-major. FP32, SIMD at best_isa_level() (same bits on every level).
 Status situ_and_mul(std::span<const float> in, int64_t rows, int64_t d, int64_t ld, float beta, float linear_beta,
                     std::span<float> out);
 

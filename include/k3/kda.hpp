@@ -139,21 +139,27 @@ struct PrefillShape {
 Result<PrefillShape> validate_prefill(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out);
 
 // ---- references (token-recurrent, exactly the recurrence above) ----------------------------
-// Threads over (sequence, head) with default_thread_count(); results do not depend on it.
+// Threads over (sequence, head): `threads`, 0 = all logical CPUs (hardware_thread_count()); the
+// results do not depend on the thread count.
 // FP64: every input widened exactly, all arithmetic in double.
 Status reference_fp64(const KdaConfig& cfg, const KdaInputs& in, std::span<double> o /* [T, H, V] */,
-                      std::span<double> final_state /* like KdaOutputs::final_state; may be empty */);
+                      std::span<double> final_state /* like KdaOutputs::final_state; may be empty */,
+                      int threads = 0);
 // FP32: all arithmetic in float, in the order of the recurrence.
-Status reference_fp32(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out);
+Status reference_fp32(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out, int threads = 0);
 
 // ---- CPU backend ---------------------------------------------------------------------------
 inline constexpr int64_t kDefaultChunkMinTokens = 8;  // measured crossover, docs/kda.md
 
+inline constexpr int kMaxCpuThreads = 4096;  // the largest CpuOptions::threads make_cpu_plan accepts
+
+// The library reads no environment variable: threads and the SIMD level are what the caller
+// passes, else hardware facts. (The `k3` tool passes K3_NUM_THREADS / K3_ISA in explicitly.)
 struct CpuOptions {
-  int threads = 0;                  // 0: default_thread_count()
+  int threads = 0;                  // 0: all logical CPUs, hardware_thread_count(), at most kMaxCpuThreads
   Algorithm algorithm = Algorithm::kAuto;
   int64_t chunk_min_tokens = kDefaultChunkMinTokens;  // kAuto: sequences this long run chunked
-  bool use_isa_override = false;    // true: use `isa` instead of active_isa_level() (K3_ISA)
+  bool use_isa_override = false;    // true: use `isa` instead of best_isa_level()
   IsaLevel isa = IsaLevel::kScalar;
 };
 
@@ -166,8 +172,8 @@ struct CpuPlan {
   int64_t workspace_floats = 0;  // size of the workspace every run call needs
 };
 
-// Checks the configuration and options; resolves threads and the SIMD level (an invalid K3_ISA
-// or a level above the CPU's is an error).
+// Checks the configuration and options; resolves threads and the SIMD level (a level above the
+// CPU's is an error).
 Result<CpuPlan> make_cpu_plan(const KdaConfig& cfg, const CpuOptions& opt = {});
 
 // Prefill: threads over (sequence, head); results are bit-identical for any thread count.

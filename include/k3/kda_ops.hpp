@@ -2,7 +2,8 @@
 // core"): the causal depthwise convolution + SiLU on q, k and v with its rolling state, and the
 // gated per-head RMSNorm of the output. FP32 tensors, token-major, non-owning views.
 // Each op has an FP64 reference (computed in double, rounded once to FP32) and a CPU op (FP32
-// arithmetic, threads over independent rows/channels, bit-identical for any thread count).
+// arithmetic, threads over independent rows/channels, bit-identical for any thread count;
+// threads = 0: all logical CPUs, hardware_thread_count(); no environment variable is read).
 #pragma once
 
 #include <cstdint>

@@ -26,7 +26,12 @@ struct CpuInfo {
 // Detected once; cheap to call again.
 const CpuInfo& cpu_info();
 
-// Threads k3's CPU kernels use: K3_NUM_THREADS if set, else OMP_NUM_THREADS, else all CPUs.
+// All logical CPUs of this machine (cpu_info().logical_cpus, at least 1): what the library's CPU
+// kernels use when a caller passes threads = 0. A hardware fact; no environment variable is read.
+int hardware_thread_count();
+
+// For tools, not read by the library: K3_NUM_THREADS if set to a positive count, else
+// OMP_NUM_THREADS, else hardware_thread_count(). The `k3` tool passes the result explicitly.
 int default_thread_count();
 // Where default_thread_count() came from, for messages: "K3_NUM_THREADS=1000",
 // "OMP_NUM_THREADS=8" or "2 logical CPUs".
@@ -41,9 +46,11 @@ enum class IsaLevel : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3
 
 const char* isa_level_name(IsaLevel level);  // "scalar", "avx2", "avx512", "avx512bf16"
 // The best level this CPU supports (AVX2 needs FMA; AVX-512 needs F+BW+VL; BF16 adds AVX512-BF16).
+// What the library's CPU kernels use when a caller leaves the level unset.
 IsaLevel best_isa_level();
-// The level the CPU kernels use: K3_ISA=scalar|avx2|avx512|avx512bf16 forces one (for tests and
-// benchmarks); an unknown name or a level above best_isa_level() is an error naming both.
+// For tools, not read by the library: K3_ISA=scalar|avx2|avx512|avx512bf16 if set (for tests and
+// benchmarks), else best_isa_level(); an unknown name or a level above best_isa_level() is an
+// error naming both. The `k3` tool passes the result explicitly.
 Result<IsaLevel> active_isa_level();
 Result<IsaLevel> parse_isa_level(const std::string& name);
 

@@ -79,7 +79,7 @@ k3::BackendOptions options(int threads, const std::string& isa) {
 nb::dict info() {
   nb::dict d;
   d["isa"] = k3::isa_level_name(k3::best_isa_level());
-  d["default_threads"] = k3::default_thread_count();
+  d["default_threads"] = k3::hardware_thread_count();  // what threads=0 means; no K3_NUM_THREADS
   auto entry = [](const std::string& name, int priority, const k3::Status& a) {
     nb::dict e;
     e["name"] = name;

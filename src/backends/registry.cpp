@@ -1,6 +1,7 @@
 // The backend registry (k3/backend.hpp): the fixed, ordered list of backends of each op.
 #include <algorithm>
 #include <new>
+#include <string>
 #include <vector>
 
 #include "k3/backend.hpp"
@@ -77,6 +78,7 @@ std::vector<MoeBackend> make_moe_backends() {
 kda::CpuOptions kda_cpu_options(const BackendOptions& opt) {
   kda::CpuOptions o;
   o.threads = opt.threads;
+  o.algorithm = opt.kda_algorithm;
   if (opt.isa) {
     o.use_isa_override = true;
     o.isa = *opt.isa;
@@ -116,7 +118,12 @@ std::vector<KdaBackend> make_kda_backends() {
   ref.available = always;
   ref.supports = [](const kda::KdaConfig& c) { return kda::validate_config(c); };
   ref.prefill = [](const kda::KdaConfig& c, const kda::KdaInputs& in, const kda::KdaOutputs& out,
-                   const BackendOptions&) { return kda::reference_fp32(c, in, out); };
+                   const BackendOptions& o) {
+    if (o.kda_algorithm == kda::Algorithm::kChunked) {
+      return invalid_argument("algorithm = chunked: the reference backend is token-recurrent only (auto or recurrent)");
+    }
+    return kda::reference_fp32(c, in, out, o.threads);
+  };
   v.push_back(std::move(ref));
   return v;
 }
@@ -172,5 +179,40 @@ std::span<const KdaBackend> kda_backends() {
 Result<const KdaBackend*> find_kda_backend(std::string_view name) { return find_in(kda_backends(), name, "kda"); }
 
 const KdaBackend& default_kda_backend() { return default_in(kda_backends()); }
+
+namespace {
+
+// available(), supports(cfg) and the entry's presence, in that order.
+Status kda_ready(const KdaBackend& b, const kda::KdaConfig& cfg, bool has_entry, const char* entry) {
+  K3_RETURN_IF_ERROR(b.available());
+  K3_RETURN_IF_ERROR(b.supports(cfg));
+  if (has_entry) return Status::ok();
+  std::string has;
+  if (b.prefill) has += "prefill";
+  if (b.decode) has += std::string(has.empty() ? "" : ", ") + "decode";
+  if (b.verify) has += std::string(has.empty() ? "" : ", ") + "verify";
+  return unsupported("kda backend '" + b.name + "' has no " + entry + " entry (it implements: " +
+                     (has.empty() ? "nothing" : has) + ")");
+}
+
+}  // namespace
+
+Status run_kda_prefill(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::KdaInputs& in,
+                       const kda::KdaOutputs& out, const BackendOptions& opt) {
+  K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.prefill), "prefill"));
+  return b.prefill(cfg, in, out, opt);
+}
+
+Status run_kda_decode(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::DecodeArgs& args,
+                      const BackendOptions& opt) {
+  K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.decode), "decode"));
+  return b.decode(cfg, args, opt);
+}
+
+Status run_kda_verify(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::VerifyArgs& args,
+                      const BackendOptions& opt) {
+  K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.verify), "verify"));
+  return b.verify(cfg, args, opt);
+}
 
 }  // namespace k3

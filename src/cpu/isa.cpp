@@ -1,4 +1,5 @@
-// Runtime ISA selection for the CPU kernels.
+// Runtime ISA selection for the CPU kernels. The kernels default to best_isa_level();
+// active_isa_level() reads K3_ISA for tools, which pass the level explicitly.
 #include <cstdlib>
 #include <string>
 

@@ -164,5 +164,86 @@ TEST(BackendRegistry, KdaBackendsSayWhatTheyCanDo) {
   EXPECT_FALSE(cpu.supports(bad_cfg).is_ok());
 }
 
+// run_kda_prefill / _decode / _verify: the registry's checks in one place, and the KDA options
+// (algorithm, SIMD level, threads) reaching the backend.
+TEST(BackendRegistry, RunKdaNamesAMissingEntryAndPassesTheOptions) {
+  kda::KdaConfig cfg;
+  cfg.num_heads = 2;
+  cfg.head_k = 16;
+  cfg.head_v = 16;
+  cfg.gate = kda::GateMode::kLogDecay;
+  const int64_t t = 19, n = 3;
+  std::vector<float> q(t * 2 * 16), kk(q.size()), v(q.size()), g(q.size()), beta(t * 2);
+  uint32_t x = 7;
+  auto rnd = [&x] { x = x * 1664525u + 1013904223u; return static_cast<float>(x >> 8) / 16777216.f - 0.5f; };
+  for (auto& e : q) e = rnd();
+  for (auto& e : kk) e = rnd();
+  for (auto& e : v) e = rnd();
+  for (auto& e : g) e = -0.1f + 0.05f * rnd();
+  for (auto& e : beta) e = rnd();
+  kda::KdaInputs in;
+  in.q = kda::ActSpan::of(std::span<const float>(q));
+  in.k = kda::ActSpan::of(std::span<const float>(kk));
+  in.v = kda::ActSpan::of(std::span<const float>(v));
+  in.g = g;
+  in.beta = beta;
+  const KdaBackend& ref = *find_kda_backend("reference").value();
+  const KdaBackend& cpu = *find_kda_backend("cpu").value();
+  const KdaBackend& cuda = *find_kda_backend("cuda").value();
+
+  // Missing entries and an unusable backend: the reason, never a call through an empty function.
+  std::vector<float> pool(4 * 2 * 16 * 16), o(n * 2 * 16);
+  const std::vector<int32_t> idx = {0, 1, 2};
+  kda::KdaInputs step = in;
+  step.q.f32 = step.q.f32.first(n * 32);
+  step.k.f32 = step.k.f32.first(n * 32);
+  step.v.f32 = step.v.f32.first(n * 32);
+  step.g = step.g.first(n * 32);
+  step.beta = step.beta.first(n * 2);
+  Status st = run_kda_decode(ref, cfg, {step, pool, idx, o});
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_EQ(st.message(), "kda backend 'reference' has no decode entry (it implements: prefill)");
+  const std::vector<int32_t> acc = {1};
+  st = run_kda_verify(ref, cfg, {step, 3, pool, idx, acc, o});
+  EXPECT_NE(st.message().find("has no verify entry"), std::string::npos) << st.message();
+  std::vector<float> o1(q.size()), o2(q.size());
+  st = run_kda_prefill(cuda, cfg, in, {o1, {}});
+  EXPECT_EQ(st.message(), cuda.available().message());
+  EXPECT_TRUE(run_kda_decode(cpu, cfg, {step, pool, idx, o}).is_ok());
+
+  // The reference is token-recurrent: chunked is refused, recurrent accepted.
+  BackendOptions chunked;
+  chunked.kda_algorithm = kda::Algorithm::kChunked;
+  st = run_kda_prefill(ref, cfg, in, {o1, {}}, chunked);
+  EXPECT_NE(st.message().find("algorithm = chunked"), std::string::npos) << st.message();
+  BackendOptions recurrent;
+  recurrent.kda_algorithm = kda::Algorithm::kRecurrent;
+  recurrent.threads = 3;
+  ASSERT_TRUE(run_kda_prefill(ref, cfg, in, {o1, {}}, recurrent).is_ok());
+  std::vector<float> want(q.size());
+  ASSERT_TRUE(kda::reference_fp32(cfg, in, {want, {}}).is_ok());
+  EXPECT_EQ(o1, want);
+
+  // The cpu backend runs the algorithm and SIMD level it is given: the same bits as its own API.
+  for (const auto algo : {kda::Algorithm::kRecurrent, kda::Algorithm::kChunked}) {
+    BackendOptions bo;
+    bo.kda_algorithm = algo;
+    bo.isa = IsaLevel::kScalar;
+    bo.threads = 2;
+    ASSERT_TRUE(run_kda_prefill(cpu, cfg, in, {o2, {}}, bo).is_ok());
+    kda::CpuOptions co;
+    co.algorithm = algo;
+    co.use_isa_override = true;
+    co.isa = IsaLevel::kScalar;
+    co.threads = 1;
+    ASSERT_TRUE(kda::prefill(cfg, in, {want, {}}, co).is_ok());
+    EXPECT_EQ(o2, want) << kda::algorithm_name(algo);
+  }
+  BackendOptions too_many;
+  too_many.threads = kda::kMaxCpuThreads + 1;
+  st = run_kda_prefill(cpu, cfg, in, {o2, {}}, too_many);
+  EXPECT_NE(st.message().find("threads = 4097 must be in [0, 4096]"), std::string::npos) << st.message();
+}
+
 }  // namespace
 }  // namespace k3

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "k3/digest.hpp"
@@ -29,6 +30,18 @@ TEST(CpuInfo, ThreadCountHonoursEnvironment) {
   unsetenv("OMP_NUM_THREADS");
   EXPECT_EQ(default_thread_count(), cpu_info().logical_cpus);
   unsetenv("K3_NUM_THREADS");
+}
+
+TEST(CpuInfo, HardwareThreadCountIgnoresTheEnvironment) {
+  setenv("K3_NUM_THREADS", "3", 1);
+  setenv("OMP_NUM_THREADS", "5", 1);
+  EXPECT_EQ(hardware_thread_count(), std::max(1, cpu_info().logical_cpus));
+  EXPECT_EQ(default_thread_count(), 3);
+  EXPECT_EQ(default_thread_count_source(), "K3_NUM_THREADS=3");
+  unsetenv("K3_NUM_THREADS");
+  EXPECT_EQ(default_thread_count(), 5);
+  unsetenv("OMP_NUM_THREADS");
+  EXPECT_EQ(default_thread_count(), hardware_thread_count());
 }
 
 TEST(Digest, Sha256KnownVectors) {

@@ -11,11 +11,13 @@
 //                    one code step, 1/8 relative for E4M3, 1/256 for BF16)
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <thread>
 
 #include "moe_test_util.hpp"
+#include "scoped_env.hpp"
 
 namespace k3 {
 namespace {
@@ -479,21 +481,29 @@ TEST(CpuMoe, PlanErrorsNameTheLimit) {
   EXPECT_GT(ok->workspace_bytes, 0);
 }
 
-TEST(CpuMoe, IsaLevelCanBeForcedByEnvironment) {
+// The library reads no environment: K3_ISA and K3_NUM_THREADS are the `k3` tool's, passed in
+// explicitly; plan()'s defaults are hardware facts.
+TEST(CpuMoe, PlanDefaultsAreHardwareFactsNotTheEnvironment) {
   MoeProblem p;
   p.shape = {64, 64, 4, 2, 1, 0};
-  setenv("K3_ISA", "scalar", 1);
+  test::ScopedEnv isa("K3_ISA", "scalar");
+  test::ScopedEnv k3_threads("K3_NUM_THREADS", "3");
+  test::ScopedEnv omp_threads("OMP_NUM_THREADS", "5");
   auto r = cpu::plan(p, {});
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(r->isa, best_isa_level());
+  EXPECT_EQ(r->threads, std::min(hardware_thread_count(), cpu::kMaxThreads));
+  EXPECT_EQ(default_thread_count(), 3);  // the tools' helper still reads it
+  test::ScopedEnv bad("K3_ISA", "sse9");  // not even a level: still not read
+  r = cpu::plan(p, {});
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  cpu::MoeOptions o;  // what the tool passes: the explicit values win
+  o.isa = IsaLevel::kScalar;
+  o.threads = 3;
+  r = cpu::plan(p, o);
   ASSERT_TRUE(r.is_ok());
   EXPECT_EQ(r->isa, IsaLevel::kScalar);
-  setenv("K3_ISA", "sse9", 1);
-  r = cpu::plan(p, {});
-  ASSERT_FALSE(r.is_ok());
-  EXPECT_NE(r.status().message().find("K3_ISA"), std::string::npos) << r.status().message();
-  unsetenv("K3_ISA");
-  r = cpu::plan(p, {});
-  ASSERT_TRUE(r.is_ok());
-  EXPECT_EQ(r->isa, best_isa_level());
+  EXPECT_EQ(r->threads, 3);
 }
 
 TEST(CpuMoe, PrepackErrorsNameTheBlock) {

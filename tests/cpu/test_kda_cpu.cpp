@@ -10,6 +10,7 @@
 
 #include "core/kda/kda_case.hpp"
 #include "k3/kda.hpp"
+#include "scoped_env.hpp"
 
 namespace k3::kda {
 namespace {
@@ -397,20 +398,28 @@ TEST(KdaCpu, PlanAndWorkspaceErrors) {
   EXPECT_NE(prefill(forged, c.inputs(), {out, {}}, ws_big).message().find("is below"), std::string::npos);
 }
 
-TEST(KdaCpu, IsaFromTheEnvironment) {
-  const char* old = std::getenv("K3_ISA");
-  const std::string saved = old != nullptr ? old : "";
-  setenv("K3_ISA", "avx9000", 1);
+// The library reads no environment: make_cpu_plan's defaults are hardware facts (the `k3` tool
+// passes K3_ISA / K3_NUM_THREADS in explicitly).
+TEST(KdaCpu, PlanDefaultsAreHardwareFactsNotTheEnvironment) {
+  test::ScopedEnv isa("K3_ISA", "avx9000");
+  test::ScopedEnv k3_threads("K3_NUM_THREADS", "3");
   const KdaConfig k = cfg(1, 8, 8, GateMode::kLogDecay);
-  auto bad = make_cpu_plan(k);
-  EXPECT_FALSE(bad.is_ok());
-  EXPECT_NE(bad.status().message().find("K3_ISA"), std::string::npos) << bad.status().message();
-  setenv("K3_ISA", "scalar", 1);
   auto p = make_cpu_plan(k);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_EQ(p->isa, best_isa_level());
+  EXPECT_EQ(p->threads, std::min(hardware_thread_count(), kMaxCpuThreads));
+  test::ScopedEnv scalar("K3_ISA", "scalar");
+  p = make_cpu_plan(k);
+  ASSERT_TRUE(p.is_ok());
+  EXPECT_EQ(p->isa, best_isa_level());
+  CpuOptions o;
+  o.use_isa_override = true;
+  o.isa = IsaLevel::kScalar;
+  o.threads = 3;
+  p = make_cpu_plan(k, o);
   ASSERT_TRUE(p.is_ok());
   EXPECT_EQ(p->isa, IsaLevel::kScalar);
-  if (old != nullptr) setenv("K3_ISA", saved.c_str(), 1);
-  else unsetenv("K3_ISA");
+  EXPECT_EQ(p->threads, 3);
 }
 
 }  // namespace

@@ -14,28 +14,13 @@
 #include "k3/checkpoint_synth.hpp"
 #include "k3/safetensors.hpp"
 #include "k3/system.hpp"
+#include "scoped_env.hpp"
 #include "tools/cli_run.hpp"
 
 namespace {
 
 using k3::test::run_cli;
-
-// Sets an environment variable for the scope (the k3 child process inherits it).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (old_) setenv(name_, old_->c_str(), 1);
-    else unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using k3::test::ScopedEnv;
 
 TEST(HostileCli, UnknownK3IsaIsAnErrorNamingTheChoices) {
   ScopedEnv env("K3_ISA", "garbage");

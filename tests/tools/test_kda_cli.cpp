@@ -2,6 +2,7 @@
 // real sweeps are for users to run).
 #include <gtest/gtest.h>
 
+#include "scoped_env.hpp"
 #include "tools/cli_run.hpp"
 
 #include <array>
@@ -23,12 +24,77 @@ TEST(KdaCli, ValidateSmokePassesAndCoversTheMatrix) {
                            "verify/fp32", "1/2/3 threads x 2 runs chunked", "isa scalar", "conv1d+silu", "gated rmsnorm"}) {
     EXPECT_NE(r.out.find(text), std::string::npos) << text << "\n" << r.out;
   }
+  EXPECT_NE(r.out.find("prefill/fp32 T=63 D=60"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("prefill/fp64 T=63 D=60"), std::string::npos) << r.out;
 }
 
 TEST(KdaCli, ValidateCudaBackendFailsWithoutAKdaCudaBackend) {
   const auto r = run_cli("validate --op kda --backend cuda");
   EXPECT_EQ(r.code, 1) << r.out;
-  EXPECT_NE(r.out.find("KDA has no CUDA backend yet"), std::string::npos) << r.out;
+  // The registry's reason, in one FAIL row; nothing else runs (no silent CPU rows).
+  EXPECT_NE(r.out.find("backend cuda usable"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("KDA has no CUDA backend yet (the CUDA build covers the fused MoE only)"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("1 checks, 1 failed"), std::string::npos) << r.out;
+}
+
+// --backend reference: the rows run through the reference backend's registry entries; its
+// missing decode / verify entries are SKIP rows naming the reason; the CPU-only rows do not run.
+TEST(KdaCli, ValidateReferenceBackendRunsItsOwnEntries) {
+  const std::string path = ::testing::TempDir() + "k3_validate_kda_ref.json";
+  const auto r = run_cli("validate --op kda --suite smoke --backend reference --output " + path);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("SKIP  skipped: kda backend 'reference' has no decode entry (it implements: prefill)"),
+            std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("failed, 2 skipped"), std::string::npos) << r.out;
+  std::ifstream f(path);
+  const auto j = nlohmann::json::parse(f);
+  int prefill = 0, skipped = 0, determinism = 0;
+  for (const auto& rec : j["records"]) {
+    const std::string c = rec["case"];
+    EXPECT_EQ(rec["backend"], "reference") << rec.dump();
+    EXPECT_EQ(c.find("chunked"), std::string::npos) << c;  // CPU algorithm / ISA / ops rows: cpu only
+    EXPECT_EQ(c.find("isa "), std::string::npos) << c;
+    EXPECT_EQ(c.find("conv1d"), std::string::npos) << c;
+    if (c.rfind("prefill/fp", 0) == 0) {
+      ++prefill;
+      EXPECT_TRUE(rec["pass"].get<bool>()) << rec.dump();
+      EXPECT_FALSE(rec["skipped"].get<bool>()) << rec.dump();
+    }
+    if (rec["skipped"].get<bool>()) {
+      ++skipped;
+      EXPECT_TRUE(c.rfind("decode ", 0) == 0 || c.rfind("verify ", 0) == 0) << c;
+    }
+    if (c == "1/2/3 threads x 2 runs auto") ++determinism;
+  }
+  EXPECT_EQ(prefill, 6);  // 3 smoke cases x (FP32, FP64)
+  EXPECT_EQ(skipped, 2);
+  EXPECT_EQ(determinism, 1);
+  std::remove(path.c_str());
+}
+
+TEST(KdaCli, ValidateDefaultBackendIsTheRegistrysAndUnknownNamesListTheKnown) {
+  const std::string path = ::testing::TempDir() + "k3_validate_kda_cpu.json";
+  auto r = run_cli("validate --op kda --suite smoke --output " + path);
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::ifstream f(path);
+  const auto j = nlohmann::json::parse(f);
+  int cpu_prefill = 0;
+  for (const auto& rec : j["records"]) {
+    const std::string c = rec["case"];
+    if (c.rfind("prefill/fp", 0) == 0 || c.rfind("decode/", 0) == 0 || c.rfind("verify/", 0) == 0) {
+      EXPECT_EQ(rec["backend"], "cpu") << rec.dump();
+      ++cpu_prefill;
+    }
+    if (c.rfind("fp32/fp64", 0) == 0) {
+      EXPECT_EQ(rec["backend"], "reference") << rec.dump();
+    }
+  }
+  EXPECT_EQ(cpu_prefill, 8);  // 3 cases x (FP32, FP64) + decode + verify
+  std::remove(path.c_str());
+  r = run_cli("validate --op kda --backend gpu");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("kda backend 'gpu' is not known (known: cpu, cuda, reference)"), std::string::npos) << r.out;
 }
 
 TEST(KdaCli, BenchPrintsBothSweepsAndWritesJson) {
@@ -70,6 +136,14 @@ TEST(KdaCli, BenchIsaOptionNamesTheLevelAndMeasuresItsPeak) {
   EXPECT_EQ(j["machine"]["isa"], "scalar");
   for (const auto& rec : j["records"]) EXPECT_EQ(rec["isa"], "scalar");
   std::remove(path.c_str());
+}
+
+TEST(KdaCli, BenchHonoursK3IsaFromTheEnvironment) {
+  k3::test::ScopedEnv env("K3_ISA", "scalar");
+  const auto r = run_cli("bench kda --threads 1 --heads 2 --head-dim 16 --prefill-t 17 --decode-n 1 --iters 1 "
+                         "--pool-mib 1 --bw-mib 16");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("isa scalar"), std::string::npos) << r.out;
 }
 
 }  // namespace

@@ -14,6 +14,8 @@
 #include "core/kda/kda_case.hpp"
 #include "k3/kda.hpp"
 #include "k3/safetensors.hpp"
+#include "k3/system.hpp"
+#include "scoped_env.hpp"
 
 namespace k3::kda {
 namespace {
@@ -159,7 +161,10 @@ TEST(KdaRun, ErrorsNameTheTensor) {
   r = run_cli("kda run --gate safe --input " + in + " --output " + out);
   EXPECT_NE(r.out.find("--gate safe needs the tensor 'A_log'"), std::string::npos) << r.out;
   r = run_cli("kda run --backend gpu --input " + in + " --output " + out);
-  EXPECT_NE(r.out.find("--backend gpu is unknown"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--backend gpu is unknown (known: cpu, cuda, reference, fp32-reference (= reference), "
+                       "fp64-reference)"),
+            std::string::npos)
+      << r.out;
   r = run_cli("kda run --input /nonexistent/x.safetensors --output " + out);
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(run_cli("kda run --input " + in).code, 0);  // --output is required
@@ -175,6 +180,95 @@ TEST(KdaRun, ErrorsNameTheTensor) {
   EXPECT_NE(r.out.find("exactly one of 'beta'"), std::string::npos) << r.out;
   std::remove(in.c_str());
   std::remove(in2.c_str());
+  std::remove(out.c_str());
+}
+
+KdaCase small_case() {
+  CaseSpec s;
+  s.cfg.num_heads = 2;
+  s.cfg.head_k = 16;
+  s.cfg.head_v = 24;
+  s.cfg.gate = GateMode::kSafe;
+  s.seqlens = {7, 30};
+  return make_case(s);
+}
+
+// `--backend` takes the registry's names; `reference` is the FP32 recurrence that
+// `fp32-reference` named before (still accepted), bit for bit.
+TEST(KdaRun, ReferenceBackendIsTheFp32ReferenceUnderBothNames) {
+  const KdaCase c = small_case();
+  const std::string in = ::testing::TempDir() + "kda_run_in5.safetensors";
+  const std::string out = ::testing::TempDir() + "kda_run_out5.safetensors";
+  write_case(c, in, false, "beta_logits");
+  std::vector<float> o(c.o_size()), f(c.state_size());
+  ASSERT_TRUE(reference_fp32(c.spec.cfg, c.inputs(), {o, f}).is_ok());
+  for (const char* name : {"reference", "fp32-reference"}) {
+    const auto r = run_cli(std::string("kda run --backend ") + name + " --input " + in + " --output " + out);
+    ASSERT_EQ(r.code, 0) << name << "\n" << r.out;
+    EXPECT_NE(r.out.find("backend reference (recurrent)"), std::string::npos) << r.out;
+    auto file = st::File::open(out);
+    ASSERT_TRUE(file.is_ok()) << file.status().to_string();
+    EXPECT_EQ(read_tensor<float>(file.value(), "o"), o) << name;
+    EXPECT_EQ(read_tensor<float>(file.value(), "final_state"), f) << name;
+    EXPECT_EQ(file->metadata().at("backend"), "reference");
+    EXPECT_EQ(file->metadata().at("algorithm"), "recurrent");
+  }
+  // The reference is token-recurrent only; the FP64 oracle likewise.
+  for (const char* name : {"reference", "fp64-reference"}) {
+    const auto r = run_cli(std::string("kda run --algorithm chunked --backend ") + name + " --input " + in +
+                           " --output " + out);
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_NE(r.out.find("token-recurrent only"), std::string::npos) << r.out;
+  }
+  // cuda: the registry's reason.
+  const auto cuda = run_cli("kda run --backend cuda --input " + in + " --output " + out);
+  EXPECT_EQ(cuda.code, 2) << cuda.out;
+  EXPECT_NE(cuda.out.find("--backend cuda is not usable here: KDA has no CUDA backend yet"), std::string::npos)
+      << cuda.out;
+  std::remove(in.c_str());
+  std::remove(out.c_str());
+}
+
+// The tool reads K3_ISA / K3_NUM_THREADS and passes them to the cpu backend explicitly (the
+// library itself reads neither): the level shows in the output, the bits are the library's at
+// that level, and a thread count out of range names the variable.
+TEST(KdaRun, EnvironmentReachesTheCpuBackendThroughTheTool) {
+  const KdaCase c = small_case();
+  const std::string in = ::testing::TempDir() + "kda_run_in6.safetensors";
+  const std::string out = ::testing::TempDir() + "kda_run_out6.safetensors";
+  write_case(c, in, false, "beta_logits");
+  {
+    k3::test::ScopedEnv isa("K3_ISA", "scalar");
+    const auto r = run_cli("kda run --algorithm chunked --input " + in + " --output " + out);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("backend cpu (chunked, isa scalar)"), std::string::npos) << r.out;
+    std::vector<float> o(c.o_size()), f(c.state_size());
+    CpuOptions opt;
+    opt.algorithm = Algorithm::kChunked;
+    opt.use_isa_override = true;
+    opt.isa = IsaLevel::kScalar;
+    ASSERT_TRUE(prefill(c.spec.cfg, c.inputs(), {o, f}, opt).is_ok());
+    auto file = st::File::open(out);
+    ASSERT_TRUE(file.is_ok());
+    EXPECT_EQ(read_tensor<float>(file.value(), "o"), o);
+    EXPECT_EQ(file->metadata().at("isa"), "scalar");
+    EXPECT_EQ(file->metadata().at("backend"), "cpu");
+  }
+  {
+    const auto r = run_cli("kda run --input " + in + " --output " + out);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find(std::string("isa ") + isa_level_name(best_isa_level())), std::string::npos) << r.out;
+  }
+  {
+    k3::test::ScopedEnv threads("K3_NUM_THREADS", "5000");
+    const auto r = run_cli("kda run --input " + in + " --output " + out);
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_NE(r.out.find("threads = 5000 (from K3_NUM_THREADS=5000) must be in [0, 4096]"), std::string::npos)
+        << r.out;
+    const auto given = run_cli("kda run --threads 2 --input " + in + " --output " + out);  // --threads wins
+    EXPECT_EQ(given.code, 0) << given.out;
+  }
+  std::remove(in.c_str());
   std::remove(out.c_str());
 }
 

@@ -12,6 +12,7 @@
 #include <random>
 #include <sstream>
 
+#include "backend_options.hpp"
 #include "bench.hpp"
 #include "bench_moe_cuda.hpp"
 #include "bench_moe_routing.hpp"
@@ -194,7 +195,7 @@ int run_moe_bench(const MoeBenchArgs& a) {
     opt.max_tokens = max_m;
     opt.isa = isa.value();
     auto plan = cpu::plan(prob, opt);
-    if (!plan.is_ok()) return fail(plan.status());
+    if (!plan.is_ok()) return fail(a.threads > 0 ? plan.status() : with_thread_source(plan.status(), threads));
     auto packed = cpu::prepack(plan.value(), wv);
     if (!packed.is_ok()) return fail(packed.status());
     std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));

@@ -215,7 +215,10 @@ int run_moe(const MoeRunArgs& a) {
   std::vector<uint8_t> out(in->m * p.shape.hidden * out_dtype_size(p.out_dtype));
   const MoeInputsView view{in->m, in->x, in->topk_ids, in->topk_weights};
   const auto t0 = std::chrono::steady_clock::now();
-  if (const Status st = k3::run_moe(*backend, p, layer->view(), view, out, backend_options()); !st.is_ok()) return fail(st);
+  const BackendOptions bo = backend_options();
+  if (const Status st = k3::run_moe(*backend, p, layer->view(), view, out, bo); !st.is_ok()) {
+    return fail(with_thread_source(st, bo.threads));
+  }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   st::Writer w;
@@ -361,7 +364,7 @@ int run_moe_distributed(const MoeRunArgs& a) {
   if (co.threads == 0) co.threads = bo.threads;
   co.isa = bo.isa;
   auto plan = cpu::plan(p, co);
-  if (Status s = agree(plan.status()); !s.is_ok()) return fail(s);
+  if (Status s = agree(with_thread_source(plan.status(), co.threads)); !s.is_ok()) return fail(s);
   auto packed = cpu::prepack(plan.value(), layer->view());
   if (Status s = agree(packed.status()); !s.is_ok()) return fail(s);
   std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));

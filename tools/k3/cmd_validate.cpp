@@ -32,7 +32,7 @@ void print_table(const std::vector<ValidateRow>& rows) {
   for (const auto& r : rows) {
     std::printf("%-8s %-44s %-9s %10.6f %10.3e %10.3e %-16s %s%s%s\n", r.op.c_str(), r.case_name.c_str(),
                 r.backend.c_str(), r.cosine, r.nrmse, r.max_abs, r.digest.substr(0, 16).c_str(),
-                r.pass ? "PASS" : "FAIL", r.note.empty() ? "" : "  ", r.note.c_str());
+                r.skipped ? "SKIP" : r.pass ? "PASS" : "FAIL", r.note.empty() ? "" : "  ", r.note.c_str());
   }
 }
 
@@ -62,7 +62,12 @@ int run_validate(const Args& a) {
   }
   print_table(rows);
   const auto failed = std::count_if(rows.begin(), rows.end(), [](const ValidateRow& r) { return !r.pass; });
-  std::printf("\n%zu checks, %td failed\n", rows.size(), failed);
+  const auto skipped = std::count_if(rows.begin(), rows.end(), [](const ValidateRow& r) { return r.skipped; });
+  if (skipped == 0) {
+    std::printf("\n%zu checks, %td failed\n", rows.size(), failed);
+  } else {
+    std::printf("\n%zu checks, %td failed, %td skipped\n", rows.size(), failed, skipped);
+  }
   if (!a.output.empty()) {
     nlohmann::json j;
     j["k3_version"] = build::kVersion;
@@ -73,7 +78,7 @@ int run_validate(const Args& a) {
     for (const auto& r : rows) {
       j["records"].push_back({{"op", r.op}, {"case", r.case_name}, {"backend", r.backend}, {"cosine", r.cosine},
                               {"nrmse", r.nrmse}, {"max_abs", r.max_abs}, {"digest", r.digest},
-                              {"pass", r.pass}, {"note", r.note}});
+                              {"pass", r.pass}, {"skipped", r.skipped}, {"note", r.note}});
     }
     if (const Status s = write_file_atomic(a.output, j.dump(2) + "\n", "--output"); !s.is_ok()) {
       std::fprintf(stderr, "k3 validate: %s\n", s.to_string().c_str());
@@ -91,7 +96,8 @@ const CommandRegistration kRegistration("validate", 10, [](CLI::App& app) -> std
   cmd->add_option("--op", a->op, ops_help)->capture_default_str();
   cmd->add_option("--suite", a->opts.suite, "Suite within the op (smoke, real, nonfinite, determinism, all)")
       ->capture_default_str();
-  cmd->add_option("--backend", a->opts.backend, "Backend to check: all usable ones, reference, cpu, cuda")
+  cmd->add_option("--backend", a->opts.backend,
+                  "Backend to check: all (moe: every usable one; kda: the default one), reference, cpu, cuda")
       ->capture_default_str();
   cmd->add_option("--require", a->opts.require, "Fail unless this capability is present (repeatable)");
   cmd->add_option("--seed", a->opts.seed, "Seed of the generated cases")->capture_default_str();

@@ -32,7 +32,8 @@ struct ValidateRow {
   double max_abs = 0.0;
   std::string digest;  // SHA-256 (hex, first 16 chars shown) of the output bytes, or ""
   bool pass = false;
-  std::string note;    // what was checked / why it failed
+  std::string note;      // what was checked / why it failed / why it was skipped
+  bool skipped = false;  // not run (e.g. the backend has no such entry): SKIP, not counted as failed
 };
 
 using ValidateOpFn = std::function<std::vector<ValidateRow>(const ValidateOptions&)>;

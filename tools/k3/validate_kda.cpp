@@ -1,15 +1,21 @@
-// `k3 validate --op kda`: the stress matrix of docs/kda.md against the FP32 and FP64
-// token-recurrent references: resets (g = -1000), D 60 / 100 / 128, T 63 / 500 / 1000 / 1500 /
-// 8192, varlen with a 15-token sequence, the K3 shape H = 96, K = V = 128; decode and verify on
-// a state pool (untouched slots bit-identical); chunked vs recurrent; thread-count determinism;
-// every SIMD level; the small ops.
+// `k3 validate --op kda [--backend NAME]`: the stress matrix of docs/kda.md against the FP32 and
+// FP64 token-recurrent references: resets (g = -1000), D 60 / 100 / 128, T 63 / 500 / 1000 / 1500
+// / 8192, varlen with a 15-token sequence, the K3 shape H = 96, K = V = 128; decode and verify on
+// a state pool (untouched slots bit-identical); thread-count determinism. Every such row runs
+// through the chosen backend's registry entries (k3/backend.hpp; default: default_kda_backend()).
+// The CPU backend's own variants (chunked vs recurrent, every SIMD level) and the CPU small ops
+// run only when the chosen backend is "cpu". A backend that is unusable here is a FAIL row with
+// the registry's reason; an entry a backend lacks (the reference has no decode) is a SKIP row.
 #include <chrono>
 #include <cmath>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "backend_options.hpp"
 #include "core/kda/kda_case.hpp"
+#include "k3/backend.hpp"
 #include "k3/digest.hpp"
 #include "k3/kda.hpp"
 #include "k3/kda_ops.hpp"
@@ -43,13 +49,20 @@ ValidateRow make_row(const std::string& name, const std::string& backend, const 
   return r;
 }
 
-ValidateRow flag_row(const std::string& name, bool pass, std::string note) {
+ValidateRow flag_row(const std::string& name, const std::string& backend, bool pass, std::string note) {
   ValidateRow r;
   r.op = "kda";
   r.case_name = name;
-  r.backend = "cpu";
+  r.backend = backend;
   r.pass = pass;
   r.note = std::move(note);
+  return r;
+}
+
+// A check the backend cannot take part in (no such entry): shown as SKIP with the reason.
+ValidateRow skip_row(const std::string& name, const std::string& backend, const Status& why) {
+  ValidateRow r = flag_row(name, backend, true, "skipped: " + why.message());
+  r.skipped = true;
   return r;
 }
 
@@ -67,15 +80,22 @@ struct Out {
   Status st;
 };
 
-Out run_cpu(const kda::KdaCase& c, Algorithm algo, int threads = 0, bool isa_override = false,
-            IsaLevel isa = IsaLevel::kScalar) {
+// The backend under test and the options the tool passes it (K3_NUM_THREADS, K3_ISA).
+struct Target {
+  const KdaBackend& b;
+  BackendOptions opt;
+  bool is_cpu() const { return b.name == "cpu"; }  // its algorithm / ISA variants and the small ops
+};
+
+// Prefill through the registry; `algo`, `threads`, `isa` override the tool's options.
+Out run_prefill(const Target& t, const kda::KdaCase& c, Algorithm algo = Algorithm::kAuto, int threads = 0,
+                std::optional<IsaLevel> isa = std::nullopt) {
   Out r{std::vector<float>(c.o_size()), std::vector<float>(c.state_size()), {}};
-  kda::CpuOptions o;
-  o.algorithm = algo;
-  o.threads = threads;
-  o.use_isa_override = isa_override;
-  o.isa = isa;
-  r.st = kda::prefill(c.spec.cfg, c.inputs(), {r.o, r.f}, o);
+  BackendOptions o = t.opt;
+  o.kda_algorithm = algo;
+  if (threads > 0) o.threads = threads;
+  if (isa) o.isa = isa;
+  r.st = run_kda_prefill(t.b, c.spec.cfg, c.inputs(), {r.o, r.f}, o);
   return r;
 }
 
@@ -130,15 +150,25 @@ kda::CaseSpec spec_of(int64_t h, int64_t d, GateMode gate, StateLayout layout, b
   return s;
 }
 
-void prefill_rows(const Case& k, std::vector<ValidateRow>& rows) {
+void prefill_rows(const Target& t, const Case& k, std::vector<ValidateRow>& rows) {
   const kda::KdaCase c = kda::make_case(k.spec);
   const auto& cfg = c.spec.cfg;
   const int64_t H = cfg.num_heads, K = cfg.head_k, V = cfg.head_v;
-  const Out chk = run_cpu(c, Algorithm::kChunked);
-  const Out rec = run_cpu(c, Algorithm::kRecurrent);
-  if (!chk.st.is_ok() || !rec.st.is_ok()) {
-    rows.push_back(flag_row(k.name, false, (chk.st.is_ok() ? rec.st : chk.st).to_string()));
+  const std::string& bn = t.b.name;
+  // The backend as called (algorithm auto); on the CPU backend also each algorithm.
+  const Out run = run_prefill(t, c);
+  if (!run.st.is_ok()) {
+    rows.push_back(flag_row("prefill " + k.name, bn, false, run.st.to_string()));
     return;
+  }
+  Out chk, rec;
+  if (t.is_cpu()) {
+    chk = run_prefill(t, c, Algorithm::kChunked);
+    rec = run_prefill(t, c, Algorithm::kRecurrent);
+    if (!chk.st.is_ok() || !rec.st.is_ok()) {
+      rows.push_back(flag_row(k.name, bn, false, (chk.st.is_ok() ? rec.st : chk.st).to_string()));
+      return;
+    }
   }
   const std::string dtype = c.spec.bf16 ? "bf16" : "fp32";
   const std::string subset = k.ref_heads < H ? "; heads 0.." + std::to_string(k.ref_heads - 1) + " of " +
@@ -147,39 +177,46 @@ void prefill_rows(const Case& k, std::vector<ValidateRow>& rows) {
   // FP32 reference on (a subset of) the heads.
   const kda::KdaCase cs = first_heads(c, k.ref_heads);
   std::vector<float> ro(cs.o_size()), rf(cs.state_size());
-  if (!kda::reference_fp32(cs.spec.cfg, cs.inputs(), {ro, rf}).is_ok()) {
-    rows.push_back(flag_row(k.name, false, "FP32 reference failed"));
+  if (!kda::reference_fp32(cs.spec.cfg, cs.inputs(), {ro, rf}, t.opt.threads).is_ok()) {
+    rows.push_back(flag_row(k.name, "reference", false, "FP32 reference failed"));
     return;
   }
   const int64_t hs = cs.spec.cfg.num_heads;
   const double bound32 = c.spec.bf16 ? kBoundBf16VsFp32 : kBoundTight;
-  for (const auto* p : {&chk, &rec}) {
-    const bool is_chk = p == &chk;
-    auto e = worst(kda::compare(heads_of(p->o, H, hs, V), ro), kda::compare(heads_of(p->f, H, hs, K * V), rf));
-    auto r = make_row(std::string(is_chk ? "chunked" : "recurrent") + "/fp32 " + k.name, "cpu", e, bound32,
-                      dtype + " inputs; o and final state" + subset);
-    r.digest = sha256_hex_of<float>(p->o);
+  auto vs_fp32 = [&](const Out& p, const std::string& what) {
+    auto e = worst(kda::compare(heads_of(p.o, H, hs, V), ro), kda::compare(heads_of(p.f, H, hs, K * V), rf));
+    auto r = make_row(what + "/fp32 " + k.name, bn, e, bound32, dtype + " inputs; o and final state" + subset);
+    r.digest = sha256_hex_of<float>(p.o);
     rows.push_back(r);
+  };
+  vs_fp32(run, "prefill");
+  if (t.is_cpu()) {
+    vs_fp32(chk, "chunked");
+    vs_fp32(rec, "recurrent");
   }
   // FP64 reference on fewer heads (the slowest check).
   const kda::KdaCase c64 = first_heads(c, k.fp64_heads);
   const int64_t h64 = c64.spec.cfg.num_heads;
   std::vector<double> o64(c64.o_size()), f64(c64.state_size());
-  if (!kda::reference_fp64(c64.spec.cfg, c64.inputs(), o64, f64).is_ok()) {
-    rows.push_back(flag_row(k.name, false, "FP64 reference failed"));
+  if (!kda::reference_fp64(c64.spec.cfg, c64.inputs(), o64, f64, t.opt.threads).is_ok()) {
+    rows.push_back(flag_row(k.name, "reference", false, "FP64 reference failed"));
     return;
   }
-  const auto e64 = worst(kda::compare(heads_of(chk.o, H, h64, V), o64), kda::compare(heads_of(chk.f, H, h64, K * V), f64));
-  rows.push_back(make_row("chunked/fp64 " + k.name, "cpu", e64, kBoundTight,
-                          h64 < H ? "heads 0.." + std::to_string(h64 - 1) + " of " + std::to_string(H) : ""));
-  const auto e_ref = worst(kda::compare(heads_of(ro, hs, h64, V), o64), kda::compare(heads_of(rf, hs, h64, K * V), f64));
-  rows.push_back(make_row("fp32/fp64 " + k.name, "reference", e_ref, kBoundTight,
-                          h64 < H ? "heads 0.." + std::to_string(h64 - 1) + " of " + std::to_string(H) : ""));
-  const auto eq = worst(kda::compare(rec.o, chk.o), kda::compare(rec.f, chk.f));
-  rows.push_back(make_row("recurrent/chunked " + k.name, "cpu", eq, kBoundTight, "o and final state"));
+  const std::string sub64 = h64 < H ? "heads 0.." + std::to_string(h64 - 1) + " of " + std::to_string(H) : "";
+  const auto e64 = worst(kda::compare(heads_of(run.o, H, h64, V), o64), kda::compare(heads_of(run.f, H, h64, K * V), f64));
+  rows.push_back(make_row("prefill/fp64 " + k.name, bn, e64, kBoundTight, sub64));
+  if (bn != "reference") {  // the FP32 reference itself (with --backend reference: the row above)
+    const auto e_ref = worst(kda::compare(heads_of(ro, hs, h64, V), o64), kda::compare(heads_of(rf, hs, h64, K * V), f64));
+    rows.push_back(make_row("fp32/fp64 " + k.name, "reference", e_ref, kBoundTight, sub64));
+  }
+  if (t.is_cpu()) {
+    const auto eq = worst(kda::compare(rec.o, chk.o), kda::compare(rec.f, chk.f));
+    rows.push_back(make_row("recurrent/chunked " + k.name, bn, eq, kBoundTight, "o and final state"));
+  }
 }
 
-void pool_rows(int64_t heads, uint64_t seed, std::vector<ValidateRow>& rows) {
+void pool_rows(const Target& tgt, int64_t heads, uint64_t seed, std::vector<ValidateRow>& rows) {
+  const std::string& bn = tgt.b.name;
   // K3 shape: decode 5 rows (one padding) and verify 3 x 8 draft tokens on a 40-slot pool.
   kda::CaseSpec s = spec_of(heads, 128, GateMode::kSafe, StateLayout::kKFirst, true, {24}, {}, seed);
   const std::string hs = "H=" + std::to_string(heads);
@@ -203,7 +240,7 @@ void pool_rows(int64_t heads, uint64_t seed, std::vector<ValidateRow>& rows) {
     in.initial_state = {state, static_cast<size_t>(block)};
     o.assign(count * hv, 0.0f);
     f.assign(block, 0.0f);
-    return kda::reference_fp32(cfg, in, {o, f}).is_ok();
+    return kda::reference_fp32(cfg, in, {o, f}, tgt.opt.threads).is_ok();
   };
 
   {  // decode: rows 0..4 of the first 5 tokens
@@ -215,9 +252,11 @@ void pool_rows(int64_t heads, uint64_t seed, std::vector<ValidateRow>& rows) {
     in.v.bf16 = in.v.bf16.first(5 * hv);
     in.g = in.g.first(5 * cfg.num_heads * cfg.head_k);
     in.beta = in.beta.first(5 * cfg.num_heads);
-    const Status st = kda::decode(cfg, {in, pool, idx, o});
-    if (!st.is_ok()) {
-      rows.push_back(flag_row("decode " + hs + " N=5", false, st.to_string()));
+    const Status st = run_kda_decode(tgt.b, cfg, {in, pool, idx, o}, tgt.opt);
+    if (!tgt.b.decode) {
+      rows.push_back(skip_row("decode " + hs + " N=5", bn, st));
+    } else if (!st.is_ok()) {
+      rows.push_back(flag_row("decode " + hs + " N=5", bn, false, st.to_string()));
     } else {
       kda::ErrorStats e;
       bool untouched = true, pad_zero = true;
@@ -235,10 +274,10 @@ void pool_rows(int64_t heads, uint64_t seed, std::vector<ValidateRow>& rows) {
         if (sl == 7 || sl == 31 || sl == 0 || sl == 12) continue;
         untouched &= std::equal(pool.begin() + sl * block, pool.begin() + (sl + 1) * block, pool0.begin() + sl * block);
       }
-      auto r = make_row("decode/fp32 " + hs + " K=V=128 N=5 (1 pad)", "cpu", e, kBoundTight, "o and slot states");
+      auto r = make_row("decode/fp32 " + hs + " K=V=128 N=5 (1 pad)", bn, e, kBoundTight, "o and slot states");
       r.digest = sha256_hex_of<float>(o);
       rows.push_back(r);
-      rows.push_back(flag_row("decode: 36 unnamed slots bit-identical", untouched && pad_zero,
+      rows.push_back(flag_row("decode: 36 unnamed slots bit-identical", bn, untouched && pad_zero,
                               untouched ? (pad_zero ? "and the padding row's o is 0" : "padding row o not 0")
                                         : "an unnamed slot changed"));
     }
@@ -250,9 +289,11 @@ void pool_rows(int64_t heads, uint64_t seed, std::vector<ValidateRow>& rows) {
     for (int64_t i = 0; i < 3 * T; ++i) idx[i] = static_cast<int32_t>(i + 2);  // slots 2..25; 0, 1, 26.. untouched
     idx[5] = -1;  // sequence 0 does not keep the state after its 6th token
     const std::vector<int32_t> acc = {3, 8, 1};
-    const Status st = kda::verify(cfg, {c.inputs(), T, pool, idx, acc, o});
-    if (!st.is_ok()) {
-      rows.push_back(flag_row("verify " + hs + " N=3 T=8", false, st.to_string()));
+    const Status st = run_kda_verify(tgt.b, cfg, {c.inputs(), T, pool, idx, acc, o}, tgt.opt);
+    if (!tgt.b.verify) {
+      rows.push_back(skip_row("verify " + hs + " N=3 T=8", bn, st));
+    } else if (!st.is_ok()) {
+      rows.push_back(flag_row("verify " + hs + " N=3 T=8", bn, false, st.to_string()));
     } else {
       kda::ErrorStats e;
       for (int64_t n = 0; n < 3; ++n) {
@@ -274,52 +315,60 @@ void pool_rows(int64_t heads, uint64_t seed, std::vector<ValidateRow>& rows) {
       for (int64_t sl = 26; sl < slots; ++sl) {
         untouched &= std::equal(pool.begin() + sl * block, pool.begin() + (sl + 1) * block, pool0.begin() + sl * block);
       }
-      auto r = make_row("verify/fp32 " + hs + " N=3 T=8 acc 3/8/1", "cpu", e, kBoundTight,
+      auto r = make_row("verify/fp32 " + hs + " N=3 T=8 acc 3/8/1", bn, e, kBoundTight,
                         "o and every prefix state");
       r.digest = sha256_hex_of<float>(o);
       rows.push_back(r);
-      rows.push_back(flag_row("verify: 17 unwritten slots bit-identical", untouched,
+      rows.push_back(flag_row("verify: 17 unwritten slots bit-identical", bn, untouched,
                               untouched ? "" : "an unwritten slot changed"));
     }
   }
 }
 
-void determinism_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
+// The same bytes for 1, 2 and 3 threads, twice each: the backend as called (algorithm auto); on
+// the CPU backend each algorithm instead.
+void determinism_rows(const Target& t, uint64_t seed, std::vector<ValidateRow>& rows) {
   const kda::KdaCase c = kda::make_case(
       spec_of(12, 128, GateMode::kSafe, StateLayout::kVFirst, true, {15, 200, 77}, {100}, seed + 5));
-  for (Algorithm algo : {Algorithm::kChunked, Algorithm::kRecurrent}) {
+  const std::vector<Algorithm> algos =
+      t.is_cpu() ? std::vector<Algorithm>{Algorithm::kChunked, Algorithm::kRecurrent} : std::vector<Algorithm>{Algorithm::kAuto};
+  for (Algorithm algo : algos) {
     std::string d1;
     bool same = true, ok = true;
     for (int threads : {1, 2, 3}) {
       for (int rep = 0; rep < 2; ++rep) {
-        const Out r = run_cpu(c, algo, threads);
+        const Out r = run_prefill(t, c, algo, threads);
         ok &= r.st.is_ok();
         const std::string d = sha256_hex_of<float>(r.o) + sha256_hex_of<float>(r.f);
         if (d1.empty()) d1 = d;
         same &= d == d1;
       }
     }
-    auto r = flag_row(std::string("1/2/3 threads x 2 runs ") + kda::algorithm_name(algo), ok && same,
-                      same ? "bit-identical o and final state (digests)" : "digests differ");
+    auto r = flag_row(std::string("1/2/3 threads x 2 runs ") + kda::algorithm_name(algo), t.b.name, ok && same,
+                      !ok ? "a run failed" : same ? "bit-identical o and final state (digests)" : "digests differ");
     r.digest = d1.substr(0, 16);
     rows.push_back(r);
   }
 }
 
-void isa_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
+// The CPU backend at every SIMD level this CPU has, each algorithm.
+void isa_rows(const Target& t, uint64_t seed, std::vector<ValidateRow>& rows) {
   const kda::KdaCase c = kda::make_case(
       spec_of(4, 100, GateMode::kSoftplus, StateLayout::kKFirst, false, {130, 15}, {40, 41}, seed + 6));
   std::vector<float> ro(c.o_size()), rf(c.state_size());
-  if (!kda::reference_fp32(c.spec.cfg, c.inputs(), {ro, rf}).is_ok()) return;
+  if (!kda::reference_fp32(c.spec.cfg, c.inputs(), {ro, rf}, t.opt.threads).is_ok()) {
+    rows.push_back(flag_row("isa levels", "reference", false, "FP32 reference failed"));
+    return;
+  }
   for (int l = 0; l <= static_cast<int>(best_isa_level()); ++l) {
     const auto isa = static_cast<IsaLevel>(l);
     for (Algorithm algo : {Algorithm::kChunked, Algorithm::kRecurrent}) {
-      const Out r = run_cpu(c, algo, 0, true, isa);
+      const Out r = run_prefill(t, c, algo, 0, isa);
       if (!r.st.is_ok()) {
-        rows.push_back(flag_row(std::string("isa ") + isa_level_name(isa), false, r.st.to_string()));
+        rows.push_back(flag_row(std::string("isa ") + isa_level_name(isa), t.b.name, false, r.st.to_string()));
         continue;
       }
-      auto row = make_row(std::string(kda::algorithm_name(algo)) + "/fp32 isa " + isa_level_name(isa), "cpu",
+      auto row = make_row(std::string(kda::algorithm_name(algo)) + "/fp32 isa " + isa_level_name(isa), t.b.name,
                           worst(kda::compare(r.o, ro), kda::compare(r.f, rf)), kBoundTight,
                           "D=100 softplus varlen 130/15, fp32 inputs");
       row.digest = sha256_hex_of<float>(r.o);
@@ -328,7 +377,9 @@ void isa_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
   }
 }
 
-void ops_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
+// The CPU small ops (k3/kda_ops.hpp) against their FP64 references: not registry entries.
+void ops_rows(const Target& t, uint64_t seed, std::vector<ValidateRow>& rows) {
+  const int threads = t.opt.threads;
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   auto randv = [&](size_t n) {
@@ -342,7 +393,7 @@ void ops_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
     const auto x = randv(80 * D), w = randv(D * W), b = randv(D);
     const auto st0 = randv(3 * D * (W - 1));
     std::vector<float> y(80 * D), yr(80 * D), s = st0, sr = st0;
-    const bool ok = kda::causal_conv1d({D, W, true, x, w, b, cu, s, y}).is_ok() &&
+    const bool ok = kda::causal_conv1d({D, W, true, x, w, b, cu, s, y}, threads).is_ok() &&
                     kda::causal_conv1d_reference({D, W, true, x, w, b, cu, sr, yr}).is_ok();
     auto r = make_row("conv1d+silu/fp64 W=4 D=12288 varlen", "cpu", kda::compare(y, yr), kBoundTight,
                       s == sr ? "T 15/1/64; rolling state exact" : "rolling state differs");
@@ -354,7 +405,7 @@ void ops_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
     const int64_t D = 128, R = 64 * 96;
     const auto x = randv(R * D), g = randv(R * D), w = randv(D);
     std::vector<float> y(R * D), yr(R * D);
-    const bool ok = kda::gated_rmsnorm({D, 1e-5f, x, g, w, y}).is_ok() &&
+    const bool ok = kda::gated_rmsnorm({D, 1e-5f, x, g, w, y}, threads).is_ok() &&
                     kda::gated_rmsnorm_reference({D, 1e-5f, x, g, w, yr}).is_ok();
     auto r = make_row("gated rmsnorm/fp64 T=64 H=96 V=128", "cpu", kda::compare(y, yr), kBoundTight, "");
     r.pass = r.pass && ok;
@@ -363,14 +414,30 @@ void ops_rows(uint64_t seed, std::vector<ValidateRow>& rows) {
   }
 }
 
+// --require NAME, where NAME is a KDA backend: a row that fails unless it is usable here.
+void require_rows(const ValidateOptions& opt, std::vector<ValidateRow>& rows) {
+  for (const auto& cap : opt.require) {
+    auto b = find_kda_backend(cap);
+    if (!b.is_ok()) continue;  // a capability of another op
+    const Status st = b.value()->available();
+    rows.push_back(flag_row("require " + cap, cap, st.is_ok(), st.is_ok() ? "available" : st.message()));
+  }
+}
+
 std::vector<ValidateRow> run_kda(const ValidateOptions& opt) {
   std::vector<ValidateRow> rows;
-  bool want_cuda = opt.backend == "cuda";
-  for (const auto& c : opt.require) want_cuda = want_cuda || c == "cuda";
-  if (want_cuda) {
-    rows.push_back(flag_row("cuda backend present", false, "KDA has no CUDA backend yet (CPU and references only)"));
-    rows.back().backend = "cuda";
-    if (opt.backend == "cuda") return rows;
+  require_rows(opt, rows);
+  // --backend all (the default): the registry's default KDA backend.
+  const std::string name = opt.backend == "all" ? default_kda_backend().name : opt.backend;
+  auto found = find_kda_backend(name);
+  if (!found.is_ok()) {
+    rows.push_back(flag_row("backend " + name, name, false, found.status().message()));
+    return rows;
+  }
+  const Target t{*found.value(), backend_options()};
+  if (const Status st = t.b.available(); !st.is_ok()) {
+    rows.push_back(flag_row("backend " + name + " usable", name, false, st.message()));
+    return rows;
   }
   const bool smoke = opt.suite == "smoke";
   const uint64_t s = opt.seed;
@@ -391,30 +458,17 @@ std::vector<ValidateRow> run_kda(const ValidateOptions& opt) {
     cases.push_back({"K3 T=8192 H=96 K=V=128 bf16",
                      spec_of(96, 128, GateMode::kSafe, StateLayout::kKFirst, true, {8192}, {4000}, s + 7), 96, 2});
   }
-  if (opt.backend == "reference") {
-    for (const auto& k : cases) {
-      const kda::KdaCase c = kda::make_case(k.spec);
-      const kda::KdaCase cs = first_heads(c, std::min<int64_t>(k.fp64_heads, c.spec.cfg.num_heads));
-      std::vector<float> ro(cs.o_size()), rf(cs.state_size());
-      std::vector<double> o64(cs.o_size()), f64(cs.state_size());
-      const bool ok = kda::reference_fp32(cs.spec.cfg, cs.inputs(), {ro, rf}).is_ok() &&
-                      kda::reference_fp64(cs.spec.cfg, cs.inputs(), o64, f64).is_ok();
-      auto r = make_row("fp32/fp64 " + k.name, "reference",
-                        worst(kda::compare(ro, o64), kda::compare(rf, f64)), kBoundTight, "");
-      r.pass = r.pass && ok;
-      rows.push_back(r);
-    }
-    return rows;
+  for (const auto& k : cases) prefill_rows(t, k, rows);
+  pool_rows(t, smoke ? 8 : 96, s + 8, rows);
+  determinism_rows(t, s, rows);
+  if (t.is_cpu()) {
+    isa_rows(t, s, rows);
+    ops_rows(t, s + 9, rows);
   }
-  for (const auto& k : cases) prefill_rows(k, rows);
-  pool_rows(smoke ? 8 : 96, s + 8, rows);
-  determinism_rows(s, rows);
-  isa_rows(s, rows);
-  ops_rows(s + 9, rows);
   return rows;
 }
 
-const ValidateRegistration kRegistration("kda", "Kimi Delta Attention: references, CPU prefill/decode/verify, ops",
+const ValidateRegistration kRegistration("kda", "Kimi Delta Attention: a backend's prefill/decode/verify, CPU variants, ops",
                                          run_kda);
 
 }  // namespace

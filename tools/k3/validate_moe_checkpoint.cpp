@@ -14,7 +14,7 @@ namespace {
 
 ValidateRow fail_row(const std::string& name, const std::string& why) {
   // (Aggregate initialization: assigning a literal to a member string trips GCC 12's -Wrestrict.)
-  return ValidateRow{"moe", name, std::string("-"), 1.0, 0.0, 0.0, "", false, why};
+  return ValidateRow{"moe", name, std::string("-"), 1.0, 0.0, 0.0, "", false, why, false};
 }
 
 // Routed inputs for M tokens: x (the expert input, K wide) ~ N(0, 1) in BF16; ids / weights from

@@ -3,6 +3,7 @@
 // results do not depend on the thread count.
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "core/kda/kda_math.hpp"
@@ -106,9 +107,10 @@ void reference_unit(const KdaConfig& c, const KdaInputs& in, int64_t n, int64_t 
 }
 
 template <typename T>
-void reference_all(const KdaConfig& c, const KdaInputs& in, const PrefillShape& s, T* o, T* final_state) {
+void reference_all(const KdaConfig& c, const KdaInputs& in, const PrefillShape& s, T* o, T* final_state,
+                   int threads) {
   const int64_t units = s.num_seqs * c.num_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(default_thread_count())
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t u = 0; u < units; ++u) {
     const int64_t n = u / c.num_heads, h = u % c.num_heads;
     const int64_t t0 = in.cu_seqlens.empty() ? 0 : in.cu_seqlens[n];
@@ -117,20 +119,32 @@ void reference_all(const KdaConfig& c, const KdaInputs& in, const PrefillShape& 
   }
 }
 
+// 0: all logical CPUs (the library reads no K3_NUM_THREADS).
+Result<int> resolve_threads(int threads) {
+  if (threads < 0) {
+    return invalid_argument("threads = " + std::to_string(threads) + " must be >= 0 (0: all logical CPUs)");
+  }
+  return threads > 0 ? threads : hardware_thread_count();
+}
+
 }  // namespace
 
-Status reference_fp64(const KdaConfig& cfg, const KdaInputs& in, std::span<double> o, std::span<double> final_state) {
+Status reference_fp64(const KdaConfig& cfg, const KdaInputs& in, std::span<double> o, std::span<double> final_state,
+                      int threads) {
+  K3_ASSIGN_OR_RETURN(const int nt, resolve_threads(threads));
   auto shape = detail::validate_prefill_sizes(cfg, in, static_cast<int64_t>(o.size()),
                                              static_cast<int64_t>(final_state.size()));
   if (!shape.is_ok()) return shape.status();
-  reference_all<double>(cfg, in, shape.value(), o.data(), final_state.empty() ? nullptr : final_state.data());
+  reference_all<double>(cfg, in, shape.value(), o.data(), final_state.empty() ? nullptr : final_state.data(), nt);
   return Status::ok();
 }
 
-Status reference_fp32(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out) {
+Status reference_fp32(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out, int threads) {
+  K3_ASSIGN_OR_RETURN(const int nt, resolve_threads(threads));
   auto shape = validate_prefill(cfg, in, out);
   if (!shape.is_ok()) return shape.status();
-  reference_all<float>(cfg, in, shape.value(), out.o.data(), out.final_state.empty() ? nullptr : out.final_state.data());
+  reference_all<float>(cfg, in, shape.value(), out.o.data(), out.final_state.empty() ? nullptr : out.final_state.data(),
+                       nt);
   return Status::ok();
 }
 

@@ -1,5 +1,7 @@
 // CPU model and SIMD features via CPUID (x86-64). A feature counts as present only when the OS
 // saves the matching register state (XGETBV), so a hypervisor that hides AVX-512 state is honoured.
+// default_thread_count() reads K3_NUM_THREADS / OMP_NUM_THREADS: a helper for tools, never called
+// by the library's kernels (they default to hardware_thread_count()).
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -98,10 +100,14 @@ ThreadEnv thread_env() {
 
 }  // namespace
 
-int default_thread_count() {
-  if (const ThreadEnv e = thread_env(); e.var != nullptr) return e.n;
+int hardware_thread_count() {
   const int n = cpu_info().logical_cpus;
   return n > 0 ? n : 1;
+}
+
+int default_thread_count() {
+  if (const ThreadEnv e = thread_env(); e.var != nullptr) return e.n;
+  return hardware_thread_count();
 }
 
 std::string default_thread_count_source() {

@@ -185,8 +185,9 @@ Status check_distinct_writes(std::vector<std::pair<int64_t, int64_t>> writes) {
 
 Result<CpuPlan> make_cpu_plan(const KdaConfig& cfg, const CpuOptions& opt) {
   K3_RETURN_IF_ERROR(validate_config(cfg));
-  if (opt.threads < 0 || opt.threads > 4096) {
-    return invalid_argument("threads = " + std::to_string(opt.threads) + " must be in [0, 4096] (0: default)");
+  if (opt.threads < 0 || opt.threads > kMaxCpuThreads) {
+    return invalid_argument("threads = " + std::to_string(opt.threads) + " must be in [0, " +
+                            std::to_string(kMaxCpuThreads) + "] (0: all logical CPUs)");
   }
   if (opt.chunk_min_tokens < 1) {
     return invalid_argument("chunk_min_tokens = " + num(opt.chunk_min_tokens) + " must be >= 1");
@@ -200,15 +201,10 @@ Result<CpuPlan> make_cpu_plan(const KdaConfig& cfg, const CpuOptions& opt) {
     }
     p.isa = opt.isa;
   } else {
-    auto isa = active_isa_level();
-    if (!isa.is_ok()) return isa.status();
-    p.isa = isa.value();
+    p.isa = best_isa_level();  // a hardware fact: the library reads no K3_ISA (tools pass it in)
   }
-  p.threads = opt.threads > 0 ? opt.threads : std::max(1, default_thread_count());
-  if (p.threads > 4096) {  // the default came from the environment: name the variable and its value
-    return invalid_argument("threads = " + std::to_string(p.threads) + " (the default, from " +
-                            default_thread_count_source() + ") must be in [1, 4096]");
-  }
+  // 0: all logical CPUs of the machine, at most kMaxCpuThreads (a default never fails).
+  p.threads = opt.threads > 0 ? opt.threads : std::min(hardware_thread_count(), kMaxCpuThreads);
   p.algorithm = opt.algorithm;
   p.chunk_min_tokens = opt.chunk_min_tokens;
   p.workspace_floats = workspace_floats_needed(cfg, p.threads);

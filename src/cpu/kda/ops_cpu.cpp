@@ -9,13 +9,13 @@
 namespace k3::kda {
 namespace {
 constexpr int64_t kChannelBlock = 64;  // channels per work item: contiguous, vectorizable
-int resolve(int threads) { return threads > 0 ? threads : std::max(1, default_thread_count()); }
+int resolve(int threads) { return threads > 0 ? threads : hardware_thread_count(); }  // 0: all logical CPUs
 }  // namespace
 
 Status causal_conv1d(const ConvArgs& a, int threads) {
   int64_t T = 0, N = 0;
   K3_RETURN_IF_ERROR(detail::validate_conv(a, &T, &N));
-  if (threads < 0) return invalid_argument("threads = " + std::to_string(threads) + " must be >= 0 (0: default)");
+  if (threads < 0) return invalid_argument("threads = " + std::to_string(threads) + " must be >= 0 (0: all logical CPUs)");
   const int64_t D = a.channels, W = a.width, blocks = (D + kChannelBlock - 1) / kChannelBlock;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(resolve(threads))
   for (int64_t u = 0; u < N * blocks; ++u) {
@@ -50,7 +50,7 @@ Status causal_conv1d(const ConvArgs& a, int threads) {
 Status gated_rmsnorm(const GatedRmsNormArgs& a, int threads) {
   int64_t rows = 0;
   K3_RETURN_IF_ERROR(detail::validate_rmsnorm(a, &rows));
-  if (threads < 0) return invalid_argument("threads = " + std::to_string(threads) + " must be >= 0 (0: default)");
+  if (threads < 0) return invalid_argument("threads = " + std::to_string(threads) + " must be >= 0 (0: all logical CPUs)");
   const int64_t D = a.dim;
 #pragma omp parallel for schedule(static) num_threads(resolve(threads))
   for (int64_t r = 0; r < rows; ++r) {

@@ -79,18 +79,14 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
                          isa_level_name(best_isa_level()) + ")");
     }
   } else {
-    auto a = active_isa_level();
-    if (!a.is_ok()) return a.status();
-    isa = a.value();
+    isa = best_isa_level();  // a hardware fact: the library reads no K3_ISA (tools pass it in)
   }
-  if (options.threads < 0 || options.threads > 256) {
-    return invalid_argument("threads = " + std::to_string(options.threads) + " must be in [0, 256] (0 = default)");
+  if (options.threads < 0 || options.threads > kMaxThreads) {
+    return invalid_argument("threads = " + std::to_string(options.threads) + " must be in [0, " +
+                            std::to_string(kMaxThreads) + "] (0 = all logical CPUs)");
   }
-  const int threads = options.threads > 0 ? options.threads : default_thread_count();
-  if (threads > 256) {  // the default came from the environment: name the variable and its value
-    return invalid_argument("threads = " + std::to_string(threads) + " (the default, from " +
-                            default_thread_count_source() + ") must be in [1, 256]");
-  }
+  // 0: all logical CPUs of the machine, at most kMaxThreads (a default never fails).
+  const int threads = options.threads > 0 ? options.threads : std::min(hardware_thread_count(), kMaxThreads);
   if (options.max_tokens < 1 || options.max_tokens > (int64_t{1} << 24)) {
     return invalid_argument("max_tokens = " + std::to_string(options.max_tokens) + " must be in [1, 16777216]");
   }

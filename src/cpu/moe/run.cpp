@@ -336,7 +336,8 @@ Status shift_error(const char* what, int64_t row, int64_t token, const char* rec
   return Status(StatusCode::kInexact,
                 std::string(what) + " of token " + std::to_string(token) + " (row " + std::to_string(row) +
                     "): its nonzero magnitudes span more than 2^237, beyond what the avx512bf16 dot products "
-                    "compute exactly (" + recipe + "); run it with K3_ISA=avx512 (FP32 operands)");
+                    "compute exactly (" + recipe +
+                    "); run it at the ISA level avx512 (FP32 operands; the k3 tool: K3_ISA=avx512)");
 }
 
 Status run_chunk(Pass& p) {
