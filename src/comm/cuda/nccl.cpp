@@ -255,16 +255,16 @@ Status device_allreduce(DeviceCommunicator& comm, const uint16_t* x, const uint1
 }  // namespace
 
 Status nccl_available() {
-  auto api = load_nccl();
-  if (!api.is_ok()) return api.status();
+  // The device first: on a machine without one, NCCL (a 200 MB library) is not even opened.
   int n = 0;
   const cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0) {
     cudaGetLastError();
-    return unavailable(std::string("NCCL is loadable but there is no CUDA device (") +
+    return unavailable(std::string("no CUDA device for the NCCL transport (") +
                        (e != cudaSuccess ? cudaGetErrorString(e) : "0 devices") + ")");
   }
-  return Status::ok();
+  auto api = load_nccl();
+  return api.is_ok() ? Status::ok() : api.status();
 }
 
 Result<std::unique_ptr<DeviceCommunicator>> make_nccl_communicator(Communicator& host, const NcclOptions& options) {
