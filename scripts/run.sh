@@ -41,6 +41,13 @@ echo "== k3 bench moe --m 1,8,128 --recipe w4a8 --routing ep_mixed"
 echo
 # One line for this machine: ISA level, M = 1 against the read bandwidth, M = 128 against the peak.
 grep '^verdict: ' "$out/bench_moe.txt" | sed 's/^verdict: /machine verdict: /' || failed=1
+# A picture of the sweep next to its JSON when matplotlib is there (optional: never a failure).
+if python3 -c "import matplotlib" >/dev/null 2>&1; then
+  python3 "$root/python/k3/plot.py" "$out/bench_moe.json" -o "$out/bench_moe.png" >/dev/null 2>&1 &&
+    echo "plot: $out/bench_moe.png"
+else
+  echo "plot: skipped (no matplotlib; pip install matplotlib, then python -m k3 plot $out/bench_moe.json -o bench.png)"
+fi
 echo "JSON records in build/results/. Full matrices: k3 validate --op all; full sweep: k3 bench moe --recipe both"
 [ "$failed" = 0 ] && echo "main job: all checks passed" || echo "main job: SOME CHECKS FAILED"
 exit "$failed"

@@ -13,8 +13,10 @@ from . import _k3
 from . import kda, moe, mx
 from .checkpoint import MoeLayer, load_checkpoint_layer
 from .routing import route
+from .tools import bench, validate
 
-__all__ = ["info", "route", "load_checkpoint_layer", "MoeLayer", "mx", "moe", "kda", "__version__"]
+__all__ = ["info", "route", "load_checkpoint_layer", "MoeLayer", "validate", "bench", "mx", "moe", "kda",
+           "__version__"]
 __version__ = "0.1.0"
 
 

@@ -1,4 +1,5 @@
-"""python -m k3 ...: runs the k3 command-line tool installed with the package (same sub-commands)."""
+"""python -m k3 ...: runs the k3 command-line tool installed with the package (same sub-commands),
+plus ``python -m k3 plot bench.json -o bench.png`` (matplotlib)."""
 
 import os
 import subprocess
@@ -6,6 +7,9 @@ import sys
 
 
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "plot":
+        from .plot import main as plot_main
+        sys.exit(plot_main(sys.argv[2:]))
     tool = os.path.join(os.path.dirname(__file__), "bin", "k3")
     if not os.path.exists(tool):
         sys.exit("python -m k3: the k3 tool was not installed with this package (" + tool + ")")

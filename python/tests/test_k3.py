@@ -214,3 +214,12 @@ def test_load_checkpoint_layer_reads_one_ranks_experts_without_copies(tmp_path):
         k3.load_checkpoint_layer(d, 7)
     with pytest.raises((ValueError, RuntimeError), match="ep_size|--ep-size|divide"):
         k3.load_checkpoint_layer(d, 1, ep_size=3, ep_rank=0)
+
+
+def test_type_stub_covers_the_extension():
+    import os
+    stub = open(os.path.join(os.path.dirname(k3.__file__), "_k3.pyi")).read()
+    public = [n for n in dir(k3._k3) if not n.startswith("_")]
+    missing = [n for n in public if f"def {n}(" not in stub and f"class {n}" not in stub]
+    assert not missing, f"python/k3/_k3.pyi lacks {missing}: regenerate it with python -m nanobind.stubgen -m k3._k3"
+    assert os.path.exists(os.path.join(os.path.dirname(k3.__file__), "py.typed"))

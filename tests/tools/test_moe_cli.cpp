@@ -317,9 +317,13 @@ TEST(ValidateMoeCli, OptionErrorsAndMissingRequirementsFail) {
   auto r = run_cli("validate --op moe --suite smoke --recipe w4a4");
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("recipe 'w4a4' is unknown"), std::string::npos) << r.out;
-  r = run_cli("validate --op moe --suite nosuch");
-  EXPECT_EQ(r.code, 1) << r.out;
-  EXPECT_NE(r.out.find("unknown suite"), std::string::npos) << r.out;
+  for (const char* op : {"moe", "formats", "kda", "all"}) {  // every op: a usage error before any work
+    r = run_cli(std::string("validate --op ") + op + " --suite nosuch");
+    EXPECT_EQ(r.code, 2) << op << r.out;
+    EXPECT_NE(r.out.find("--suite 'nosuch' is an unknown suite (known: smoke, real, nonfinite, determinism, all)"),
+              std::string::npos) << r.out;
+    EXPECT_EQ(r.out.find("PASS"), std::string::npos) << r.out;
+  }
   r = run_cli("validate --op moe --suite smoke --backend nosuch");
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("backend 'nosuch' is not known"), std::string::npos) << r.out;

@@ -46,6 +46,13 @@ int run_validate(const Args& a) {
       return 2;
     }
   }
+  // Every op reads the suite: an unknown name is a usage error for all of them, before any work.
+  static constexpr const char* kSuites[] = {"smoke", "real", "nonfinite", "determinism", "all"};
+  if (std::find(std::begin(kSuites), std::end(kSuites), a.opts.suite) == std::end(kSuites)) {
+    std::fprintf(stderr, "k3 validate: --suite '%s' is an unknown suite (known: smoke, real, nonfinite, determinism, all)\n",
+                 a.opts.suite.c_str());
+    return 2;
+  }
   std::vector<ValidateRow> rows;
   bool matched = false;
   for (const auto& op : validate_registry()) {
