@@ -332,6 +332,60 @@ void kda_prefill(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v, In<fl
   check(b->prefill(cfg, in, out, opt));
 }
 
+// Decode (one token per sequence, states in a pool indexed by state_indices, updated in place)
+// and speculative verify (T draft tokens per sequence, every prefix state written to its slot).
+template <typename A>
+k3::kda::KdaInputs step_inputs(In<A>& q, In<A>& k, In<A>& v, In<float>& g, In<float>& beta,
+                               std::optional<In<float>>& a_log, std::optional<In<float>>& dt_bias) {
+  k3::kda::KdaInputs in;
+  in.q = k3::kda::ActSpan::of(span(q));
+  in.k = k3::kda::ActSpan::of(span(k));
+  in.v = k3::kda::ActSpan::of(span(v));
+  in.g = span(g);
+  in.beta = span(beta);
+  in.a_log = span(a_log);
+  in.dt_bias = span(dt_bias);
+  return in;
+}
+
+const k3::KdaBackend* kda_backend(const std::string& name) {
+  return name.empty() ? &k3::default_kda_backend() : value(k3::find_kda_backend(name));
+}
+
+template <typename A>
+void kda_decode(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v, In<float> g, In<float> beta,
+                std::optional<In<float>> a_log, std::optional<In<float>> dt_bias, Out<float> state_pool,
+                In<int32_t> state_indices, const std::string& backend, int threads, const std::string& isa,
+                Out<float> o) {
+  const k3::KdaBackend* b = kda_backend(backend);
+  k3::kda::DecodeArgs args;
+  args.in = step_inputs(q, k, v, g, beta, a_log, dt_bias);
+  args.state_pool = span(state_pool);
+  args.state_indices = span(state_indices);
+  args.o = span(o);
+  const k3::BackendOptions opt = options(threads, isa);
+  nb::gil_scoped_release release;
+  check(k3::run_kda_decode(*b, cfg, args, opt));
+}
+
+template <typename A>
+void kda_verify(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v, In<float> g, In<float> beta,
+                std::optional<In<float>> a_log, std::optional<In<float>> dt_bias, int64_t draft_tokens,
+                Out<float> state_pool, In<int32_t> state_indices, In<int32_t> num_accepted, const std::string& backend,
+                int threads, const std::string& isa, Out<float> o) {
+  const k3::KdaBackend* b = kda_backend(backend);
+  k3::kda::VerifyArgs args;
+  args.in = step_inputs(q, k, v, g, beta, a_log, dt_bias);
+  args.draft_tokens = draft_tokens;
+  args.state_pool = span(state_pool);
+  args.state_indices = span(state_indices);
+  args.num_accepted = span(num_accepted);
+  args.o = span(o);
+  const k3::BackendOptions opt = options(threads, isa);
+  nb::gil_scoped_release release;
+  check(k3::run_kda_verify(*b, cfg, args, opt));
+}
+
 }  // namespace
 
 NB_MODULE(_k3, m) {
@@ -376,6 +430,16 @@ NB_MODULE(_k3, m) {
       .def_ro("head_v", &k3::kda::KdaConfig::head_v);
   m.def("kda_config", &kda_config, "heads"_a, "head_k"_a, "head_v"_a, "gate"_a, "gate_lower_bound"_a,
         "beta_logits"_a, "l2norm_qk"_a, "scale"_a, "layout"_a);
+  m.def("kda_decode", &kda_decode<float>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
+        "dt_bias"_a.none(), "state_pool"_a, "state_indices"_a, "backend"_a, "threads"_a, "isa"_a, "o"_a);
+  m.def("kda_decode", &kda_decode<uint16_t>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
+        "dt_bias"_a.none(), "state_pool"_a, "state_indices"_a, "backend"_a, "threads"_a, "isa"_a, "o"_a);
+  m.def("kda_verify", &kda_verify<float>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
+        "dt_bias"_a.none(), "draft_tokens"_a, "state_pool"_a, "state_indices"_a, "num_accepted"_a, "backend"_a,
+        "threads"_a, "isa"_a, "o"_a);
+  m.def("kda_verify", &kda_verify<uint16_t>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
+        "dt_bias"_a.none(), "draft_tokens"_a, "state_pool"_a, "state_indices"_a, "num_accepted"_a, "backend"_a,
+        "threads"_a, "isa"_a, "o"_a);
   m.def("kda_prefill", &kda_prefill<float>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
         "dt_bias"_a.none(), "cu_seqlens"_a.none(), "initial_state"_a.none(), "backend"_a, "threads"_a, "isa"_a,
         "o"_a, "final_state"_a.none());

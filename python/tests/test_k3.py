@@ -223,3 +223,47 @@ def test_type_stub_covers_the_extension():
     missing = [n for n in public if f"def {n}(" not in stub and f"class {n}" not in stub]
     assert not missing, f"python/k3/_k3.pyi lacks {missing}: regenerate it with python -m nanobind.stubgen -m k3._k3"
     assert os.path.exists(os.path.join(os.path.dirname(k3.__file__), "py.typed"))
+
+
+def kda_step_case(n, t, h=2, d=16, seed=6):
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((n * t, h, d)).astype(np.float32) for _ in range(3))
+    g = (-0.1 + 0.05 * rng.standard_normal((n * t, h, d))).astype(np.float32)
+    beta = rng.standard_normal((n * t, h)).astype(np.float32)
+    states = (0.1 * rng.standard_normal((n, h, d, d))).astype(np.float32)
+    return q, k, v, g, beta, states
+
+
+def test_kda_decode_equals_one_token_prefill_and_updates_the_pool_in_place():
+    n, h, d = 3, 2, 16
+    q, k, v, g, beta, states = kda_step_case(n, 1)
+    cu = np.arange(n + 1, dtype=np.int64)
+    want_o, want_state = k3.kda.prefill(q, k, v, g, beta, cu_seqlens=cu, initial_state=states, gate="log_decay",
+                                        return_final_state=True)
+    pool = np.zeros((6, h, d, d), np.float32)
+    slots = np.array([4, 0, 2], np.int32)
+    pool[slots] = states
+    untouched = pool[[1, 3, 5]].copy()
+    o = k3.kda.decode(q, k, v, g, beta, pool, slots, gate="log_decay")
+    np.testing.assert_allclose(o, want_o, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(pool[slots], want_state, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(pool[[1, 3, 5]], untouched)
+    with pytest.raises(ValueError, match="state_indices"):
+        k3.kda.decode(q, k, v, g, beta, pool, np.array([4, 0], np.int32), gate="log_decay")
+    with pytest.raises(RuntimeError, match="no decode entry"):
+        k3.kda.decode(q, k, v, g, beta, pool, slots, gate="log_decay", backend="reference")
+
+
+def test_kda_verify_writes_every_prefix_state():
+    n, t, h, d = 2, 4, 2, 16
+    q, k, v, g, beta, states = kda_step_case(n, t)
+    pool = np.zeros((n * t + 2, h, d, d), np.float32)
+    idx = np.arange(n * t, dtype=np.int32).reshape(n, t)
+    accepted = np.array([1, 1], np.int32)  # read slot idx[n, 0]
+    pool[idx[:, 0]] = states
+    o = k3.kda.verify(q, k, v, g, beta, pool, idx, accepted, gate="log_decay")
+    cu = np.arange(0, n * t + 1, t, dtype=np.int64)
+    want_o, want_last = k3.kda.prefill(q, k, v, g, beta, cu_seqlens=cu, initial_state=states, gate="log_decay",
+                                       return_final_state=True)
+    np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(pool[idx[:, t - 1]], want_last, rtol=1e-4, atol=1e-5)
