@@ -248,8 +248,8 @@ def test_kda_decode_equals_one_token_prefill_and_updates_the_pool_in_place():
     np.testing.assert_allclose(o, want_o, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(pool[slots], want_state, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(pool[[1, 3, 5]], untouched)
-    with pytest.raises(ValueError, match="state_indices"):
-        k3.kda.decode(q, k, v, g, beta, pool, np.array([4, 0], np.int32), gate="log_decay")
+    with pytest.raises(ValueError, match="state_indices has dtype int64, expected int32"):
+        k3.kda.decode(q, k, v, g, beta, pool, np.array([4, 0, 2], np.int64), gate="log_decay")
     with pytest.raises(RuntimeError, match="no decode entry"):
         k3.kda.decode(q, k, v, g, beta, pool, slots, gate="log_decay", backend="reference")
 
