@@ -169,7 +169,15 @@ Status agree(Communicator& comm, const Call& c, const Status& local) {
 // One owned row i: the exact sums of its W contributions (recv plane q = rank q) and the
 // epilogue. Compiled for AVX2 and for the baseline ISA (ifunc dispatch): the same IEEE operations
 // in both (no FMA: -ffp-contract=off), so the bits do not depend on the CPU either.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+// No clones under a sanitizer: the ifunc resolver runs before the sanitizer runtime is set up, and
+// an instrumented resolver crashes there (clang spells the check __has_feature, GCC __SANITIZE_*).
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
+#define K3_AR_NO_CLONES 1
+#endif
+#endif
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__) && \
+    !defined(K3_AR_NO_CLONES)
 #define K3_AR_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define K3_AR_CLONES
