@@ -43,19 +43,24 @@ std::string sha_line(const std::string& out) {
   return p == std::string::npos ? "<none>" : out.substr(p + 11, 64);
 }
 
+// Kimi-format names and config; E 64, top-8, K 64, N 32, layer 1.
+SynthOptions small_kimi(const std::string& dir) {
+  SynthOptions o;
+  o.output_dir = dir;
+  o.hidden_size = 64;
+  o.expert_hidden = 64;
+  o.intermediate = 32;
+  o.num_experts = 64;
+  o.top_k = 8;
+  o.layers = {1};
+  o.seed = 9;
+  return o;
+}
+
 class MoeDistributed : public ::testing::Test {
  protected:
   void SetUp() override {
-    SynthOptions o;  // Kimi-format names and config; E 64, top-8, K 64, N 32
-    o.output_dir = ckpt_.str();
-    o.hidden_size = 64;
-    o.expert_hidden = 64;
-    o.intermediate = 32;
-    o.num_experts = 64;
-    o.top_k = 8;
-    o.layers = {1};
-    o.seed = 9;
-    ASSERT_TRUE(write_synthetic_checkpoint(o).is_ok());
+    ASSERT_TRUE(write_synthetic_checkpoint(small_kimi(ckpt_.str())).is_ok());
     const int64_t m = 37, k = 64, e = 64;
     std::mt19937_64 rng(4);
     std::normal_distribution<float> nd(0.f, 1.f);
@@ -106,16 +111,8 @@ TEST_F(MoeDistributed, StartUpRefusalsNameTheRank) {
             std::string::npos) << r.out;
   // A rank pointed at another checkpoint (same shapes, other config): refused before loading.
   test::TempDir other{"dist_other"};
-  SynthOptions o;
-  o.output_dir = other.str();
-  o.hidden_size = 64;
-  o.expert_hidden = 64;
-  o.intermediate = 32;
-  o.num_experts = 64;
-  o.top_k = 8;
-  o.layers = {1};
-  o.num_hidden_layers = 61;
-  o.seed = 9;
+  SynthOptions o = small_kimi(other.str());
+  o.num_hidden_layers = 61;  // same shapes, another config.json
   ASSERT_TRUE(write_synthetic_checkpoint(o).is_ok());
   std::string bad_other = args("o.safetensors", "--distributed");
   bad_other.replace(bad_other.find(ckpt_.str()), ckpt_.str().size(), other.str());
