@@ -307,31 +307,6 @@ k3::kda::KdaConfig kda_config(int64_t heads, int64_t head_k, int64_t head_v, con
   return c;
 }
 
-// q, k, v as FP32 or BF16 bits (uint16); the Python layer picks the overload.
-template <typename A>
-void kda_prefill(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v, In<float> g, In<float> beta,
-                 std::optional<In<float>> a_log, std::optional<In<float>> dt_bias, std::optional<In<int64_t>> cu,
-                 std::optional<In<float>> initial_state, const std::string& backend, int threads,
-                 const std::string& isa, Out<float> o, std::optional<Out<float>> final_state) {
-  const k3::KdaBackend* b = backend.empty() ? &k3::default_kda_backend() : value(k3::find_kda_backend(backend));
-  check(b->available());
-  check(b->supports(cfg));
-  k3::kda::KdaInputs in;
-  in.q = k3::kda::ActSpan::of(span(q));
-  in.k = k3::kda::ActSpan::of(span(k));
-  in.v = k3::kda::ActSpan::of(span(v));
-  in.g = span(g);
-  in.beta = span(beta);
-  in.a_log = span(a_log);
-  in.dt_bias = span(dt_bias);
-  in.cu_seqlens = span(cu);
-  in.initial_state = span(initial_state);
-  k3::kda::KdaOutputs out{span(o), final_state ? span(*final_state) : std::span<float>()};
-  const k3::BackendOptions opt = options(threads, isa);
-  nb::gil_scoped_release release;
-  check(b->prefill(cfg, in, out, opt));
-}
-
 // Decode (one token per sequence, states in a pool indexed by state_indices, updated in place)
 // and speculative verify (T draft tokens per sequence, every prefix state written to its slot).
 template <typename A>
@@ -350,6 +325,24 @@ k3::kda::KdaInputs step_inputs(In<A>& q, In<A>& k, In<A>& v, In<float>& g, In<fl
 
 const k3::KdaBackend* kda_backend(const std::string& name) {
   return name.empty() ? &k3::default_kda_backend() : value(k3::find_kda_backend(name));
+}
+
+// q, k, v as FP32 or BF16 bits (uint16); the Python layer picks the overload.
+template <typename A>
+void kda_prefill(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v, In<float> g, In<float> beta,
+                 std::optional<In<float>> a_log, std::optional<In<float>> dt_bias, std::optional<In<int64_t>> cu,
+                 std::optional<In<float>> initial_state, const std::string& backend, int threads,
+                 const std::string& isa, Out<float> o, std::optional<Out<float>> final_state) {
+  const k3::KdaBackend* b = kda_backend(backend);
+  check(b->available());
+  check(b->supports(cfg));
+  k3::kda::KdaInputs in = step_inputs(q, k, v, g, beta, a_log, dt_bias);
+  in.cu_seqlens = span(cu);
+  in.initial_state = span(initial_state);
+  k3::kda::KdaOutputs out{span(o), final_state ? span(*final_state) : std::span<float>()};
+  const k3::BackendOptions opt = options(threads, isa);
+  nb::gil_scoped_release release;
+  check(b->prefill(cfg, in, out, opt));
 }
 
 template <typename A>
