@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "k3/formats.hpp"
+#include "k3/cpu_kda.hpp"
 #include "k3/kda.hpp"
 #include "k3/kda_io.hpp"
 #include "k3/safetensors.hpp"
@@ -106,13 +107,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     same_classes("fp32-reference final_state", s, s64);
   }
   for (const auto algo : {k3::kda::Algorithm::kRecurrent, k3::kda::Algorithm::kChunked}) {
-    k3::kda::CpuOptions co;
+    k3::cpu::KdaOptions co;
     co.threads = 1;
     co.algorithm = algo;
-    co.use_isa_override = true;
     co.isa = k3::IsaLevel::kScalar;
     std::vector<float> oc(o.size()), sc(s.size());
-    if (k3::Status st = k3::kda::prefill(c, inputs, {oc, sc}, co); !st.is_ok()) {
+    if (k3::Status st = k3::cpu::prefill(c, inputs, {oc, sc}, co); !st.is_ok()) {
       violated("the CPU backend refused a loaded file", st.message());
     }
     if (check) {

@@ -4,7 +4,7 @@
 // kernel table's other entries.
 #include "cpu/kda/kernels.hpp"
 
-namespace k3::kda::cpu {
+namespace k3::cpu::kda_detail {
 const KernelTable& kernels_avx2() { return kernels_scalar(); }
 const KernelTable& kernels_avx512() { return kernels_scalar(); }
-}  // namespace k3::kda::cpu
+}  // namespace k3::cpu::kda_detail

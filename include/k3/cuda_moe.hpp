@@ -4,7 +4,7 @@
 // API is unverified on hardware until scripts/device-check.sh has passed on a device; `k3 info`
 // and docs/cuda_moe.md say so. The planning logic below is host code and is unit-tested.
 //
-// Includes no CUDA header. Planning (`plan_moe`) is pure host logic in k3_core, so its checks and
+// Includes no CUDA header. Planning (`plan`) is pure host logic in k3_core, so its checks and
 // its printable decisions are tested on machines without a GPU.
 #pragma once
 
@@ -38,16 +38,16 @@ const char* moe_path_name(MoePath p);
 
 struct MoePlan {
   MoeProblem problem;
-  int64_t max_m = 0;      // the largest M a run may use (graph capture size)
+  int64_t max_tokens = 0; // the largest M a run may use (graph capture size)
   MoePath path = MoePath::kDecode;
   int block_m = 16;       // token rows per GEMM tile (expert segments are padded to it)
   int block_n = 32;       // output columns per tile: 32 or 64 (must divide N for FC1 and K for FC2)
   int block_k = 32;       // one MX block per k step
-  int64_t max_slots = 0;  // max_m * top_k
+  int64_t max_slots = 0;  // max_tokens * top_k
   int64_t max_tiles = 0;  // upper bound of row tiles over all experts: ceil((max_slots + E_local*(block_m-1)) / block_m)
   int64_t smem_bytes = 0;
   // Workspace layout (byte offsets into one caller-owned device buffer; all 256-byte aligned).
-  int64_t ws_x_bf16 = 0;         // [max_m, K] BF16: x (W4A16) or x quantized to MXFP8 and dequantized exactly (W4A8)
+  int64_t ws_x_bf16 = 0;         // [max_tokens, K] BF16: x (W4A16) or x quantized to MXFP8 and dequantized exactly (W4A8)
   int64_t ws_slot_row = 0;       // [max_slots] int32: permuted row of each (token, slot), -1 if not local
   int64_t ws_row_token = 0;      // [max_tiles * block_m] int32: token of each permuted row, -1 for padding
   int64_t ws_tile_expert = 0;    // [max_tiles] int32: local expert of each row tile, -1 past the end
@@ -57,18 +57,22 @@ struct MoePlan {
   int64_t ws_y = 0;              // [max_tiles * block_m, K] FP32: FC2 output per permuted row
   int64_t ws_status = 0;         // [1] int32: error bits set by kernels: 1 = an x block (W4A8) and 2 = an activation
                                  // block (W4A8) has values BF16 holds only as subnormals or not at all
-  // sm_120a native block-scaled W4A8 path only (MoePlanOptions::sm120_native_w4a8), else 0:
+  // sm_120a native block-scaled W4A8 path only (MoeOptions::sm120_native_w4a8), else 0:
   bool sm120_native = false;
-  int64_t ws_x_codes = 0;        // [max_m, K] E4M3 codes of x
-  int64_t ws_x_scales = 0;       // [max_m, K/32] UE8M0
+  int64_t ws_x_codes = 0;        // [max_tokens, K] E4M3 codes of x
+  int64_t ws_x_scales = 0;       // [max_tokens, K/32] UE8M0
   int64_t ws_act_codes = 0;      // [max_tiles * block_m, N] E4M3 codes of the activation output
   int64_t ws_act_scales = 0;     // [max_tiles * block_m, N/32] UE8M0
   int64_t workspace_bytes = 0;
   int sort_chunk = 1024;         // token-slots per block of the stable counting sort
-  std::string to_string() const; // one line per decision
+  std::string describe() const;  // one line per decision
 };
 
-struct MoePlanOptions {
+struct MoeOptions {
+  int64_t max_tokens = 8192;  // the largest M a run may use (graph capture size), 1..65536
+  // The device to plan for: device_caps(ordinal) on a machine with the device, or written by hand
+  // to plan for another one (tests, cross-planning). Required: an empty one is an error.
+  DeviceCaps device;
   // W4A8 on sm_120's native block-scaled MMA (mma.sync kind::mxf8f6f4.block_scale). NEVER RUN ON
   // HARDWARE: off by default until it has passed `k3 validate` on an sm_120 GPU.
   // CLI / run_host: environment variable K3_CUDA_SM120_NATIVE=1.
@@ -77,8 +81,7 @@ struct MoePlanOptions {
 
 // Checks shape, capability and compiled architectures; chooses tiles; sizes the workspace.
 // Errors name what is missing and which backend can run the layer instead (the CPU backend).
-Result<MoePlan> plan_moe(const MoeProblem& problem, int64_t max_m, const DeviceCaps& caps,
-                         const MoePlanOptions& options = {});
+Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options);
 
 // ---- device side (available only in builds with CUDA; otherwise kUnavailable) ---------------
 
@@ -102,15 +105,15 @@ class DeviceWeights {
 };
 Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w);
 
-// Device pointers of one call. `m_device` holds the real token count (<= plan.max_m) so that a
+// Device pointers of one call. `m_device` holds the real token count (<= plan.max_tokens) so that a
 // captured CUDA graph can replay with another M without re-launching with new grid sizes. The
-// kernels clamp it to [0, plan.max_m]: a larger value computes max_m tokens, a negative one none.
+// kernels clamp it to [0, plan.max_tokens]: a larger value computes max_tokens tokens, a negative one none.
 struct DeviceInputs {
   const int32_t* m_device = nullptr;      // [1]
-  const uint16_t* x = nullptr;            // [max_m, K] BF16
-  const int32_t* topk_ids = nullptr;      // [max_m, top_k] global ids, -1 masked
-  const float* topk_weights = nullptr;    // [max_m, top_k]
-  void* out = nullptr;                    // [max_m, K] out dtype
+  const uint16_t* x = nullptr;            // [max_tokens, K] BF16
+  const int32_t* topk_ids = nullptr;      // [max_tokens, top_k] global ids, -1 masked
+  const float* topk_weights = nullptr;    // [max_tokens, top_k]
+  void* out = nullptr;                    // [max_tokens, K] out dtype
 };
 
 // Enqueues the layer on `stream` (a cudaStream_t, nullptr = default stream). Allocates nothing,

@@ -12,10 +12,10 @@
 
 namespace k3::cuda {
 
-// Graph-safe: a fixed grid of max_m blocks; the real M is read from m_device (<= max_m); writes
+// Graph-safe: a fixed grid of max_tokens blocks; the real M is read from m_device (<= max_tokens); writes
 // only the caller-owned ids / weights rows < M; allocates nothing; never synchronizes.
-//   logits [max_m, E] FP32, bias [E] FP32 or nullptr, ids [max_m, top_k] int32, weights [max_m, top_k] FP32.
-Status route_device(const RoutingConfig& cfg, const int32_t* m_device, int64_t max_m, const float* logits,
+//   logits [max_tokens, E] FP32, bias [E] FP32 or nullptr, ids [max_tokens, top_k] int32, weights [max_tokens, top_k] FP32.
+Status route_device(const RoutingConfig& cfg, const int32_t* m_device, int64_t max_tokens, const float* logits,
                     const float* bias, int32_t* ids, float* weights, void* stream);
 
 // Convenience for tools and tests: copies in, routes on device 0, copies out (same contract as k3::route).

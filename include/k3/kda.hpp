@@ -1,4 +1,5 @@
-// k3/kda.hpp — Kimi Delta Attention (KDA) core: references and the CPU backend (docs/kda.md).
+// k3/kda.hpp — Kimi Delta Attention (KDA) core: the op's types, checks and references (docs/kda.md).
+// The CPU backend is in k3/cpu_kda.hpp (k3::cpu::plan / prefill / decode / verify).
 //
 // Per head (key dim K, value dim V, FP32 state S [K, V]) and token t:
 //   S <- Diag(exp(g_t)) S;  v' = beta_t (v_t - S^T k_t);  S <- S + k_t v'^T;  o_t = S^T (scale q_t)
@@ -35,7 +36,7 @@ enum class StateLayout : uint8_t {
 };
 
 enum class Algorithm : uint8_t {
-  kAuto,       // chunked for sequences of at least CpuOptions::chunk_min_tokens tokens, else recurrent
+  kAuto,       // chunked for sequences of at least KdaOptions::chunk_min_tokens tokens, else recurrent
   kRecurrent,  // token by token
   kChunked,    // chunks of kChunk tokens (docs/kda.md)
 };
@@ -148,47 +149,15 @@ Status reference_fp64(const KdaConfig& cfg, const KdaInputs& in, std::span<doubl
 // FP32: all arithmetic in float, in the order of the recurrence.
 Status reference_fp32(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out, int threads = 0);
 
-// ---- CPU backend ---------------------------------------------------------------------------
-inline constexpr int64_t kDefaultChunkMinTokens = 8;  // measured crossover, docs/kda.md
-
-inline constexpr int kMaxCpuThreads = 4096;  // the largest CpuOptions::threads make_cpu_plan accepts
-
-// The library reads no environment variable: threads and the SIMD level are what the caller
-// passes, else hardware facts. (The `k3` tool passes K3_NUM_THREADS / K3_ISA in explicitly.)
-struct CpuOptions {
-  int threads = 0;                  // 0: all logical CPUs, hardware_thread_count(), at most kMaxCpuThreads
-  Algorithm algorithm = Algorithm::kAuto;
-  int64_t chunk_min_tokens = kDefaultChunkMinTokens;  // kAuto: sequences this long run chunked
-  bool use_isa_override = false;    // true: use `isa` instead of best_isa_level()
-  IsaLevel isa = IsaLevel::kScalar;
-};
-
-struct CpuPlan {
-  KdaConfig cfg;
-  IsaLevel isa = IsaLevel::kScalar;
-  int threads = 1;
-  Algorithm algorithm = Algorithm::kAuto;
-  int64_t chunk_min_tokens = kDefaultChunkMinTokens;
-  int64_t workspace_floats = 0;  // size of the workspace every run call needs
-};
-
-// Checks the configuration and options; resolves threads and the SIMD level (a level above the
-// CPU's is an error).
-Result<CpuPlan> make_cpu_plan(const KdaConfig& cfg, const CpuOptions& opt = {});
-
-// Prefill: threads over (sequence, head); results are bit-identical for any thread count.
-Status prefill(const CpuPlan& plan, const KdaInputs& in, const KdaOutputs& out, std::span<float> workspace);
+// ---- decode and speculative verify arguments (every backend) --------------------------------
 
 // Decode, one token per sequence, state pool updated in place. Slots not named are not touched.
-// Decode and verify are always token-recurrent (CpuPlan::algorithm applies to prefill).
 struct DecodeArgs {
   KdaInputs in;                            // N tokens ([N, H, K] ...); cu_seqlens, initial_state empty
   std::span<float> state_pool;             // [slots, H, K, V] or [slots, H, V, K] FP32
   std::span<const int32_t> state_indices;  // [N] distinct slots; < 0: padding row (skipped, o row = 0)
   std::span<float> o;                      // [N, H, V]
 };
-Status decode(const CpuPlan& plan, const DecodeArgs& args, std::span<float> workspace);
-
 // Speculative verify: T draft tokens per sequence (sequence n owns tokens [n T, (n + 1) T)).
 // Reads the state of slot state_indices[n, num_accepted[n] - 1], runs the T tokens and writes
 // the state after token t to slot state_indices[n, t] (< 0: not stored). A sequence whose read
@@ -202,11 +171,4 @@ struct VerifyArgs {
   std::span<const int32_t> num_accepted;   // [N], each in [1, T]
   std::span<float> o;                      // [N * T, H, V]
 };
-Status verify(const CpuPlan& plan, const VerifyArgs& args, std::span<float> workspace);
-
-// Conveniences that allocate the workspace.
-Status prefill(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out, const CpuOptions& opt = {});
-Status decode(const KdaConfig& cfg, const DecodeArgs& args, const CpuOptions& opt = {});
-Status verify(const KdaConfig& cfg, const VerifyArgs& args, const CpuOptions& opt = {});
-
 }  // namespace k3::kda

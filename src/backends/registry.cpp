@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "k3/backend.hpp"
+#include "k3/cpu_kda.hpp"
 #include "k3/cpu_moe.hpp"
 #include "k3/cuda.hpp"
 #include "k3/cuda_moe.hpp"
@@ -75,14 +76,11 @@ std::vector<MoeBackend> make_moe_backends() {
 
 // ---- KDA -------------------------------------------------------------------------------------
 
-kda::CpuOptions kda_cpu_options(const BackendOptions& opt) {
-  kda::CpuOptions o;
+cpu::KdaOptions kda_cpu_options(const BackendOptions& opt) {
+  cpu::KdaOptions o;
   o.threads = opt.threads;
   o.algorithm = opt.kda_algorithm;
-  if (opt.isa) {
-    o.use_isa_override = true;
-    o.isa = *opt.isa;
-  }
+  o.isa = opt.isa;
   return o;
 }
 
@@ -98,12 +96,12 @@ std::vector<KdaBackend> make_kda_backends() {
   cpu.available = always;
   cpu.supports = [](const kda::KdaConfig& c) { return kda::validate_config(c); };
   cpu.prefill = [](const kda::KdaConfig& c, const kda::KdaInputs& in, const kda::KdaOutputs& out,
-                   const BackendOptions& o) { return kda::prefill(c, in, out, kda_cpu_options(o)); };
+                   const BackendOptions& o) { return cpu::prefill(c, in, out, kda_cpu_options(o)); };
   cpu.decode = [](const kda::KdaConfig& c, const kda::DecodeArgs& a, const BackendOptions& o) {
-    return kda::decode(c, a, kda_cpu_options(o));
+    return cpu::decode(c, a, kda_cpu_options(o));
   };
   cpu.verify = [](const kda::KdaConfig& c, const kda::VerifyArgs& a, const BackendOptions& o) {
-    return kda::verify(c, a, kda_cpu_options(o));
+    return cpu::verify(c, a, kda_cpu_options(o));
   };
   v.push_back(std::move(cpu));
   KdaBackend cuda;

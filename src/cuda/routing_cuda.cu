@@ -135,19 +135,19 @@ __global__ void __launch_bounds__(kThreads) route_kernel(RoutingConfig cfg, cons
 
 }  // namespace
 
-Status route_device(const RoutingConfig& cfg, const int32_t* m_device, int64_t max_m, const float* logits,
+Status route_device(const RoutingConfig& cfg, const int32_t* m_device, int64_t max_tokens, const float* logits,
                     const float* bias, int32_t* ids, float* weights, void* stream) {
   K3_RETURN_IF_ERROR(validate_routing_config(cfg));
-  if (max_m < 0 || max_m > (int64_t{1} << 31) - 1) {
-    return invalid_argument("route_device: max_m = " + std::to_string(max_m) + " must be in [0, 2^31)");
+  if (max_tokens < 0 || max_tokens > (int64_t{1} << 31) - 1) {
+    return invalid_argument("route_device: max_tokens = " + std::to_string(max_tokens) + " must be in [0, 2^31)");
   }
-  if (max_m == 0) return Status::ok();
+  if (max_tokens == 0) return Status::ok();
   const size_t smem = (2 * static_cast<size_t>(cfg.num_experts) + 2 * static_cast<size_t>(cfg.n_group)) * sizeof(float);
   if (smem > 48 * 1024) {
     K3_CUDA_TRY(cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                 "cudaFuncSetAttribute(route_kernel)");
   }
-  route_kernel<<<static_cast<unsigned>(max_m), kThreads, smem, static_cast<cudaStream_t>(stream)>>>(
+  route_kernel<<<static_cast<unsigned>(max_tokens), kThreads, smem, static_cast<cudaStream_t>(stream)>>>(
       cfg, m_device, logits, bias, ids, weights);
   return detail::from_cuda(cudaGetLastError(), "route_kernel launch");
 }

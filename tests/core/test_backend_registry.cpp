@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "k3/backend.hpp"
+#include "k3/cpu_kda.hpp"
 #include "k3/cpu_moe.hpp"
 #include "k3/moe_case.hpp"
 
@@ -231,16 +232,15 @@ TEST(BackendRegistry, RunKdaNamesAMissingEntryAndPassesTheOptions) {
     bo.isa = IsaLevel::kScalar;
     bo.threads = 2;
     ASSERT_TRUE(run_kda_prefill(cpu, cfg, in, {o2, {}}, bo).is_ok());
-    kda::CpuOptions co;
+    cpu::KdaOptions co;
     co.algorithm = algo;
-    co.use_isa_override = true;
     co.isa = IsaLevel::kScalar;
     co.threads = 1;
-    ASSERT_TRUE(kda::prefill(cfg, in, {want, {}}, co).is_ok());
+    ASSERT_TRUE(cpu::prefill(cfg, in, {want, {}}, co).is_ok());
     EXPECT_EQ(o2, want) << kda::algorithm_name(algo);
   }
   BackendOptions too_many;
-  too_many.threads = kda::kMaxCpuThreads + 1;
+  too_many.threads = cpu::kKdaMaxThreads + 1;
   st = run_kda_prefill(cpu, cfg, in, {o2, {}}, too_many);
   EXPECT_NE(st.message().find("threads = 4097 must be in [0, 4096]"), std::string::npos) << st.message();
 }

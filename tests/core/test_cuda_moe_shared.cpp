@@ -279,7 +279,7 @@ TEST(CudaMoeShared, LaunchGridsStayWithinLimitsUpToTheLargestPlan) {
     for (int64_t max_m : {int64_t{1}, int64_t{16}, int64_t{4096}, int64_t{65535}, int64_t{65536}}) {
       MoeProblem p;
       p.shape = {sh.k, sh.n, sh.e, sh.top_k, sh.ep, 0};
-      auto plan = plan_moe(p, max_m, h200());
+      auto plan = cuda::plan(p, {.max_tokens = max_m, .device = h200()});
       ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
       const Dims d = dims_of(plan.value());
       const std::string what = "E " + std::to_string(sh.e) + "/" + std::to_string(sh.ep) + " top-" +
@@ -310,7 +310,7 @@ TEST(CudaMoeShared, LaunchGridsStayWithinLimitsUpToTheLargestPlan) {
   }
   // The case a grid of max_m rows gets wrong: gridDim.y = 65536 is not launchable.
   MoeProblem p;
-  auto plan = plan_moe(p, 65536, h200());
+  auto plan = cuda::plan(p, {.max_tokens = 65536, .device = h200()});
   ASSERT_TRUE(plan.is_ok());
   EXPECT_EQ(finalize_grid(dims_of(plan.value())).y, 65535u);
 }

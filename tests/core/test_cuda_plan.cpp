@@ -25,7 +25,7 @@ MoeProblem kimi_rank7() {
 }
 
 TEST(CudaMoePlan, KimiDecodeAndPrefillPaths) {
-  auto d = plan_moe(kimi_rank7(), 1, h200());
+  auto d = cuda::plan(kimi_rank7(), {.max_tokens = 1, .device = h200()});
   ASSERT_TRUE(d.is_ok()) << d.status().to_string();
   EXPECT_EQ(d->path, MoePath::kDecode);
   EXPECT_EQ(d->block_m, 16);
@@ -33,15 +33,16 @@ TEST(CudaMoePlan, KimiDecodeAndPrefillPaths) {
   EXPECT_EQ(d->max_slots, 16);
   // every expert may need one padded tile: ceil((16 + 28 * 15) / 16)
   EXPECT_EQ(d->max_tiles, (16 + 28 * 15 + 15) / 16);
-  auto p = plan_moe(kimi_rank7(), 2048, h200());
+  auto p = cuda::plan(kimi_rank7(), {.max_tokens = 2048, .device = h200()});
   ASSERT_TRUE(p.is_ok());
   EXPECT_EQ(p->path, MoePath::kPrefill);
   EXPECT_EQ(p->block_m, 64);
-  EXPECT_NE(p->to_string().find("path prefill"), std::string::npos) << p->to_string();
+  EXPECT_NE(p->describe().find("path prefill"), std::string::npos) << p->describe();
+  EXPECT_NE(p->describe().find("max_tokens 2048"), std::string::npos) << p->describe();
 }
 
 TEST(CudaMoePlan, WorkspaceRegionsAreDisjointAndAligned) {
-  auto p = plan_moe(kimi_rank7(), 128, h200());
+  auto p = cuda::plan(kimi_rank7(), {.max_tokens = 128, .device = h200()});
   ASSERT_TRUE(p.is_ok());
   const int64_t offs[] = {p->ws_x_bf16, p->ws_slot_row, p->ws_row_token, p->ws_tile_expert, p->ws_counts,
                           p->ws_chunk_hist, p->ws_act, p->ws_y, p->ws_status, p->workspace_bytes};
@@ -60,7 +61,7 @@ TEST(CudaMoePlan, OddShapeUsesNarrowTiles) {
   p.shape.intermediate = 160;
   p.shape.num_experts = 5;
   p.shape.top_k = 3;
-  auto plan = plan_moe(p, 19, h200());
+  auto plan = cuda::plan(p, {.max_tokens = 19, .device = h200()});
   ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
   EXPECT_EQ(plan->block_n, 32);
 }
@@ -69,7 +70,7 @@ TEST(CudaMoePlan, MissingCapabilitiesNameTheFixAndTheAlternative) {
   DeviceCaps ampere = h200();
   ampere.name = "NVIDIA A100";
   ampere.cc_major = 8;
-  auto r = plan_moe(kimi_rank7(), 1, ampere);
+  auto r = cuda::plan(kimi_rank7(), {.max_tokens = 1, .device = ampere});
   ASSERT_FALSE(r.is_ok());
   EXPECT_EQ(r.status().code(), StatusCode::kUnsupported);
   EXPECT_NE(r.status().message().find("sm_80"), std::string::npos) << r.status().message();
@@ -78,14 +79,22 @@ TEST(CudaMoePlan, MissingCapabilitiesNameTheFixAndTheAlternative) {
 
   DeviceCaps tiny = h200();
   tiny.smem_per_block_optin = 1024;
-  r = plan_moe(kimi_rank7(), 4096, tiny);
+  r = cuda::plan(kimi_rank7(), {.max_tokens = 4096, .device = tiny});
   ASSERT_FALSE(r.is_ok());
   EXPECT_NE(r.status().message().find("shared memory"), std::string::npos) << r.status().message();
 
-  EXPECT_EQ(plan_moe(kimi_rank7(), 0, h200()).status().code(), StatusCode::kInvalidArgument);
+  const auto zero = cuda::plan(kimi_rank7(), {.max_tokens = 0, .device = h200()});
+  EXPECT_EQ(zero.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(zero.status().message().find("max_tokens = 0 must be in [1, 65536]"), std::string::npos);
+  cuda::MoeOptions no_device_options;  // device left empty
+  no_device_options.max_tokens = 1;
+  const auto no_device = cuda::plan(kimi_rank7(), no_device_options);
+  EXPECT_EQ(no_device.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(no_device.status().message().find("options.device is empty"), std::string::npos)
+      << no_device.status().message();
   MoeProblem bad = kimi_rank7();
   bad.shape.hidden = 3583;
-  EXPECT_NE(plan_moe(bad, 1, h200()).status().message().find("hidden (K) = 3583"), std::string::npos);
+  EXPECT_NE(cuda::plan(bad, {.max_tokens = 1, .device = h200()}).status().message().find("hidden (K) = 3583"), std::string::npos);
 }
 
 }  // namespace
@@ -97,9 +106,7 @@ namespace {
 TEST(CudaMoePlan, Sm120NativePathIsOptInAndChecked) {
   MoeProblem p;
   DeviceCaps h = h200();
-  MoePlanOptions native;
-  native.sm120_native_w4a8 = true;
-  auto r = plan_moe(p, 8, h, native);
+  auto r = cuda::plan(p, {.max_tokens = 8, .device = h, .sm120_native_w4a8 = true});
   ASSERT_FALSE(r.is_ok());
   EXPECT_NE(r.status().message().find("needs an sm_120 device"), std::string::npos) << r.status().message();
 
@@ -107,16 +114,16 @@ TEST(CudaMoePlan, Sm120NativePathIsOptInAndChecked) {
   rtx.name = "NVIDIA RTX PRO 6000 Blackwell";
   rtx.cc_major = 12;
   rtx.smem_per_block_optin = 99 * 1024;
-  auto off = plan_moe(p, 8, rtx);
+  auto off = cuda::plan(p, {.max_tokens = 8, .device = rtx});
   ASSERT_TRUE(off.is_ok());
   EXPECT_FALSE(off->sm120_native);  // default: the BF16 mma.sync path
-  auto on = plan_moe(p, 8, rtx, native);
+  auto on = cuda::plan(p, {.max_tokens = 8, .device = rtx, .sm120_native_w4a8 = true});
   ASSERT_TRUE(on.is_ok()) << on.status().to_string();
   EXPECT_TRUE(on->sm120_native);
   EXPECT_GT(on->ws_act_scales, on->ws_act_codes);
-  EXPECT_NE(on->to_string().find("UNVERIFIED"), std::string::npos);
+  EXPECT_NE(on->describe().find("UNVERIFIED"), std::string::npos);
   p.recipe = Recipe::kW4A16;
-  EXPECT_NE(plan_moe(p, 8, rtx, native).status().message().find("w4a8 recipe only"), std::string::npos);
+  EXPECT_NE(cuda::plan(p, {.max_tokens = 8, .device = rtx, .sm120_native_w4a8 = true}).status().message().find("w4a8 recipe only"), std::string::npos);
 }
 
 }  // namespace

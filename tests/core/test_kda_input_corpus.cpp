@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/st_test_util.hpp"
+#include "k3/cpu_kda.hpp"
 #include "k3/kda.hpp"
 #include "k3/kda_io.hpp"
 #include "k3/safetensors.hpp"
@@ -71,7 +72,7 @@ Status load_and_run(const std::vector<uint8_t>& bytes, const std::string& source
   K3_RETURN_IF_ERROR(reference_fp32(in->cfg, in->inputs(), {o, s}));
   std::vector<double> o64(o.size()), s64(s.size());
   K3_RETURN_IF_ERROR(reference_fp64(in->cfg, in->inputs(), o64, s64));
-  K3_RETURN_IF_ERROR(prefill(in->cfg, in->inputs(), {o, s}));
+  K3_RETURN_IF_ERROR(k3::cpu::prefill(in->cfg, in->inputs(), {o, s}));
   return Status::ok();
 }
 

@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "core/kda/kda_case.hpp"
+#include "k3/cpu_kda.hpp"
 #include "k3/kda.hpp"
 #include "scoped_env.hpp"
 
@@ -36,9 +38,9 @@ struct Result2 {
   std::vector<float> o, f;
 };
 
-Result2 run_cpu(const KdaCase& c, const CpuOptions& o) {
+Result2 run_cpu(const KdaCase& c, const cpu::KdaOptions& o) {
   Result2 r{std::vector<float>(c.o_size()), std::vector<float>(c.state_size())};
-  const Status st = prefill(c.spec.cfg, c.inputs(), {r.o, r.f}, o);
+  const Status st = cpu::prefill(c.spec.cfg, c.inputs(), {r.o, r.f}, o);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
   return r;
 }
@@ -160,7 +162,7 @@ TEST(KdaCpu, AutoPicksChunkedFromTheThresholdOn) {
   s.cfg = cfg(2, 32, 32, GateMode::kLogDecay);
   s.seqlens = {10, 30};
   const KdaCase c = make_case(s);
-  CpuOptions o = cpu_options_at(best_isa_level(), Algorithm::kAuto);
+  cpu::KdaOptions o = cpu_options_at(best_isa_level(), Algorithm::kAuto);
   o.chunk_min_tokens = 20;
   const Result2 a = run_cpu(c, o);
   const Result2 rec = run_cpu(c, cpu_options_at(best_isa_level(), Algorithm::kRecurrent));
@@ -187,7 +189,7 @@ TEST(KdaCpu, WithoutInitialStateOrFinalStateOrL2Norm) {
   const Result2 ref = run_ref32(c);
   for (Algorithm algo : {Algorithm::kRecurrent, Algorithm::kChunked}) {
     std::vector<float> o(c.o_size());
-    ASSERT_TRUE(prefill(c.spec.cfg, c.inputs(), {o, {}}, cpu_options_at(best_isa_level(), algo)).is_ok());
+    ASSERT_TRUE(cpu::prefill(c.spec.cfg, c.inputs(), {o, {}}, cpu_options_at(best_isa_level(), algo)).is_ok());
     EXPECT_LT(compare(o, ref.o).err_ratio, 2e-5) << algorithm_name(algo);
   }
 }
@@ -242,7 +244,7 @@ TEST(KdaCpu, DecodeUpdatesNamedSlotsInPlaceAndNothingElse) {
         const std::vector<int32_t> idx = {5, -1, 0, 2};
         std::vector<float> o(c.o_size(), 7.0f);
         DecodeArgs a{c.inputs(), pool.states, idx, o};
-        ASSERT_TRUE(decode(k, a, cpu_options_at(isa, Algorithm::kAuto)).is_ok());
+        ASSERT_TRUE(cpu::decode(k, a, cpu_options_at(isa, Algorithm::kAuto)).is_ok());
         const int64_t block = 3 * 16 * v;
         for (int64_t slot = 0; slot < 7; ++slot) {
           const auto row = [&](const Pool& p) {
@@ -284,7 +286,7 @@ TEST(KdaCpu, VerifyWritesEveryPrefixStateToItsSlot) {
       const std::vector<int32_t> acc = {3, 1, 2};
       std::vector<float> o(c.o_size(), 7.0f);
       VerifyArgs a{c.inputs(), T, pool.states, idx, acc, o};
-      const Status st = verify(k, a, cpu_options_at(isa, Algorithm::kAuto, 3));
+      const Status st = cpu::verify(k, a, cpu_options_at(isa, Algorithm::kAuto, 3));
       ASSERT_TRUE(st.is_ok()) << st.to_string();
       const int64_t block = 2 * 24 * 40, hv = 2 * 40;
       auto slot_of = [&](const Pool& p, int64_t slot) {
@@ -322,11 +324,11 @@ TEST(KdaCpu, DecodeAndVerifyAreBitIdenticalAcrossThreadCounts) {
     std::vector<float> o(c.o_size());
     const std::vector<int32_t> idx = {7, 1, 3, 0, 2, 5};
     DecodeArgs a{c.inputs(), pool.states, idx, o};
-    ASSERT_TRUE(decode(k, a, cpu_options_at(best_isa_level(), Algorithm::kAuto, threads)).is_ok());
+    ASSERT_TRUE(cpu::decode(k, a, cpu_options_at(best_isa_level(), Algorithm::kAuto, threads)).is_ok());
     const std::vector<int32_t> vidx = {4, 6, 1, 3, 7, 0};
     const std::vector<int32_t> acc = {2, 3};
     VerifyArgs v{c.inputs(), 3, pool.states, vidx, acc, o};
-    ASSERT_TRUE(verify(k, v, cpu_options_at(best_isa_level(), Algorithm::kAuto, threads)).is_ok());
+    ASSERT_TRUE(cpu::verify(k, v, cpu_options_at(best_isa_level(), Algorithm::kAuto, threads)).is_ok());
     if (threads == 1) {
       base_pool = pool.states;
       base_o = o;
@@ -348,7 +350,7 @@ TEST(KdaCpu, PoolErrorsNameTheProblem) {
   Pool pool = make_pool(k, 5, 1);
   std::vector<float> o(c.o_size());
   auto dec = [&](std::vector<int32_t> idx, std::span<float> states) {
-    return decode(k, DecodeArgs{c.inputs(), states, idx, o}, cpu_options_at(best_isa_level(), Algorithm::kAuto)).message();
+    return cpu::decode(k, DecodeArgs{c.inputs(), states, idx, o}, cpu_options_at(best_isa_level(), Algorithm::kAuto)).message();
   };
   EXPECT_NE(dec({0, 1, 2, 5}, pool.states).find("state_indices[3] = 5 is past the pool's 5 slots"), std::string::npos);
   EXPECT_NE(dec({0, 1, 1, 3}, pool.states).find("state slot 1 is written twice"), std::string::npos);
@@ -359,11 +361,11 @@ TEST(KdaCpu, PoolErrorsNameTheProblem) {
   const std::vector<int64_t> cu = {0, 4};
   bad.cu_seqlens = cu;
   const std::vector<int32_t> idx4 = {0, 1, 2, 3};
-  EXPECT_NE(decode(k, DecodeArgs{bad, pool.states, idx4, o}).message().find("cu_seqlens and initial_state must be empty"),
+  EXPECT_NE(cpu::decode(k, DecodeArgs{bad, pool.states, idx4, o}).message().find("cu_seqlens and initial_state must be empty"),
             std::string::npos);
 
   auto ver = [&](std::vector<int32_t> idx, std::vector<int32_t> acc, int64_t t) {
-    return verify(k, VerifyArgs{c.inputs(), t, pool.states, idx, acc, o}).message();
+    return cpu::verify(k, VerifyArgs{c.inputs(), t, pool.states, idx, acc, o}).message();
   };
   EXPECT_NE(ver({0, 1, 2, 3}, {3, 1}, 2).find("num_accepted[0] = 3 must be in [1, T = 2]"), std::string::npos);
   EXPECT_NE(ver({0, 1, 2, 3}, {0, 1}, 2).find("num_accepted[0] = 0"), std::string::npos);
@@ -377,46 +379,70 @@ TEST(KdaCpu, PoolErrorsNameTheProblem) {
 
 TEST(KdaCpu, PlanAndWorkspaceErrors) {
   const KdaConfig k = cfg(2, 16, 16, GateMode::kLogDecay);
-  CpuOptions o;
+  cpu::KdaOptions o;
   o.threads = -1;
-  EXPECT_NE(make_cpu_plan(k, o).status().message().find("threads = -1"), std::string::npos);
+  EXPECT_NE(cpu::plan(k, o).status().message().find("threads = -1"), std::string::npos);
   o = {};
   o.chunk_min_tokens = 0;
-  EXPECT_NE(make_cpu_plan(k, o).status().message().find("chunk_min_tokens = 0"), std::string::npos);
-  auto plan = make_cpu_plan(k, cpu_options_at(best_isa_level(), Algorithm::kAuto, 2));
+  EXPECT_NE(cpu::plan(k, o).status().message().find("chunk_min_tokens = 0"), std::string::npos);
+  auto plan = cpu::plan(k, cpu_options_at(best_isa_level(), Algorithm::kAuto, 2));
   ASSERT_TRUE(plan.is_ok());
   CaseSpec s;
   s.cfg = k;
   s.seqlens = {5};
   const KdaCase c = make_case(s);
-  std::vector<float> out(c.o_size()), ws(plan->workspace_floats - 1);
-  const Status st = prefill(plan.value(), c.inputs(), {out, {}}, ws);
+  std::vector<float> out(c.o_size());
+  std::vector<uint8_t> ws(plan->workspace_bytes - 1);
+  const Status st = cpu::prefill(plan.value(), c.inputs(), {out, {}}, ws);
   EXPECT_NE(st.message().find("workspace has"), std::string::npos) << st.message();
-  CpuPlan forged = plan.value();
-  forged.workspace_floats = 1;
-  std::vector<float> ws_big(plan->workspace_floats);
-  EXPECT_NE(prefill(forged, c.inputs(), {out, {}}, ws_big).message().find("is below"), std::string::npos);
+  cpu::KdaPlan forged = plan.value();
+  forged.workspace_bytes = 1;
+  std::vector<uint8_t> ws_big(plan->workspace_bytes);
+  EXPECT_NE(cpu::prefill(forged, c.inputs(), {out, {}}, ws_big).message().find("is below"), std::string::npos);
 }
 
-// The library reads no environment: make_cpu_plan's defaults are hardware facts (the `k3` tool
+// The workspace is bytes of any alignment (the backend aligns inside it); the plan prints itself.
+TEST(KdaCpu, WorkspaceOfAnyAlignmentGivesTheSameBits) {
+  const KdaConfig k = cfg(2, 32, 16, GateMode::kSafe);
+  auto plan = cpu::plan(k, cpu_options_at(best_isa_level(), Algorithm::kChunked, 2));
+  ASSERT_TRUE(plan.is_ok());
+  const std::string d = plan->describe();
+  EXPECT_NE(d.find("H 2, K 32, V 16"), std::string::npos) << d;
+  EXPECT_NE(d.find("algorithm chunked"), std::string::npos) << d;
+  EXPECT_NE(d.find("workspace " + std::to_string(plan->workspace_bytes) + " B"), std::string::npos) << d;
+  CaseSpec s;
+  s.cfg = k;
+  s.seqlens = {40, 7};
+  const KdaCase c = make_case(s);
+  std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes) + 8);
+  std::vector<float> want(c.o_size()), got(c.o_size());
+  ASSERT_TRUE(cpu::prefill(plan.value(), c.inputs(), {want, {}}, std::span<uint8_t>(ws).first(plan->workspace_bytes)).is_ok());
+  for (size_t off = 1; off < 8; ++off) {
+    std::fill(ws.begin(), ws.end(), uint8_t{0xFF});  // NaN garbage: nothing may read it before writing
+    const std::span<uint8_t> shifted = std::span<uint8_t>(ws).subspan(off, static_cast<size_t>(plan->workspace_bytes));
+    ASSERT_TRUE(cpu::prefill(plan.value(), c.inputs(), {got, {}}, shifted).is_ok());
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0) << "offset " << off;
+  }
+}
+
+// The library reads no environment: cpu::plan's defaults are hardware facts (the `k3` tool
 // passes K3_ISA / K3_NUM_THREADS in explicitly).
 TEST(KdaCpu, PlanDefaultsAreHardwareFactsNotTheEnvironment) {
   test::ScopedEnv isa("K3_ISA", "avx9000");
   test::ScopedEnv k3_threads("K3_NUM_THREADS", "3");
   const KdaConfig k = cfg(1, 8, 8, GateMode::kLogDecay);
-  auto p = make_cpu_plan(k);
+  auto p = cpu::plan(k);
   ASSERT_TRUE(p.is_ok()) << p.status().to_string();
   EXPECT_EQ(p->isa, best_isa_level());
-  EXPECT_EQ(p->threads, std::min(hardware_thread_count(), kMaxCpuThreads));
+  EXPECT_EQ(p->threads, std::min(hardware_thread_count(), cpu::kKdaMaxThreads));
   test::ScopedEnv scalar("K3_ISA", "scalar");
-  p = make_cpu_plan(k);
+  p = cpu::plan(k);
   ASSERT_TRUE(p.is_ok());
   EXPECT_EQ(p->isa, best_isa_level());
-  CpuOptions o;
-  o.use_isa_override = true;
+  cpu::KdaOptions o;
   o.isa = IsaLevel::kScalar;
   o.threads = 3;
-  p = make_cpu_plan(k, o);
+  p = cpu::plan(k, o);
   ASSERT_TRUE(p.is_ok());
   EXPECT_EQ(p->isa, IsaLevel::kScalar);
   EXPECT_EQ(p->threads, 3);

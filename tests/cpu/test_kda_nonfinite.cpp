@@ -13,6 +13,7 @@
 
 #include "core/kda/kda_case.hpp"
 #include "k3/formats.hpp"
+#include "k3/cpu_kda.hpp"
 #include "k3/kda.hpp"
 
 namespace k3::kda {
@@ -142,7 +143,7 @@ void check_all_backends(const KdaCase& c, const std::string& label) {
       for (int threads : {1, 3}) {
         std::fill(o.begin(), o.end(), 7.0f);
         std::fill(f.begin(), f.end(), 7.0f);
-        const Status st = prefill(c.spec.cfg, in, {o, f}, cpu_options_at(isa, algo, threads));
+        const Status st = k3::cpu::prefill(c.spec.cfg, in, {o, f}, cpu_options_at(isa, algo, threads));
         ASSERT_TRUE(st.is_ok()) << st.to_string();
         expect_policy(label + " cpu " + isa_level_name(isa) + " " + algorithm_name(algo) + " threads " +
                           std::to_string(threads),
@@ -339,7 +340,7 @@ TEST(KdaNonfinite, DecodeAndVerifyFollowThePolicy) {
           in.g = std::span<const float>(c.g).subspan(t * H * K, H * K);
           in.beta = std::span<const float>(c.beta).subspan(t * H, H);
           DecodeArgs a{in, pool, idx, std::span<float>(o).subspan(t * H * v, H * v)};
-          ASSERT_TRUE(decode(s.cfg, a, cpu_options_at(isa, Algorithm::kAuto, 2)).is_ok());
+          ASSERT_TRUE(k3::cpu::decode(s.cfg, a, cpu_options_at(isa, Algorithm::kAuto, 2)).is_ok());
         }
         for (int64_t i = 0; i < block; ++i) EXPECT_EQ(pool[i], 0.0f);  // slot 0 untouched
         std::vector<double> o64(static_cast<size_t>(c.o_size())), f64(static_cast<size_t>(c.state_size()));
@@ -356,7 +357,7 @@ TEST(KdaNonfinite, DecodeAndVerifyFollowThePolicy) {
         const std::vector<int32_t> acc = {1};
         std::vector<float> vo(static_cast<size_t>(c.o_size()));
         VerifyArgs va{in, 6, vpool, vidx, acc, vo};
-        ASSERT_TRUE(verify(s.cfg, va, cpu_options_at(isa, Algorithm::kAuto, 2)).is_ok());
+        ASSERT_TRUE(k3::cpu::verify(s.cfg, va, cpu_options_at(isa, Algorithm::kAuto, 2)).is_ok());
         const std::vector<float> vfin(vpool.begin() + 6 * block, vpool.end());
         expect_policy("verify " + what, e, vo, vfin, o64, f64);
       }
@@ -369,14 +370,14 @@ TEST(KdaNonfinite, ALogOutsideItsRangeIsAnErrorNamingTheEntry) {
   std::vector<float> o(static_cast<size_t>(c.o_size())), f(static_cast<size_t>(c.state_size()));
   for (float bad : {kNaN, kInf, 100.0f, -90.0f}) {
     c.a_log[1] = bad;
-    const Status st = prefill(c.spec.cfg, c.inputs(), {o, f});
+    const Status st = k3::cpu::prefill(c.spec.cfg, c.inputs(), {o, f});
     ASSERT_FALSE(st.is_ok());
     EXPECT_NE(st.message().find("a_log[1] = "), std::string::npos) << st.message();
     EXPECT_NE(st.message().find("is outside [-87, 88]"), std::string::npos) << st.message();
     EXPECT_FALSE(reference_fp32(c.spec.cfg, c.inputs(), {o, f}).is_ok());
   }
   c.a_log[1] = 88.0f;  // the limits themselves are accepted
-  EXPECT_TRUE(prefill(c.spec.cfg, c.inputs(), {o, f}).is_ok());
+  EXPECT_TRUE(k3::cpu::prefill(c.spec.cfg, c.inputs(), {o, f}).is_ok());
 }
 
 }  // namespace

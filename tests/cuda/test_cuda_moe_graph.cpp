@@ -32,7 +32,7 @@ TEST(CudaMoeGraph, EagerCaptureAndReplaysAreBitIdentical) {
   auto caps = cuda::device_caps(0);
   if (!caps.is_ok()) GTEST_SKIP() << "no CUDA device: " << caps.status().message();
   auto pr = make_problem(37);
-  auto plan = cuda::plan_moe(pr.problem, pr.m, caps.value());
+  auto plan = cuda::plan(pr.problem, {.max_tokens = pr.m, .device = caps.value()});
   ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
   const MoeWeightsView wv = pr.weights();
   auto weights = cuda::prepack(plan.value(), wv);
@@ -97,7 +97,7 @@ TEST(CudaMoeGraph, DeviceTokenCountIsClampedToMaxM) {
   if (!caps.is_ok()) GTEST_SKIP() << "no CUDA device: " << caps.status().message();
   auto pr = make_problem(37);
   const int64_t k = 256, top_k = 4, max_m = pr.m;
-  auto plan = cuda::plan_moe(pr.problem, max_m, caps.value());
+  auto plan = cuda::plan(pr.problem, {.max_tokens = max_m, .device = caps.value()});
   ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
   auto weights = cuda::prepack(plan.value(), pr.weights());
   ASSERT_TRUE(weights.is_ok()) << weights.status().to_string();

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/kda/kda_case.hpp"
+#include "k3/cpu_kda.hpp"
 #include "k3/kda.hpp"
 #include "k3/safetensors.hpp"
 #include "k3/system.hpp"
@@ -93,9 +94,9 @@ TEST(KdaRun, Bf16SafeGateVarlenEqualsTheLibraryBitForBit) {
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("gate safe"), std::string::npos) << r.out;
   std::vector<float> o(c.o_size()), f(c.state_size());
-  CpuOptions opt;
+  cpu::KdaOptions opt;
   opt.threads = 1;
-  ASSERT_TRUE(prefill(c.spec.cfg, c.inputs(), {o, f}, opt).is_ok());
+  ASSERT_TRUE(cpu::prefill(c.spec.cfg, c.inputs(), {o, f}, opt).is_ok());
   auto file = st::File::open(out);
   ASSERT_TRUE(file.is_ok()) << file.status().to_string();
   EXPECT_EQ(read_tensor<float>(file.value(), "o"), o);
@@ -243,11 +244,10 @@ TEST(KdaRun, EnvironmentReachesTheCpuBackendThroughTheTool) {
     ASSERT_EQ(r.code, 0) << r.out;
     EXPECT_NE(r.out.find("backend cpu (chunked, isa scalar)"), std::string::npos) << r.out;
     std::vector<float> o(c.o_size()), f(c.state_size());
-    CpuOptions opt;
+    cpu::KdaOptions opt;
     opt.algorithm = Algorithm::kChunked;
-    opt.use_isa_override = true;
     opt.isa = IsaLevel::kScalar;
-    ASSERT_TRUE(prefill(c.spec.cfg, c.inputs(), {o, f}, opt).is_ok());
+    ASSERT_TRUE(cpu::prefill(c.spec.cfg, c.inputs(), {o, f}, opt).is_ok());
     auto file = st::File::open(out);
     ASSERT_TRUE(file.is_ok());
     EXPECT_EQ(read_tensor<float>(file.value(), "o"), o);

@@ -11,6 +11,7 @@
 #include "bench.hpp"
 #include "core/kda/kda_case.hpp"
 #include "k3/atomic_file.hpp"
+#include "k3/cpu_kda.hpp"
 #include "k3/kda.hpp"
 #include "k3/system.hpp"
 
@@ -48,36 +49,22 @@ double flop_chunked(double K, double V) {
   return (dots + subst + gemms) / C;
 }
 
-int run(const Args& a) {
+Status run(const Args& a) {
   if (!a.output.empty()) {
-    if (const Status s = check_output_path("--output", a.output); !s.is_ok()) {
-      std::fprintf(stderr, "k3 bench kda: %s\n", s.to_string().c_str());
-      return 2;
-    }
+    K3_RETURN_IF_ERROR(check_output_path("--output", a.output));
   }
   const int threads = a.threads > 0 ? a.threads : default_thread_count();
   auto isa = a.isa.empty() ? active_isa_level() : parse_isa_level(a.isa);
-  if (!isa.is_ok()) {
-    const Status st(isa.status().code(), (a.isa.empty() ? "" : "--isa: ") + isa.status().message());
-    std::fprintf(stderr, "k3 bench kda: %s\n", st.to_string().c_str());
-    return 2;
-  }
+  if (!isa.is_ok()) return Status(isa.status().code(), (a.isa.empty() ? "" : "--isa: ") + isa.status().message());
   kda::KdaConfig cfg;
   cfg.num_heads = a.heads;
   cfg.head_k = cfg.head_v = a.head_dim;
   cfg.gate = kda::GateMode::kSafe;
-  if (Status st = kda::validate_config(cfg); !st.is_ok()) {
-    std::fprintf(stderr, "k3 bench kda: %s\n", st.to_string().c_str());
-    return 2;
-  }
+  K3_RETURN_IF_ERROR(kda::validate_config(cfg));
   // Every prefill case's tensors (q, k, g [T, H, K], v, o [T, H, V], FP32) fit before anything runs.
   for (const int64_t T : a.prefill_t) {
-    const Status st = kda::check_buffer_bytes("--prefill-t " + std::to_string(T) + ": the case's q, k, v, g, o",
-                                              T * cfg.num_heads, (3 * cfg.head_k + 2 * cfg.head_v) * 4);
-    if (!st.is_ok()) {
-      std::fprintf(stderr, "k3 bench kda: %s\n", st.to_string().c_str());
-      return 2;
-    }
+    K3_RETURN_IF_ERROR(kda::check_buffer_bytes("--prefill-t " + std::to_string(T) + ": the case's q, k, v, g, o",
+                                               T * cfg.num_heads, (3 * cfg.head_k + 2 * cfg.head_v) * 4));
   }
   // Decode rotates over enough slots that one rotation touches >= pool_mib of state (no step finds
   // its states in cache); every pool fits before anything runs.
@@ -88,13 +75,9 @@ int run(const Args& a) {
     return groups * N;
   };
   for (const int64_t N : a.decode_n) {
-    const Status st = kda::check_buffer_bytes("--decode-n " + std::to_string(N) + ": the state pool of " +
-                                                  std::to_string(pool_slots(N)) + " slots",
-                                              pool_slots(N) * cfg.num_heads * cfg.head_k * cfg.head_v, 4);
-    if (!st.is_ok()) {
-      std::fprintf(stderr, "k3 bench kda: %s\n", st.to_string().c_str());
-      return 2;
-    }
+    K3_RETURN_IF_ERROR(kda::check_buffer_bytes("--decode-n " + std::to_string(N) + ": the state pool of " +
+                                                   std::to_string(pool_slots(N)) + " slots",
+                                               pool_slots(N) * cfg.num_heads * cfg.head_k * cfg.head_v, 4));
   }
   const int total = static_cast<int>(a.prefill_t.size() + a.decode_n.size()) + 1;
   int done = 0;
@@ -113,43 +96,38 @@ int run(const Args& a) {
     spec.cfg = cfg;
     spec.seqlens = {T};
     const kda::KdaCase c = kda::make_case(spec);
-    kda::CpuOptions o;
+    cpu::KdaOptions o;
     o.threads = threads;
-    o.use_isa_override = true;
     o.isa = isa.value();
     o.algorithm = kda::Algorithm::kRecurrent;
-    auto prec = kda::make_cpu_plan(cfg, o);
+    K3_ASSIGN_OR_RETURN(const cpu::KdaPlan rec_plan, cpu::plan(cfg, o));
     o.algorithm = kda::Algorithm::kChunked;
-    auto pchk = kda::make_cpu_plan(cfg, o);
-    if (!prec.is_ok() || !pchk.is_ok()) {
-      std::fprintf(stderr, "k3 bench kda: %s\n", (prec.is_ok() ? pchk.status() : prec.status()).to_string().c_str());
-      return 2;
-    }
-    std::vector<float> ws(static_cast<size_t>(prec->workspace_floats)), out(c.o_size()), fin(c.state_size());
+    K3_ASSIGN_OR_RETURN(const cpu::KdaPlan chk_plan, cpu::plan(cfg, o));
+    std::vector<uint8_t> ws(static_cast<size_t>(rec_plan.workspace_bytes));
+    std::vector<float> out(c.o_size()), fin(c.state_size());
     const kda::KdaInputs in = c.inputs();
-    auto once = [&](const kda::CpuPlan& p) {
+    Status failed;  // the first failing prefill, if any
+    auto once = [&](const cpu::KdaPlan& p) {
       const double t0 = now_s();
-      const Status st = kda::prefill(p, in, {out, fin}, ws);
+      const Status st = cpu::prefill(p, in, {out, fin}, ws);
       const double dt = now_s() - t0;
-      return st.is_ok() ? dt : -1.0;
+      if (!st.is_ok() && failed.is_ok()) failed = st;
+      return dt;
     };
-    once(prec.value());  // warm-up of both
-    once(pchk.value());
+    once(rec_plan);  // warm-up of both
+    once(chk_plan);
     const int iters = T >= 4096 ? std::max(2, a.iters / 2) : a.iters;
     std::vector<double> tr, tc, ratio;
     for (int i = 0; i < iters; ++i) {  // A B, B A, ...
       double r, k;
       if (i % 2 == 0) {
-        r = once(prec.value());
-        k = once(pchk.value());
+        r = once(rec_plan);
+        k = once(chk_plan);
       } else {
-        k = once(pchk.value());
-        r = once(prec.value());
+        k = once(chk_plan);
+        r = once(rec_plan);
       }
-      if (r < 0 || k < 0) {
-        std::fprintf(stderr, "k3 bench kda: prefill failed\n");
-        return 2;
-      }
+      K3_RETURN_IF_ERROR(failed);
       tr.push_back(r);
       tc.push_back(k);
       ratio.push_back(r / k);
@@ -177,13 +155,12 @@ int run(const Args& a) {
     spec.seqlens = {N};
     spec.initial_state = false;
     const kda::KdaCase c = kda::make_case(spec);
-    kda::CpuOptions o;
+    cpu::KdaOptions o;
     o.threads = threads;
-    o.use_isa_override = true;
     o.isa = isa.value();
-    auto plan = kda::make_cpu_plan(cfg, o);
-    if (!plan.is_ok()) return 2;
-    std::vector<float> ws(static_cast<size_t>(plan->workspace_floats)), out(c.o_size());
+    K3_ASSIGN_OR_RETURN(const cpu::KdaPlan plan, cpu::plan(cfg, o));
+    std::vector<uint8_t> ws(static_cast<size_t>(plan.workspace_bytes));
+    std::vector<float> out(c.o_size());
     std::vector<int32_t> idx(static_cast<size_t>(N));
     std::vector<double> times;
     const int iters = std::max<int>(a.iters * 4, static_cast<int>(groups));
@@ -191,12 +168,9 @@ int run(const Args& a) {
       const int64_t grp = (i + 1) % groups;
       for (int64_t n = 0; n < N; ++n) idx[n] = static_cast<int32_t>(grp * N + n);
       const double t0 = now_s();
-      const Status st = kda::decode(plan.value(), {c.inputs(), pool, idx, out}, ws);
+      const Status st = cpu::decode(plan, {c.inputs(), pool, idx, out}, ws);
       const double dt = now_s() - t0;
-      if (!st.is_ok()) {
-        std::fprintf(stderr, "k3 bench kda: %s\n", st.to_string().c_str());
-        return 2;
-      }
+      K3_RETURN_IF_ERROR(st);
       if (i >= 0) times.push_back(dt);
     }
     DecodeRow row{N, summarize(times), 2.0 * slot_bytes * static_cast<double>(N)};
@@ -246,15 +220,12 @@ int run(const Args& a) {
                               {"read_bandwidth_Bps", to_json(bw)},
                               {"flop_model", "recurrent 7KV, chunked (C=16) per token and head, see bench_kda.cpp"},
                               {"records", records}};
-    if (const Status s = write_file_atomic(a.output, j.dump(2) + "\n", "--output"); !s.is_ok()) {
-      std::fprintf(stderr, "k3 bench kda: %s\n", s.to_string().c_str());
-      return 2;
-    }
+    K3_RETURN_IF_ERROR(write_file_atomic(a.output, j.dump(2) + "\n", "--output"));
   }
-  return 0;
+  return Status::ok();
 }
 
-const BenchRegistration kRegistration("kda", [](CLI::App& bench) -> std::function<int()> {
+const BenchRegistration kRegistration("kda", [](CLI::App& bench) -> CommandRun {
   auto* cmd = bench.add_subcommand("kda", "KDA prefill (chunked vs recurrent) and decode sweeps");
   auto a = std::make_shared<Args>();
   cmd->add_option("--threads", a->threads, "Threads (default: K3_NUM_THREADS or all CPUs)");

@@ -5,6 +5,7 @@
 #include <span>
 #include <vector>
 
+#include "k3/cpu_kda.hpp"
 #include "k3/kda.hpp"
 
 namespace k3::kda {
@@ -45,9 +46,8 @@ ErrorStats compare(std::span<const float> out, std::span<const double> ref);
 ErrorStats compare(std::span<const float> out, std::span<const float> ref);
 
 // CPU options that force a SIMD level, an algorithm and a thread count (tests, validate).
-inline CpuOptions cpu_options_at(IsaLevel isa, Algorithm algo, int threads = 2) {
-  CpuOptions o;
-  o.use_isa_override = true;
+inline cpu::KdaOptions cpu_options_at(IsaLevel isa, Algorithm algo, int threads = 2) {
+  cpu::KdaOptions o;
   o.isa = isa;
   o.algorithm = algo;
   o.threads = threads;

@@ -23,24 +23,29 @@ std::string arch_list(const std::vector<int>& archs) {
 
 }  // namespace
 
-std::string MoePlan::to_string() const {
+std::string MoePlan::describe() const {
   std::ostringstream os;
   os << "cuda moe plan: " << recipe_name(problem.recipe) << " " << activation_name(problem.activation.kind) << " -> "
      << out_dtype_name(problem.out_dtype) << ", K " << problem.shape.hidden << ", N " << problem.shape.intermediate
      << ", E_local " << problem.shape.local_experts() << " of " << problem.shape.num_experts << ", top-"
      << problem.shape.top_k << "\n"
-     << "  path " << moe_path_name(path) << (sm120_native ? " (sm_120 native block-scaled MMA, UNVERIFIED)" : "") << ": tile " << block_m << "x" << block_n << "x" << block_k << ", max_m "
-     << max_m << ", max_slots " << max_slots << ", max_tiles " << max_tiles << ", smem " << smem_bytes << " B\n"
+     << "  path " << moe_path_name(path) << (sm120_native ? " (sm_120 native block-scaled MMA, UNVERIFIED)" : "") << ": tile " << block_m << "x" << block_n << "x" << block_k << ", max_tokens "
+     << max_tokens << ", max_slots " << max_slots << ", max_tiles " << max_tiles << ", smem " << smem_bytes << " B\n"
      << "  workspace " << workspace_bytes << " B (act " << (ws_y - ws_act) << " B, y "
      << (ws_status - ws_y) << " B)";
   return os.str();
 }
 
-Result<MoePlan> plan_moe(const MoeProblem& problem, int64_t max_m, const DeviceCaps& caps,
-                         const MoePlanOptions& options) {
+Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
   K3_RETURN_IF_ERROR(validate_moe_shape(problem.shape));
+  const int64_t max_m = options.max_tokens;
   if (max_m < 1 || max_m > 65536) {
-    return invalid_argument("max_m = " + std::to_string(max_m) + " must be in [1, 65536]");
+    return invalid_argument("max_tokens = " + std::to_string(max_m) + " must be in [1, 65536]");
+  }
+  const DeviceCaps& caps = options.device;
+  if (caps.cc_major == 0) {
+    return invalid_argument("options.device is empty: plan for a device with cuda::device_caps(ordinal), "
+                            "or describe the target device by hand");
   }
   const int arch = caps.cc_major * 10 + caps.cc_minor;
   if (std::find(caps.compiled_archs.begin(), caps.compiled_archs.end(), arch) == caps.compiled_archs.end()) {
@@ -63,7 +68,7 @@ Result<MoePlan> plan_moe(const MoeProblem& problem, int64_t max_m, const DeviceC
   const int e_local = problem.shape.local_experts();
   MoePlan plan;
   plan.problem = problem;
-  plan.max_m = max_m;
+  plan.max_tokens = max_m;
   plan.max_slots = max_m * problem.shape.top_k;
   // Average rows per local expert when every slot is local: the decode path wins while tiles of
   // 64 rows would mostly hold padding.

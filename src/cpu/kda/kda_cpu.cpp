@@ -14,11 +14,15 @@
 
 #include "core/kda/kda_math.hpp"
 #include "cpu/kda/kernels.hpp"
+#include "k3/cpu_kda.hpp"
 #include "k3/kda.hpp"
 #include "k3/system.hpp"
 
-namespace k3::kda {
-namespace cpu {
+namespace k3::cpu {
+
+using namespace k3::kda;  // the op's types (this file implements k3/cpu_kda.hpp)
+
+namespace kda_detail {
 
 ScratchLayout scratch_layout(int64_t head_k, int64_t head_v) {
   ScratchLayout l;
@@ -44,24 +48,24 @@ ScratchLayout scratch_layout(int64_t head_k, int64_t head_v) {
   return l;
 }
 
-}  // namespace cpu
+}  // namespace kda_detail
 
 namespace {
 
 std::string num(int64_t v) { return std::to_string(v); }
 
-const cpu::KernelTable& kernels_for(IsaLevel l) {
+const kda_detail::KernelTable& kernels_for(IsaLevel l) {
   switch (l) {
     case IsaLevel::kAvx512:
-    case IsaLevel::kAvx512Bf16: return cpu::kernels_avx512();
-    case IsaLevel::kAvx2: return cpu::kernels_avx2();
-    default: return cpu::kernels_scalar();
+    case IsaLevel::kAvx512Bf16: return kda_detail::kernels_avx512();
+    case IsaLevel::kAvx2: return kda_detail::kernels_avx2();
+    default: return kda_detail::kernels_scalar();
   }
 }
 
-cpu::HeadCtx head_ctx(const CpuPlan& p, const KdaInputs& in, float* o, int64_t h) {
+kda_detail::HeadCtx head_ctx(const KdaPlan& p, const KdaInputs& in, float* o, int64_t h) {
   const KdaConfig& c = p.cfg;
-  cpu::HeadCtx x;
+  kda_detail::HeadCtx x;
   x.q16 = in.q.is_bf16() ? in.q.bf16.data() : nullptr;
   x.q32 = in.q.is_bf16() ? nullptr : in.q.f32.data();
   x.k16 = in.k.is_bf16() ? in.k.bf16.data() : nullptr;
@@ -83,7 +87,7 @@ cpu::HeadCtx head_ctx(const CpuPlan& p, const KdaInputs& in, float* o, int64_t h
   x.scale = c.effective_scale();
   x.beta_logits = c.beta_logits;
   x.l2norm = c.l2norm_qk;
-  x.lay = cpu::scratch_layout(c.head_k, c.head_v);
+  x.lay = kda_detail::scratch_layout(c.head_k, c.head_v);
   return x;
 }
 
@@ -121,29 +125,36 @@ void store_state(const KdaConfig& c, const float* s, int64_t lds, float* dst) {
 // Per-thread scratch (with the state of the head being run), then the states of all heads for
 // the chunk-major prefill.
 int64_t workspace_floats_needed(const KdaConfig& c, int threads) {
-  const cpu::ScratchLayout l = cpu::scratch_layout(c.head_k, c.head_v);
+  const kda_detail::ScratchLayout l = kda_detail::scratch_layout(c.head_k, c.head_v);
   return l.total * threads + c.num_heads * l.kp * l.vp;
 }
 
-Status check_workspace(const CpuPlan& p, std::span<float> ws) {
-  if (static_cast<int64_t>(ws.size()) < p.workspace_floats) {
-    return invalid_argument("workspace has " + num(static_cast<int64_t>(ws.size())) + " floats, the plan needs " +
-                            num(p.workspace_floats));
-  }
-  return Status::ok();
+// The workspace is bytes of any alignment: the floats start at the first 64-byte boundary.
+constexpr int64_t kWsAlign = 64;
+int64_t workspace_bytes_needed(const KdaConfig& c, int threads) {
+  return workspace_floats_needed(c, threads) * static_cast<int64_t>(sizeof(float)) + kWsAlign;
 }
 
-Status check_plan(const CpuPlan& p) {
+Result<float*> workspace_floats(const KdaPlan& p, std::span<uint8_t> ws) {
+  if (static_cast<int64_t>(ws.size()) < p.workspace_bytes) {
+    return invalid_argument("workspace has " + num(static_cast<int64_t>(ws.size())) + " bytes, the plan needs " +
+                            num(p.workspace_bytes) + " (plan.workspace_bytes)");
+  }
+  const auto at = reinterpret_cast<uintptr_t>(ws.data());
+  return reinterpret_cast<float*>(ws.data() + ((kWsAlign - at % kWsAlign) % kWsAlign));
+}
+
+Status check_plan(const KdaPlan& p) {
   K3_RETURN_IF_ERROR(validate_config(p.cfg));
   if (p.threads < 1) return invalid_argument("plan.threads = " + std::to_string(p.threads) + " must be >= 1");
   if (static_cast<int>(p.isa) > static_cast<int>(best_isa_level())) {
     return unsupported(std::string("plan.isa = ") + isa_level_name(p.isa) + " is above this CPU's best level " +
                        isa_level_name(best_isa_level()));
   }
-  const int64_t need = workspace_floats_needed(p.cfg, p.threads);
-  if (p.workspace_floats < need) {
-    return invalid_argument("plan.workspace_floats = " + num(p.workspace_floats) + " is below " + num(need) +
-                            " (use make_cpu_plan)");
+  const int64_t need = workspace_bytes_needed(p.cfg, p.threads);
+  if (p.workspace_bytes < need) {
+    return invalid_argument("plan.workspace_bytes = " + num(p.workspace_bytes) + " is below " + num(need) +
+                            " (use k3::cpu::plan)");
   }
   return Status::ok();
 }
@@ -153,7 +164,7 @@ Result<int64_t> check_pool_inputs(const KdaConfig& c, const KdaInputs& in, std::
   if (!in.cu_seqlens.empty() || !in.initial_state.empty()) {
     return invalid_argument(std::string(what) + ": cu_seqlens and initial_state must be empty (the state pool holds the states)");
   }
-  auto s = detail::validate_prefill_sizes(c, in, static_cast<int64_t>(o.size()), 0);
+  auto s = kda::detail::validate_prefill_sizes(c, in, static_cast<int64_t>(o.size()), 0);
   if (!s.is_ok()) return s.status();
   return s.value().num_tokens;
 }
@@ -183,46 +194,56 @@ Status check_distinct_writes(std::vector<std::pair<int64_t, int64_t>> writes) {
 
 }  // namespace
 
-Result<CpuPlan> make_cpu_plan(const KdaConfig& cfg, const CpuOptions& opt) {
+Result<KdaPlan> plan(const KdaConfig& cfg, const KdaOptions& opt) {
   K3_RETURN_IF_ERROR(validate_config(cfg));
-  if (opt.threads < 0 || opt.threads > kMaxCpuThreads) {
+  if (opt.threads < 0 || opt.threads > kKdaMaxThreads) {
     return invalid_argument("threads = " + std::to_string(opt.threads) + " must be in [0, " +
-                            std::to_string(kMaxCpuThreads) + "] (0: all logical CPUs)");
+                            std::to_string(kKdaMaxThreads) + "] (0: all logical CPUs)");
   }
   if (opt.chunk_min_tokens < 1) {
     return invalid_argument("chunk_min_tokens = " + num(opt.chunk_min_tokens) + " must be >= 1");
   }
-  CpuPlan p;
+  KdaPlan p;
   p.cfg = cfg;
-  if (opt.use_isa_override) {
-    if (static_cast<int>(opt.isa) > static_cast<int>(best_isa_level())) {
-      return unsupported(std::string("isa = ") + isa_level_name(opt.isa) + " is not supported by this CPU (best: " +
+  if (opt.isa) {
+    if (static_cast<int>(*opt.isa) > static_cast<int>(best_isa_level())) {
+      return unsupported(std::string("isa = ") + isa_level_name(*opt.isa) + " is not supported by this CPU (best: " +
                          isa_level_name(best_isa_level()) + ")");
     }
-    p.isa = opt.isa;
+    p.isa = *opt.isa;
   } else {
     p.isa = best_isa_level();  // a hardware fact: the library reads no K3_ISA (tools pass it in)
   }
-  // 0: all logical CPUs of the machine, at most kMaxCpuThreads (a default never fails).
-  p.threads = opt.threads > 0 ? opt.threads : std::min(hardware_thread_count(), kMaxCpuThreads);
+  // 0: all logical CPUs of the machine, at most kKdaMaxThreads (a default never fails).
+  p.threads = opt.threads > 0 ? opt.threads : std::min(hardware_thread_count(), kKdaMaxThreads);
   p.algorithm = opt.algorithm;
   p.chunk_min_tokens = opt.chunk_min_tokens;
-  p.workspace_floats = workspace_floats_needed(cfg, p.threads);
+  p.workspace_bytes = workspace_bytes_needed(cfg, p.threads);
   return p;
 }
 
-Status prefill(const CpuPlan& p, const KdaInputs& in, const KdaOutputs& out, std::span<float> ws) {
+std::string KdaPlan::describe() const {
+  return "kda cpu: H " + num(cfg.num_heads) + ", K " + num(cfg.head_k) + ", V " + num(cfg.head_v) + ", " +
+         state_layout_name(cfg.layout) + ", gate " + gate_mode_name(cfg.gate) + ", isa " + isa_level_name(isa) +
+         ", threads " + std::to_string(threads) + ", algorithm " + algorithm_name(algorithm) +
+         (algorithm == Algorithm::kAuto ? " (chunked from " + num(chunk_min_tokens) + " tokens)" : std::string()) +
+         ", workspace " + num(workspace_bytes) + " B";
+}
+
+Status prefill(const KdaPlan& p, const KdaInputs& in, const KdaOutputs& out, std::span<uint8_t> workspace) {
   K3_RETURN_IF_ERROR(check_plan(p));
   auto shape = validate_prefill(p.cfg, in, out);
   if (!shape.is_ok()) return shape.status();
-  K3_RETURN_IF_ERROR(check_workspace(p, ws));
+  auto ws_at = workspace_floats(p, workspace);
+  if (!ws_at.is_ok()) return ws_at.status();
+  float* const ws = ws_at.value();
   const KdaConfig& c = p.cfg;
   const int64_t H = c.num_heads, N = shape.value().num_seqs, T = shape.value().num_tokens;
   const int64_t block = c.head_k * c.head_v;
-  const cpu::KernelTable& kt = kernels_for(p.isa);
-  const cpu::ScratchLayout lay = cpu::scratch_layout(c.head_k, c.head_v);
+  const kda_detail::KernelTable& kt = kernels_for(p.isa);
+  const kda_detail::ScratchLayout lay = kda_detail::scratch_layout(c.head_k, c.head_v);
   const int64_t per_thread = lay.total, state_floats = lay.kp * lay.vp;
-  float* head_states = ws.data() + per_thread * p.threads;  // [H, kp, vp], chunk-major path
+  float* head_states = ws + per_thread * p.threads;  // [H, kp, vp], chunk-major path
   auto seq_range = [&](int64_t n) {
     return std::pair<int64_t, int64_t>(in.cu_seqlens.empty() ? 0 : in.cu_seqlens[n],
                                        in.cu_seqlens.empty() ? T : in.cu_seqlens[n + 1]);
@@ -241,8 +262,8 @@ Status prefill(const CpuPlan& p, const KdaInputs& in, const KdaOutputs& out, std
     const int64_t n = u / H, h = u % H;
     const bool chunked = is_chunked(n);
     if (chunked && chunk_major) continue;
-    float* scratch = ws.data() + omp_get_thread_num() * per_thread;
-    const cpu::HeadCtx x = head_ctx(p, in, out.o.data(), h);
+    float* scratch = ws + omp_get_thread_num() * per_thread;
+    const kda_detail::HeadCtx x = head_ctx(p, in, out.o.data(), h);
     float* s = scratch + x.lay.state;
     const auto [t0, t1] = seq_range(n);
     load_state(c, in.initial_state.empty() ? nullptr : in.initial_state.data() + u * block, s, x.lay.vp);
@@ -266,7 +287,7 @@ Status prefill(const CpuPlan& p, const KdaInputs& in, const KdaOutputs& out, std
     {
       const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
       const int64_t h0 = H * tid / nt, h1 = H * (tid + 1) / nt;
-      float* scratch = ws.data() + tid * per_thread;
+      float* scratch = ws + tid * per_thread;
       for (int64_t g0 = h0; g0 < h1; g0 += kHeadGroup) {
         const int64_t g1 = std::min(h1, g0 + kHeadGroup);
         for (int64_t h = g0; h < g1; ++h) {
@@ -291,7 +312,7 @@ Status prefill(const CpuPlan& p, const KdaInputs& in, const KdaOutputs& out, std
   return Status::ok();
 }
 
-Status decode(const CpuPlan& p, const DecodeArgs& a, std::span<float> ws) {
+Status decode(const KdaPlan& p, const DecodeArgs& a, std::span<uint8_t> workspace) {
   K3_RETURN_IF_ERROR(check_plan(p));
   const KdaConfig& c = p.cfg;
   auto tokens = check_pool_inputs(c, a.in, a.o, "decode");
@@ -313,11 +334,13 @@ Status decode(const CpuPlan& p, const DecodeArgs& a, std::span<float> ws) {
     if (slot >= 0) writes.emplace_back(slot, n);
   }
   K3_RETURN_IF_ERROR(check_distinct_writes(std::move(writes)));
-  K3_RETURN_IF_ERROR(check_workspace(p, ws));
-  const cpu::KernelTable& kt = kernels_for(p.isa);
-  const int64_t per_thread = cpu::scratch_layout(c.head_k, c.head_v).total;
+  auto ws_at = workspace_floats(p, workspace);
+  if (!ws_at.is_ok()) return ws_at.status();
+  float* const ws = ws_at.value();
+  const kda_detail::KernelTable& kt = kernels_for(p.isa);
+  const int64_t per_thread = kda_detail::scratch_layout(c.head_k, c.head_v).total;
   // K-first states whose rows are whole SIMD vectors are updated in place in the pool.
-  const bool direct = c.layout == StateLayout::kKFirst && c.head_v % cpu::kPad == 0;
+  const bool direct = c.layout == StateLayout::kKFirst && c.head_v % kda_detail::kPad == 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p.threads)
   for (int64_t u = 0; u < N * H; ++u) {
     const int64_t n = u / H, h = u % H;
@@ -326,8 +349,8 @@ Status decode(const CpuPlan& p, const DecodeArgs& a, std::span<float> ws) {
       std::fill(a.o.begin() + u * c.head_v, a.o.begin() + (u + 1) * c.head_v, 0.0f);
       continue;
     }
-    float* scratch = ws.data() + omp_get_thread_num() * per_thread;
-    const cpu::HeadCtx x = head_ctx(p, a.in, a.o.data(), h);
+    float* scratch = ws + omp_get_thread_num() * per_thread;
+    const kda_detail::HeadCtx x = head_ctx(p, a.in, a.o.data(), h);
     float* state = a.state_pool.data() + (slot * H + h) * block;
     if (direct) {
       kt.recurrent(x, n, n + 1, state, c.head_v, c.head_v, scratch);
@@ -341,7 +364,7 @@ Status decode(const CpuPlan& p, const DecodeArgs& a, std::span<float> ws) {
   return Status::ok();
 }
 
-Status verify(const CpuPlan& p, const VerifyArgs& a, std::span<float> ws) {
+Status verify(const KdaPlan& p, const VerifyArgs& a, std::span<uint8_t> workspace) {
   K3_RETURN_IF_ERROR(check_plan(p));
   const KdaConfig& c = p.cfg;
   auto tokens = check_pool_inputs(c, a.in, a.o, "verify");
@@ -378,9 +401,11 @@ Status verify(const CpuPlan& p, const VerifyArgs& a, std::span<float> ws) {
     }
   }
   K3_RETURN_IF_ERROR(check_distinct_writes(std::move(writes)));
-  K3_RETURN_IF_ERROR(check_workspace(p, ws));
-  const cpu::KernelTable& kt = kernels_for(p.isa);
-  const int64_t per_thread = cpu::scratch_layout(c.head_k, c.head_v).total;
+  auto ws_at = workspace_floats(p, workspace);
+  if (!ws_at.is_ok()) return ws_at.status();
+  float* const ws = ws_at.value();
+  const kda_detail::KernelTable& kt = kernels_for(p.isa);
+  const int64_t per_thread = kda_detail::scratch_layout(c.head_k, c.head_v).total;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p.threads)
   for (int64_t u = 0; u < N * H; ++u) {
     const int64_t n = u / H, h = u % H;
@@ -392,8 +417,8 @@ Status verify(const CpuPlan& p, const VerifyArgs& a, std::span<float> ws) {
       }
       continue;
     }
-    float* scratch = ws.data() + omp_get_thread_num() * per_thread;
-    const cpu::HeadCtx x = head_ctx(p, a.in, a.o.data(), h);
+    float* scratch = ws + omp_get_thread_num() * per_thread;
+    const kda_detail::HeadCtx x = head_ctx(p, a.in, a.o.data(), h);
     float* s = scratch + x.lay.state;
     // The read slot may also be one of this sequence's write slots: it is copied first.
     load_state(c, a.state_pool.data() + (read * H + h) * block, s, x.lay.vp);
@@ -406,26 +431,26 @@ Status verify(const CpuPlan& p, const VerifyArgs& a, std::span<float> ws) {
   return Status::ok();
 }
 
-Status prefill(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out, const CpuOptions& opt) {
-  auto plan = make_cpu_plan(cfg, opt);
-  if (!plan.is_ok()) return plan.status();
-  std::vector<float> ws(static_cast<size_t>(plan.value().workspace_floats));
-  return prefill(plan.value(), in, out, ws);
+Status prefill(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out, const KdaOptions& opt) {
+  auto pl = plan(cfg, opt);
+  if (!pl.is_ok()) return pl.status();
+  std::vector<uint8_t> ws(static_cast<size_t>(pl.value().workspace_bytes));
+  return prefill(pl.value(), in, out, ws);
 }
 
-Status decode(const KdaConfig& cfg, const DecodeArgs& args, const CpuOptions& opt) {
-  auto plan = make_cpu_plan(cfg, opt);
-  if (!plan.is_ok()) return plan.status();
-  std::vector<float> ws(static_cast<size_t>(plan.value().workspace_floats));
-  return decode(plan.value(), args, ws);
+Status decode(const KdaConfig& cfg, const DecodeArgs& args, const KdaOptions& opt) {
+  auto pl = plan(cfg, opt);
+  if (!pl.is_ok()) return pl.status();
+  std::vector<uint8_t> ws(static_cast<size_t>(pl.value().workspace_bytes));
+  return decode(pl.value(), args, ws);
 }
 
 
-Status verify(const KdaConfig& cfg, const VerifyArgs& args, const CpuOptions& opt) {
-  auto plan = make_cpu_plan(cfg, opt);
-  if (!plan.is_ok()) return plan.status();
-  std::vector<float> ws(static_cast<size_t>(plan.value().workspace_floats));
-  return verify(plan.value(), args, ws);
+Status verify(const KdaConfig& cfg, const VerifyArgs& args, const KdaOptions& opt) {
+  auto pl = plan(cfg, opt);
+  if (!pl.is_ok()) return pl.status();
+  std::vector<uint8_t> ws(static_cast<size_t>(pl.value().workspace_bytes));
+  return verify(pl.value(), args, ws);
 }
 
-}  // namespace k3::kda
+}  // namespace k3::cpu

@@ -6,7 +6,9 @@
 
 #include "k3/kda.hpp"
 
-namespace k3::kda::cpu {
+namespace k3::cpu::kda_detail {
+
+using namespace k3::kda;  // the op's types (GateMode, ...)
 
 // Every buffer of the kernels is padded to a multiple of 16 floats (one AVX-512 vector) with
 // zeros, so no SIMD loop needs a tail; padding lanes carry k = q = 0 and stay 0.
@@ -66,4 +68,4 @@ const KernelTable& kernels_scalar();
 const KernelTable& kernels_avx2();
 const KernelTable& kernels_avx512();
 
-}  // namespace k3::kda::cpu
+}  // namespace k3::cpu::kda_detail

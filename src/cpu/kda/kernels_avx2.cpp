@@ -18,7 +18,7 @@
 #pragma GCC target("avx2,fma")
 #endif
 
-namespace k3::kda::cpu {
+namespace k3::cpu::kda_detail {
 namespace avx2_impl {
 
 struct VF {
@@ -68,7 +68,7 @@ struct VF {
 #include "cpu/kda/kernels_impl.hpp"
 
 }  // namespace avx2_impl
-}  // namespace k3::kda::cpu
+}  // namespace k3::cpu::kda_detail
 
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -76,6 +76,6 @@ struct VF {
 #pragma GCC pop_options
 #endif
 
-namespace k3::kda::cpu {
+namespace k3::cpu::kda_detail {
 const KernelTable& kernels_avx2() { return avx2_impl::table(); }
-}  // namespace k3::kda::cpu
+}  // namespace k3::cpu::kda_detail

@@ -25,7 +25,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
 #endif
 
-namespace k3::kda::cpu {
+namespace k3::cpu::kda_detail {
 namespace avx512_impl {
 
 struct VF {
@@ -71,7 +71,7 @@ struct VF {
 #include "cpu/kda/kernels_impl.hpp"
 
 }  // namespace avx512_impl
-}  // namespace k3::kda::cpu
+}  // namespace k3::cpu::kda_detail
 
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -79,6 +79,6 @@ struct VF {
 #pragma GCC pop_options
 #endif
 
-namespace k3::kda::cpu {
+namespace k3::cpu::kda_detail {
 const KernelTable& kernels_avx512() { return avx512_impl::table(); }
-}  // namespace k3::kda::cpu
+}  // namespace k3::cpu::kda_detail

@@ -3,7 +3,7 @@
 // after `#pragma GCC target(...)` and after defining VF with:
 //   V, W (lanes), MR / NR (GEMM register tile: rows x vectors), zero, set1, load, store, add,
 //   sub, mul, fmadd(a, b, c) = a*b + c, max, reduce_add, exp.
-// Only k3::kda::cpu types and plain functions are used here; std headers come from the includer.
+// Only k3::cpu::kda_detail types and plain functions are used here; std headers come from the includer.
 
 using Vec = typename VF::V;
 constexpr int64_t kW = VF::W;

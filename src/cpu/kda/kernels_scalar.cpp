@@ -6,7 +6,7 @@
 #include "core/kda/kda_math.hpp"
 #include "cpu/kda/kernels.hpp"
 
-namespace k3::kda::cpu {
+namespace k3::cpu::kda_detail {
 namespace scalar_impl {
 
 struct VF {
@@ -34,4 +34,4 @@ struct VF {
 
 const KernelTable& kernels_scalar() { return scalar_impl::table(); }
 
-}  // namespace k3::kda::cpu
+}  // namespace k3::cpu::kda_detail

@@ -1,5 +1,6 @@
 // Host side of the CUDA fused-MoE backend: device capabilities, prepack, run, run_host.
 // NOT YET RUN ON A GPU (compiled for sm_90a / sm_120a only).
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -112,6 +113,10 @@ Status run(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, 
       in.topk_weights == nullptr || in.out == nullptr) {
     return invalid_argument("run: workspace, m_device, x, topk_ids, topk_weights and out must all be device pointers");
   }
+  if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0) {
+    return invalid_argument("run: workspace = " + std::to_string(reinterpret_cast<uintptr_t>(workspace)) +
+                            " must be 256-byte aligned (cudaMalloc gives that; the plan lays out its buffers from it)");
+  }
   auto s = static_cast<cudaStream_t>(stream);
   const auto d = moe_detail::dims_of(plan);
   const auto& p = plan.problem;
@@ -161,10 +166,12 @@ Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsVie
   if (in.m == 0) return Status::ok();
   auto caps = device_caps(0);
   if (!caps.is_ok()) return caps.status();
-  MoePlanOptions options;
+  MoeOptions options;
+  options.max_tokens = in.m;
+  options.device = caps.value();
   const char* native = std::getenv("K3_CUDA_SM120_NATIVE");
   options.sm120_native_w4a8 = native != nullptr && std::string(native) == "1";
-  auto plan = plan_moe(p, in.m, caps.value(), options);
+  auto plan = cuda::plan(p, options);
   if (!plan.is_ok()) return plan.status();
   auto weights = prepack(plan.value(), w);
   if (!weights.is_ok()) return weights.status();

@@ -114,7 +114,10 @@ Result<DeviceTiming> time_moe(const MoeProblem& p, const MoeWeightsView& w, cons
   K3_RETURN_IF_ERROR(validate_moe_buffers(p, w, in));
   auto caps = device_caps(0);
   if (!caps.is_ok()) return caps.status();
-  auto plan = plan_moe(p, std::max<int64_t>(in.m, 1), caps.value());
+  MoeOptions options;
+  options.max_tokens = std::max<int64_t>(in.m, 1);
+  options.device = caps.value();
+  auto plan = cuda::plan(p, options);
   if (!plan.is_ok()) return plan.status();
   std::vector<DeviceWeights> copies;
   for (int c = 0; c < std::max(weight_copies, 1); ++c) {

@@ -4,14 +4,14 @@
 // + UE8M0 scale per weight row and block): one MMA covers exactly one MX block (k = 32), so the
 // hardware applies both scales and no dequantization happens in software.
 //
-// NEVER RUN ON HARDWARE. Disabled by default: enabled only by MoePlanOptions::sm120_native_w4a8
+// NEVER RUN ON HARDWARE. Disabled by default: enabled only by cuda::MoeOptions::sm120_native_w4a8
 // (CLI: K3_CUDA_SM120_NATIVE=1) on an sm_120 device, until it has passed `k3 validate` on one.
 // Assumptions to verify on an sm_120 GPU (they come from reading the PTX ISA, not from a run):
 //   * E2M1 operands of kind::mxf8f6f4 sit one per byte, value in bits [5:2];
 //   * with scale_vec::1X, {byte-id 0, thread-id 0} means: lane 4g supplies the scale of A row g and
 //     lane 4g+1 that of row g+8; lane 4g supplies the scale of B column g.
 // The kernel bodies exist only in the sm_120a image (__CUDA_ARCH_FEAT_SM120_ALL); in the sm_90a
-// image they trap, and plan_moe refuses the option on any device that is not sm_120.
+// image they trap, and cuda::plan refuses the option on any device that is not sm_120.
 #include "cuda/moe/moe_kernels.cuh"
 #include "k3/mx.hpp"
 
@@ -58,7 +58,7 @@ __device__ __forceinline__ void mma_mx(float (&c)[4], const uint32_t (&a)[4], ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(sfa), "r"(sfb), "h"(uint16_t{0}));
 #else
   (void)c, (void)a, (void)b0, (void)b1, (void)sfa, (void)sfb;
-  __trap();  // never launched: plan_moe allows this path on sm_120 devices only
+  __trap();  // never launched: cuda::plan allows this path on sm_120 devices only
 #endif
 }
 

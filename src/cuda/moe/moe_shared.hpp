@@ -49,7 +49,7 @@ inline Dims dims_of(const MoePlan& plan) {
   d.e_local = sh.local_experts();
   d.first_local = sh.first_local_expert();
   d.block_m = plan.block_m;
-  d.max_m = plan.max_m;
+  d.max_m = plan.max_tokens;
   d.max_slots = plan.max_slots;
   d.max_tiles = plan.max_tiles;
   d.chunk = plan.sort_chunk;
