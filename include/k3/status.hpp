@@ -17,6 +17,7 @@ enum class StatusCode {
   kIoError,           // file system or parse failure
   kUnavailable,       // a device or capability is missing at run time
   kInternal,          // a broken invariant inside k3: a bug, please report
+  kCheckFailed,       // a result was computed but did not pass its check (k3 validate: exit code 1)
 };
 
 const char* status_code_name(StatusCode code);
@@ -44,6 +45,7 @@ inline Status unsupported(std::string msg) { return {StatusCode::kUnsupported, s
 inline Status out_of_range(std::string msg) { return {StatusCode::kOutOfRange, std::move(msg)}; }
 inline Status io_error(std::string msg) { return {StatusCode::kIoError, std::move(msg)}; }
 inline Status unavailable(std::string msg) { return {StatusCode::kUnavailable, std::move(msg)}; }
+inline Status check_failed(std::string msg) { return {StatusCode::kCheckFailed, std::move(msg)}; }
 
 // Result<T>: a value or a non-ok Status.
 template <typename T>

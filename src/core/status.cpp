@@ -12,6 +12,7 @@ const char* status_code_name(StatusCode code) {
     case StatusCode::kIoError: return "IO_ERROR";
     case StatusCode::kUnavailable: return "UNAVAILABLE";
     case StatusCode::kInternal: return "INTERNAL";
+    case StatusCode::kCheckFailed: return "CHECK_FAILED";
   }
   return "UNKNOWN";
 }

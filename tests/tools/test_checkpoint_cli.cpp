@@ -68,7 +68,7 @@ TEST(CheckpointCli, ShardedEpRankAndTextInspect) {
   EXPECT_HAS(r.out, "loaded layer 1 for EP rank 3 of 4: experts [6, 8)");
   EXPECT_HAS(r.out, "config: kimi_k3, hidden 64, experts K 64 x N 32, E 8, top-3");
   r = run_cli("checkpoint inspect " + out + " --summary --layer 1 --ep-size 4 --ep-rank 0");
-  EXPECT_EQ(r.code, 1);
+  EXPECT_EQ(r.code, 2);  // an error, not a failed check
   EXPECT_HAS(r.out, "lacks 2 of the 2 experts that layer 1 needs on EP rank 0 of 4");
   EXPECT_HAS(r.out, "k3 checkpoint synth --layers 1 --ep-size 4 --ep-rank 0");
   EXPECT_EQ(r.out.find("weight_packed  "), std::string::npos) << "--summary lists no tensors";
@@ -98,11 +98,11 @@ TEST(CheckpointCli, Errors) {
   EXPECT_HAS(r.out, "already holds a checkpoint");
   EXPECT_EQ(run_cli("checkpoint synth -o " + out + " --force --seed 9 " + kSmall).code, 0);
   r = run_cli("checkpoint inspect " + dir.file("nothing"));
-  EXPECT_EQ(r.code, 1);
+  EXPECT_EQ(r.code, 2);
   EXPECT_HAS(r.out, "no such file or directory");
   k3::test::write_bytes(dir.file("bad.safetensors"), k3::test::st_image("{\"w\": 3}"));
   r = run_cli("checkpoint inspect " + dir.file("bad.safetensors"));
-  EXPECT_EQ(r.code, 1);
+  EXPECT_EQ(r.code, 2);
   EXPECT_HAS(r.out, "bad.safetensors: tensor 'w': entry must be a JSON object");
 }
 

@@ -265,7 +265,7 @@ TEST_F(HostileEpFlags, ErrorsNameTheFlagNotTheConfig) {
   };
   for (const auto& c : cases) {
     auto r = run_cli("checkpoint inspect " + ck + " --summary --layer 1 " + c.flags);
-    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_EQ(r.code, 2) << r.out;
     EXPECT_HAS(r.out, c.want);
     EXPECT_EQ(r.out.find("config.json: ep_"), std::string::npos) << r.out;
     r = run_cli("moe run --checkpoint " + ck + " --layer 1 --input " + dir_.file("none.st") + " --output " +

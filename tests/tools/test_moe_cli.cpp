@@ -196,7 +196,7 @@ TEST_F(MoeCli, SoftmaxScoringRunsGivenIdsAndRefusesLogitsToRoute) {
   EXPECT_EQ(read_tensor<int32_t>(b.value(), "topk_ids"), ids);
 
   const auto bad = run("logits.safetensors", "never.safetensors");
-  EXPECT_EQ(bad.code, 1) << bad.out;
+  EXPECT_EQ(bad.code, 2) << bad.out;
   for (const std::string& want : std::vector<std::string>{io_.file("logits.safetensors") + ": holds router 'logits'",
                                  cfg_path + ": scoring_func = 'softmax' cannot be routed by k3",
                                  "implements only scoring_func = 'sigmoid'",
@@ -224,7 +224,7 @@ TEST_F(MoeCli, RunErrorsNameTheFileAndTensor) {
     return run_cli("moe run --checkpoint " + ckpt() + " --layer 1 --input " + in + " --output " + io_.file("e.safetensors"));
   };
   auto expect_error = [&](const CliRun& r, const std::string& needle) {
-    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_EQ(r.code, 2) << r.out;
     EXPECT_NE(r.out.find(needle), std::string::npos) << r.out;
   };
   expect_error(run(write("no_x.safetensors", [&](st::Writer& w) {

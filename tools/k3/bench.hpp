@@ -14,12 +14,13 @@
 #include <string>
 #include <vector>
 
+#include "command.hpp"
 #include "k3/limits.hpp"
 
 namespace k3::tool {
 
 // Adds the target as a sub-command of `bench` and returns the callback that runs it.
-using BenchSetup = std::function<std::function<int()>(CLI::App& bench)>;
+using BenchSetup = std::function<CommandRun(CLI::App& bench)>;
 
 struct BenchEntry {
   std::string name;

@@ -37,29 +37,22 @@ std::string fmt_bytes(double b) {
   return buf;
 }
 
-int run(const Args& a) {
+Status run(const Args& a) {
   std::unique_ptr<comm::Communicator> c;
   if (comm::mpi_available().is_ok()) {
     auto made = comm::make_mpi_communicator({.timeout_s = a.timeout});
-    if (!made.is_ok()) {
-      std::fprintf(stderr, "k3 bench comm: %s\n", made.status().to_string().c_str());
-      return 1;
-    }
-    c = std::move(made).value();
+    K3_ASSIGN_OR_RETURN(c, std::move(made));
   } else {
     std::fprintf(stderr, "k3 bench comm: %s; measuring one rank only\n", comm::mpi_available().message().c_str());
     c = comm::make_self_communicator();
   }
   const int rank = c->rank(), world = c->size();
-  auto fail = [&](const Status& st) {
-    if (rank == 0) std::fprintf(stderr, "k3 bench comm: %s\n", st.to_string().c_str());
-    return 1;
-  };
+  set_reports_errors(rank == 0);  // every rank returns the agreed error; rank 0 prints it
   Status ok = Status::ok();
   if (rank == 0 && !a.output.empty()) ok = check_output_path("--output", a.output);
   auto recipe = parse_recipe(a.recipe);
   if (ok.is_ok() && !recipe.is_ok()) ok = recipe.status();
-  if (Status s = comm::agree_on_status(*c, ok); !s.is_ok()) return fail(s);
+  K3_RETURN_IF_ERROR(comm::agree_on_status(*c, ok));
 
   MoeProblem p;  // Kimi-K3: K 3584, N 3072, E 896, top-16
   p.recipe = recipe.value();
@@ -69,10 +62,10 @@ int run(const Args& a) {
   opt.threads = 1;
   opt.isa = backend_options().isa;
   auto plan = cpu::plan(p, opt);
-  if (Status s = comm::agree_on_status(*c, plan.status()); !s.is_ok()) return fail(s);
+  K3_RETURN_IF_ERROR(comm::agree_on_status(*c, plan.status()));
   Result<std::vector<comm::EpBenchRecord>> ep = std::vector<comm::EpBenchRecord>{};
   if (!a.skip_ep) ep = comm::bench_ep(*c, plan.value(), a.m, a.iters, !a.bf16_wire);
-  if (!ep.is_ok()) return fail(ep.status());
+  K3_RETURN_IF_ERROR(ep.status());
 
   nlohmann::json j;
   if (rank == 0 && !a.skip_ep) {
@@ -101,7 +94,7 @@ int run(const Args& a) {
     std::vector<int64_t> sizes;
     for (const int64_t kib : a.allreduce_kib) sizes.push_back(kib * 1024);
     auto ar = comm::bench_allreduce(*c, sizes, a.iters, 1);
-    if (!ar.is_ok()) return fail(ar.status());
+    K3_RETURN_IF_ERROR(ar.status());
     if (rank == 0) {
       std::printf("\nTP all-reduce (BF16 in/out, exact sum rounded once to FP32; same bits for every world size): %d %s rank%s, "
                   "median of %d, max over ranks; bus bandwidth 2(W-1)/W x bytes / time\n",
@@ -129,13 +122,13 @@ int run(const Args& a) {
     j["machine"] = machine_json(1);
     j["world_size"] = world;
     j["transport"] = c->transport();
-    if (Status s = write_file_atomic(a.output, j.dump(2) + "\n", "--output"); !s.is_ok()) return fail(s);
+    K3_RETURN_IF_ERROR(write_file_atomic(a.output, j.dump(2) + "\n", "--output"));
     std::printf("wrote %s\n", a.output.c_str());
   }
-  return 0;
+  return Status::ok();
 }
 
-const BenchRegistration kComm("comm", [](CLI::App& bench) -> std::function<int()> {
+const BenchRegistration kComm("comm", [](CLI::App& bench) -> CommandRun {
   auto* cmd = bench.add_subcommand("comm", "Multi-rank data movement (run under mpirun): EP dispatch/combine, all-reduce");
   auto a = std::make_shared<Args>();
   cmd->add_option("--m", a->m, "Tokens per rank for dispatch / combine")->delimiter(',')->check(CLI::Range(0, 1 << 20));

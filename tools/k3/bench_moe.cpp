@@ -101,29 +101,25 @@ struct Case {
   Routing routing;                // ids / weights [M, top_k]
 };
 
-int run_moe_bench(const MoeBenchArgs& a) {
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "k3 bench moe: %s\n", s.to_string().c_str());
-    return 2;
-  };
+Status run_moe_bench(const MoeBenchArgs& a) {
   // Output paths are checked before the (long) run; a replay file is never overwritten.
   for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--output", a.output},
                                    std::pair<const char*, const std::string&>{"--save-routing", a.save_routing}}) {
     if (path.empty()) continue;
-    if (Status s = check_output_path(flag, path); !s.is_ok()) return fail(s);
+    K3_RETURN_IF_ERROR(check_output_path(flag, path));
     if (a.routing.rfind("replay:", 0) == 0) {
-      if (Status s = check_output_not_input(flag, path, "--routing replay:", a.routing.substr(7)); !s.is_ok()) return fail(s);
+      K3_RETURN_IF_ERROR(check_output_not_input(flag, path, "--routing replay:", a.routing.substr(7)));
     }
   }
   if (!a.output.empty() && !a.save_routing.empty()) {
-    if (Status s = check_output_not_input("--save-routing", a.save_routing, "--output", a.output); !s.is_ok()) return fail(s);
-    if (a.output == a.save_routing) return fail(invalid_argument("--output and --save-routing are both " + a.output));
+    K3_RETURN_IF_ERROR(check_output_not_input("--save-routing", a.save_routing, "--output", a.output));
+    if (a.output == a.save_routing) return invalid_argument("--output and --save-routing are both " + a.output);
   }
   std::vector<int64_t> ms(std::begin(kDefaultM), std::end(kDefaultM));
   if (a.full) ms.push_back(8192);
   if (!a.m_list.empty()) {
     auto r = parse_m_list(a.m_list);
-    if (!r.is_ok()) return fail(r.status());
+    if (!r.is_ok()) return r.status();
     ms = r.value();
   }
   std::vector<Recipe> recipes;
@@ -131,15 +127,15 @@ int run_moe_bench(const MoeBenchArgs& a) {
     recipes = {Recipe::kW4A8, Recipe::kW4A16};
   } else {
     auto r = parse_recipe(a.recipe);
-    if (!r.is_ok()) return fail(r.status());
+    if (!r.is_ok()) return r.status();
     recipes = {r.value()};
   }
   auto act = parse_activation(a.activation);
-  if (!act.is_ok()) return fail(act.status());
+  if (!act.is_ok()) return act.status();
   auto spec = parse_routing(a.routing);
-  if (!spec.is_ok()) return fail(spec.status());
+  if (!spec.is_ok()) return spec.status();
   const MoeShape shape{a.k, a.n, a.experts, a.top_k, a.ep_size, a.ep_rank};
-  if (Status s = validate_moe_shape(shape); !s.is_ok()) return fail(s);
+  K3_RETURN_IF_ERROR(validate_moe_shape(shape));
   if (a.backend == "cuda") {
     CudaMoeBenchParams cp;
     cp.ms = ms;
@@ -150,19 +146,20 @@ int run_moe_bench(const MoeBenchArgs& a) {
     cp.iters = a.iters;
     cp.seed = a.seed;
     cp.output = a.output;
-    return run_moe_bench_cuda(cp);
+    const Status st = run_moe_bench_cuda(cp);
+    return st.is_ok() ? st : Status(st.code(), "--backend cuda: " + st.message());
   }
-  if (a.backend != "cpu") return fail(invalid_argument("--backend " + a.backend + " is not known (cpu or cuda)"));
+  if (a.backend != "cpu") return invalid_argument("--backend " + a.backend + " is not known (cpu or cuda)");
   const int threads = a.threads > 0 ? a.threads : default_thread_count();
   const int64_t max_m = *std::max_element(ms.begin(), ms.end());
   auto isa = a.isa.empty() ? active_isa_level() : parse_isa_level(a.isa);
-  if (!isa.is_ok()) return fail(Status(isa.status().code(), (a.isa.empty() ? "" : "--isa: ") + isa.status().message()));
+  if (!isa.is_ok()) return Status(isa.status().code(), (a.isa.empty() ? "" : "--isa: ") + isa.status().message());
 
-  if (auto probe = make_routing(spec.value(), shape, 1, a.seed); !probe.is_ok()) return fail(probe.status());
+  if (auto probe = make_routing(spec.value(), shape, 1, a.seed); !probe.is_ok()) return probe.status();
   if (!a.save_routing.empty()) {
     auto r = make_routing(spec.value(), shape, max_m, a.seed);
-    if (!r.is_ok()) return fail(r.status());
-    if (Status s = save_routing(a.save_routing, max_m, a.top_k, r->ids); !s.is_ok()) return fail(s);
+    if (!r.is_ok()) return r.status();
+    K3_RETURN_IF_ERROR(save_routing(a.save_routing, max_m, a.top_k, r->ids));
     std::fprintf(stderr, "saved %lld x %d ids to %s\n", static_cast<long long>(max_m), a.top_k, a.save_routing.c_str());
   }
 
@@ -195,9 +192,9 @@ int run_moe_bench(const MoeBenchArgs& a) {
     opt.max_tokens = max_m;
     opt.isa = isa.value();
     auto plan = cpu::plan(prob, opt);
-    if (!plan.is_ok()) return fail(a.threads > 0 ? plan.status() : with_thread_source(plan.status(), threads));
+    if (!plan.is_ok()) return a.threads > 0 ? plan.status() : with_thread_source(plan.status(), threads);
     auto packed = cpu::prepack(plan.value(), wv);
-    if (!packed.is_ok()) return fail(packed.status());
+    if (!packed.is_ok()) return packed.status();
     std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));
     std::fprintf(stderr, "%s\n", plan->describe().c_str());
     for (int64_t m : ms) {
@@ -212,7 +209,7 @@ int run_moe_bench(const MoeBenchArgs& a) {
         c.x.resize(static_cast<size_t>(m * a.k));
         for (auto& v : c.x) v = bf16_from_f32(nd(rng));
         auto r = make_routing(spec.value(), shape, m, a.seed + 1000003ull * static_cast<uint64_t>(s + 1) + static_cast<uint64_t>(m));
-        if (!r.is_ok()) return fail(r.status());
+        if (!r.is_ok()) return r.status();
         c.routing = std::move(r.value());
       }
       std::vector<uint8_t> out(static_cast<size_t>(m * a.k * 2));
@@ -225,7 +222,7 @@ int run_moe_bench(const MoeBenchArgs& a) {
       std::vector<int64_t> all_rows;
       for (const auto& c : cases) {
         auto map = map_expert_parallel(shape, m, c.routing.ids);
-        if (!map.is_ok()) return fail(map.status());
+        if (!map.is_ok()) return map.status();
         for (int64_t t0 = 0; t0 < m; t0 += plan->chunk_tokens) {
           const int64_t t1 = std::min(m, t0 + plan->chunk_tokens);
           std::vector<char> used(static_cast<size_t>(shape.local_experts()), 0);
@@ -256,7 +253,7 @@ int run_moe_bench(const MoeBenchArgs& a) {
       };
       const int iters = a.iters > 0 ? a.iters : default_iters(m);
       const Timing t = time_runs(call, a.warmup, iters);
-      if (!run_status.is_ok()) return fail(run_status);
+      if (!run_status.is_ok()) return run_status;
       const double gbps = bytes / t.median / 1e9, gflops = flops / t.median / 1e9;
       const double frac_bw = bytes / t.median / bw.value, frac_peak = flops / t.median / peak.value;
       const bool decode = m <= 64;
@@ -331,15 +328,12 @@ int run_moe_bench(const MoeBenchArgs& a) {
                         {"read_bandwidth_Bps", to_json(bw)},
                         {"dot_peak_flops", to_json(peak)},
                         {"records", records}};
-    if (const Status s = write_file_atomic(a.output, j.dump(2) + "\n", "--output"); !s.is_ok()) {
-      std::fprintf(stderr, "k3 bench moe: %s\n", s.to_string().c_str());
-      return 2;
-    }
+    K3_RETURN_IF_ERROR(write_file_atomic(a.output, j.dump(2) + "\n", "--output"));
   }
-  return 0;
+  return Status::ok();
 }
 
-const BenchRegistration kMoe("moe", [](CLI::App& bench) -> std::function<int()> {
+const BenchRegistration kMoe("moe", [](CLI::App& bench) -> CommandRun {
   auto* cmd = bench.add_subcommand("moe", "CPU fused MoE: M sweep, limit fractions (decode: bandwidth, prefill: dot peak)");
   auto a = std::make_shared<MoeBenchArgs>();
   cmd->add_option("--m", a->m_list, "Comma-separated token counts (default 1,2,4,...,2048; 8192 with --full)");

@@ -26,18 +26,14 @@ void random_mxfp4(int64_t bytes, int64_t scales, uint64_t seed, std::vector<uint
 
 }  // namespace
 
-int run_moe_bench_cuda(const CudaMoeBenchParams& p) {
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "k3 bench moe --backend cuda: %s\n", s.to_string().c_str());
-    return 2;
-  };
+Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
   auto devs = cuda::devices();
-  if (!devs.is_ok()) return fail(devs.status());
+  if (!devs.is_ok()) return devs.status();
   const auto& sh = p.shape;
   const int64_t e = sh.local_experts(), k = sh.hidden, n = sh.intermediate;
   std::fprintf(stderr, "measuring the device copy bandwidth ...\n");
   auto copy = cuda::time_device_copy(int64_t{2} << 30, 3, 10);
-  if (!copy.is_ok()) return fail(copy.status());
+  if (!copy.is_ok()) return copy.status();
   const double copy_bw = 2.0 * static_cast<double>(int64_t{2} << 30) / copy->median_s;  // read + write
   std::vector<uint8_t> f1q, f1s, f2q, f2s;
   random_mxfp4(e * 2 * n * k / 2, e * 2 * n * k / 32, p.seed, f1q, f1s);
@@ -54,20 +50,20 @@ int run_moe_bench_cuda(const CudaMoeBenchParams& p) {
       prob.recipe = recipe;
       prob.activation.kind = p.activation;
       auto routing = make_routing(p.routing, sh, m, p.seed + static_cast<uint64_t>(m));
-      if (!routing.is_ok()) return fail(routing.status());
+      if (!routing.is_ok()) return routing.status();
       std::vector<uint16_t> x(static_cast<size_t>(m * k));
       std::mt19937 rng(static_cast<uint32_t>(p.seed + m));
       std::normal_distribution<float> nd;
       for (auto& v : x) v = bf16_from_f32(nd(rng));
       const MoeInputsView in{m, x, routing->ids, routing->weights};
       auto map = map_expert_parallel(sh, m, routing->ids);
-      if (!map.is_ok()) return fail(map.status());
+      if (!map.is_ok()) return map.status();
       const int iters = p.iters > 0 ? p.iters : 20;
       // Decode-sized calls rotate 4 weight copies so that no call finds its weights in L2.
       auto t = cuda::time_moe(prob, wv, in, p.warmup, iters, m <= 64 ? 4 : 1);
-      if (!t.is_ok()) return fail(t.status());
+      if (!t.is_ok()) return t.status();
       auto base = cuda::time_cublas_baseline(prob, map->rows_per_expert, p.warmup, iters);
-      if (!base.is_ok()) return fail(base.status());
+      if (!base.is_ok()) return base.status();
       int64_t active = 0;
       for (int64_t r : map->rows_per_expert) active += r > 0;
       const double bytes = expert_bytes * static_cast<double>(active);
@@ -93,12 +89,9 @@ int run_moe_bench_cuda(const CudaMoeBenchParams& p) {
   std::printf("limits: device copy %.2f TB/s (read + write, 2 GiB, median of 10)\n", copy_bw / 1e12);
   if (!p.output.empty()) {
     const std::string text = nlohmann::json{{"copy_bandwidth_Bps", copy_bw}, {"records", records}}.dump(2) + "\n";
-    if (const Status s = write_file_atomic(p.output, text, "--output"); !s.is_ok()) {
-      std::fprintf(stderr, "k3 bench moe: %s\n", s.to_string().c_str());
-      return 2;
-    }
+    K3_RETURN_IF_ERROR(write_file_atomic(p.output, text, "--output"));
   }
-  return 0;
+  return Status::ok();
 }
 
 }  // namespace k3::tool

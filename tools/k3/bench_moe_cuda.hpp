@@ -25,6 +25,6 @@ struct CudaMoeBenchParams {
 };
 
 // Prints the table; returns the exit code (0 ok, 2 on error with the reason on stderr).
-int run_moe_bench_cuda(const CudaMoeBenchParams& p);
+Status run_moe_bench_cuda(const CudaMoeBenchParams& p);
 
 }  // namespace k3::tool

@@ -26,6 +26,6 @@ struct InspectArgs {
   int layer = -1;        // >= 0: also load this MoE layer for (ep_size, ep_rank) with load_moe_layer
   int ep_size = 1, ep_rank = 0;
 };
-int run_inspect(const InspectArgs& a);
+Status run_inspect(const InspectArgs& a);
 
 }  // namespace k3::tool

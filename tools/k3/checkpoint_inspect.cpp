@@ -83,22 +83,23 @@ nlohmann::json config_json(const MoeModelConfig& c) {
           {"quant_group_size", c.quant_group_size}};
 }
 
+// --layer: the error of loading the layer for the rank, with what was loaded.
+Status load_failure(const InspectArgs& a, const Status& load) {
+  if (load.is_ok()) return load;
+  return Status(load.code(), "loading layer " + std::to_string(a.layer) + " for EP rank " + std::to_string(a.ep_rank) +
+                                 " of " + std::to_string(a.ep_size) + ": " + load.message());
+}
+
 }  // namespace
 
-int run_inspect(const InspectArgs& a) {
+Status run_inspect(const InspectArgs& a) {
   auto ck = st::Checkpoint::open(a.path);
-  if (!ck) {
-    std::fprintf(stderr, "k3 checkpoint inspect: error: %s\n", ck.status().message().c_str());
-    return 1;
-  }
+  if (!ck) return ck.status();
   // Every tensor, listed by shard file and, within a file, in data order.
   std::vector<Row> rows;
   for (const auto& name : ck->tensor_names()) {
     auto hit = ck->find(name);
-    if (!hit) {
-      std::fprintf(stderr, "k3 checkpoint inspect: error: %s\n", hit.status().message().c_str());
-      return 1;
-    }
+    if (!hit) return hit.status();
     const auto* t = hit->second;
     rows.push_back({t->name, st::dtype_name(t->dtype), st::shape_string(t->shape),
                     std::filesystem::path(hit->first->path()).filename().string(), t->shape, t->nbytes(), t->begin});
@@ -118,11 +119,13 @@ int run_inspect(const InspectArgs& a) {
   // Optional: load one layer for one EP rank exactly as `k3 validate --checkpoint` / `k3 moe run` do.
   nlohmann::json load = nullptr;
   std::string load_error;
+  Status load_status;
   if (a.layer >= 0) {
     const Status ep = check_ep_flags(a.ep_size, a.ep_rank, a.path);
     auto w = ep.is_ok() ? load_moe_layer(a.path, a.layer, a.ep_size, a.ep_rank) : Result<MoeLayerWeights>(ep);
     if (!w) {
       load_error = w.status().message();
+      load_status = w.status();
     } else {
       load = {{"layer", a.layer},
               {"ep_size", a.ep_size},
@@ -165,7 +168,7 @@ int run_inspect(const InspectArgs& a) {
       else j["load_error"] = load_error;
     }
     std::cout << j.dump(2) << "\n";
-    return load_error.empty() ? 0 : 1;
+    return load_failure(a, load_status);
   }
 
   if (!a.summary) {
@@ -207,11 +210,7 @@ int run_inspect(const InspectArgs& a) {
     std::printf("config: %s\n", cfg.status().message().c_str());
   }
   if (a.layer >= 0) {
-    if (!load_error.empty()) {
-      std::fprintf(stderr, "k3 checkpoint inspect: error: loading layer %d for EP rank %d of %d: %s\n", a.layer,
-                   a.ep_rank, a.ep_size, load_error.c_str());
-      return 1;
-    }
+    K3_RETURN_IF_ERROR(load_failure(a, load_status));
     std::printf("loaded layer %d for EP rank %d of %d: experts [%d, %d), FC1 %s, FC2 %s, router %s\n", a.layer,
                 a.ep_rank, a.ep_size, load["first_expert"].get<int>(),
                 load["first_expert"].get<int>() + load["local_experts"].get<int>(),
@@ -219,7 +218,7 @@ int run_inspect(const InspectArgs& a) {
                 load["router_weight"].get<bool>() ? (load["router_bias"].get<bool>() ? "weight + bias" : "weight only")
                                                   : "absent");
   }
-  return 0;
+  return Status::ok();
 }
 
 }  // namespace k3::tool

@@ -35,12 +35,9 @@ struct LimitsArgs {
   std::string output;
 };
 
-int run_limits(const LimitsArgs& a) {
+Status run_limits(const LimitsArgs& a) {
   if (!a.output.empty()) {
-    if (const Status s = check_output_path("--output", a.output); !s.is_ok()) {
-      std::fprintf(stderr, "k3 bench limits: %s\n", s.to_string().c_str());
-      return 2;
-    }
+    K3_RETURN_IF_ERROR(check_output_path("--output", a.output));
   }
   const int threads = a.threads > 0 ? a.threads : default_thread_count();
   const auto bw = measure_read_bandwidth(threads, a.mib << 20);
@@ -55,15 +52,12 @@ int run_limits(const LimitsArgs& a) {
                         {"read_bandwidth_Bps", to_json(bw)},
                         {"dot_peak_flops", to_json(dot)},
                         {"fp32_fma_peak_flops", to_json(fma)}};
-    if (const Status s = write_file_atomic(a.output, j.dump(2) + "\n", "--output"); !s.is_ok()) {
-      std::fprintf(stderr, "k3 bench limits: %s\n", s.to_string().c_str());
-      return 2;
-    }
+    K3_RETURN_IF_ERROR(write_file_atomic(a.output, j.dump(2) + "\n", "--output"));
   }
-  return 0;
+  return Status::ok();
 }
 
-const BenchRegistration kLimits("limits", [](CLI::App& bench) -> std::function<int()> {
+const BenchRegistration kLimits("limits", [](CLI::App& bench) -> CommandRun {
   auto* cmd = bench.add_subcommand("limits", "Measure read bandwidth and the dot-product / FMA peaks");
   auto a = std::make_shared<LimitsArgs>();
   cmd->add_option("--threads", a->threads, "Threads (default: K3_NUM_THREADS or all CPUs)");
@@ -72,20 +66,15 @@ const BenchRegistration kLimits("limits", [](CLI::App& bench) -> std::function<i
   return [a]() { return run_limits(*a); };
 });
 
-const CommandRegistration kRegistration("bench", 20, [](CLI::App& app) -> std::function<int()> {
+const CommandRegistration kRegistration("bench", 20, [](CLI::App& app) -> CommandRun {
   auto* cmd = app.add_subcommand("bench", "Benchmarks, reported as fractions of measured machine limits");
   cmd->require_subcommand(1);
-  auto runners = std::make_shared<std::vector<std::pair<CLI::App*, std::function<int()>>>>();
+  auto runners = std::make_shared<std::vector<std::pair<CLI::App*, CommandRun>>>();
   for (auto& entry : bench_registry()) {
     auto run = entry.setup(*cmd);
     runners->emplace_back(cmd->get_subcommands({}).back(), std::move(run));
   }
-  return [runners]() {
-    for (auto& [sub, run] : *runners) {
-      if (sub->parsed()) return run();
-    }
-    return 2;
-  };
+  return [runners]() { return run_parsed(*runners); };
 });
 
 }  // namespace

@@ -132,39 +132,34 @@ struct SynthArgs {
   bool no_router = false;
 };
 
-int fail(const char* cmd, const Status& s) {
-  std::fprintf(stderr, "k3 checkpoint %s: error: %s\n", cmd, s.message().c_str());
-  return s.code() == StatusCode::kInvalidArgument ? 2 : 1;
-}
-
-int run_synth(SynthArgs a) {
+Status run_synth(SynthArgs a) {
   auto layers = parse_int_list(a.layers, "--layers");
-  if (!layers) return fail("synth", layers.status());
+  if (!layers) return layers.status();
   a.o.layers = layers.value();
   if (!a.experts.empty()) {
     auto r = parse_range(a.experts, "--experts");
-    if (!r) return fail("synth", r.status());
+    if (!r) return r.status();
     a.o.expert_begin = r->first;
     a.o.expert_end = r->second;
   } else if (a.ep_size > 0) {
     if (a.o.num_experts % a.ep_size != 0 || a.ep_rank < 0 || a.ep_rank >= a.ep_size) {
-      return fail("synth", invalid_argument("--ep-size " + std::to_string(a.ep_size) + " --ep-rank " +
-                                            std::to_string(a.ep_rank) + ": ep-size must divide --num-experts " +
-                                            std::to_string(a.o.num_experts) + " and ep-rank be in [0, ep-size)"));
+      return invalid_argument("--ep-size " + std::to_string(a.ep_size) + " --ep-rank " + std::to_string(a.ep_rank) +
+                              ": ep-size must divide --num-experts " + std::to_string(a.o.num_experts) +
+                              " and ep-rank be in [0, ep-size)");
     }
     const int local = a.o.num_experts / a.ep_size;
     a.o.expert_begin = a.ep_rank * local;
     a.o.expert_end = (a.ep_rank + 1) * local;
   } else if (a.ep_rank >= 0) {
-    return fail("synth", invalid_argument("--ep-rank needs --ep-size"));
+    return invalid_argument("--ep-rank needs --ep-size");
   }
   if (!a.shard_size.empty()) {
     auto s = parse_byte_size(a.shard_size, "--shard-size");
-    if (!s) return fail("synth", s.status());
+    if (!s) return s.status();
     a.o.shard_size = s.value();
   }
   a.o.router = !a.no_router;
-  if (Status s = validate_synth_options(a.o); !s.is_ok()) return fail("synth", s);
+  K3_RETURN_IF_ERROR(validate_synth_options(a.o));
 
   // Bytes to write, checked against the free space first (a full Kimi-K3 layer is 15.7 GB).
   const int end = a.o.expert_end < 0 ? a.o.num_experts : a.o.expert_end;
@@ -177,9 +172,9 @@ int run_synth(SynthArgs a) {
   while (!probe.empty() && !std::filesystem::exists(probe, ec)) probe = probe.parent_path();
   const auto space = std::filesystem::space(probe.empty() ? std::filesystem::path(".") : probe, ec);
   if (!ec && static_cast<int64_t>(space.available) < total + (int64_t{64} << 20)) {
-    return fail("synth", io_error(a.o.output_dir + ": needs " + human_bytes(total) + " but only " +
-                                  human_bytes(static_cast<int64_t>(space.available)) +
-                                  " are free; store fewer experts (--experts / --ep-size --ep-rank) or layers"));
+    return io_error(a.o.output_dir + ": needs " + human_bytes(total) + " but only " +
+                    human_bytes(static_cast<int64_t>(space.available)) +
+                    " are free; store fewer experts (--experts / --ep-size --ep-rank) or layers");
   }
   std::printf("writing %s: layers %s, experts [%d, %d) of %d, K %lld, N %lld, seed %llu, %s\n",
               a.o.output_dir.c_str(), a.layers.c_str(), a.o.expert_begin, end, a.o.num_experts,
@@ -187,7 +182,7 @@ int run_synth(SynthArgs a) {
               static_cast<unsigned long long>(a.o.seed), human_bytes(total).c_str());
   std::fflush(stdout);
   auto r = write_synthetic_checkpoint(a.o);
-  if (!r) return fail("synth", r.status());
+  if (!r) return r.status();
   for (const auto& f : r->files) std::printf("  %s\n", f.c_str());
   for (const auto& f : r->removed) std::printf("  removed the stale %s (it would have hidden model.safetensors)\n", f.c_str());
   if (!r->kept.empty()) {
@@ -198,10 +193,10 @@ int run_synth(SynthArgs a) {
                                    : " (without an index, readers open every *.safetensors in the folder)");
   }
   std::printf("wrote %lld tensors, %s of tensor data\n", static_cast<long long>(r->tensors), human_bytes(r->bytes).c_str());
-  return 0;
+  return Status::ok();
 }
 
-const CommandRegistration kRegistration("checkpoint", 30, [](CLI::App& app) -> std::function<int()> {
+const CommandRegistration kRegistration("checkpoint", 30, [](CLI::App& app) -> CommandRun {
   auto* cmd = app.add_subcommand("checkpoint", "Synthesize or inspect Kimi-K3 safetensors checkpoints");
   cmd->require_subcommand(1);
 
@@ -235,9 +230,7 @@ const CommandRegistration kRegistration("checkpoint", 30, [](CLI::App& app) -> s
   inspect->add_option("--ep-rank", i->ep_rank, "EP rank for --layer")->capture_default_str();
 
   return [synth, inspect, s, i]() {
-    if (synth->parsed()) return run_synth(*s);
-    if (inspect->parsed()) return run_inspect(*i);
-    return 2;
+    return run_parsed({{synth, [s] { return run_synth(*s); }}, {inspect, [i] { return run_inspect(*i); }}});
   };
 });
 

@@ -91,7 +91,7 @@ void print_text(const nlohmann::json& j) {
   }
 }
 
-const CommandRegistration kRegistration("info", 0, [](CLI::App& app) -> std::function<int()> {
+const CommandRegistration kRegistration("info", 0, [](CLI::App& app) -> CommandRun {
   auto* cmd = app.add_subcommand("info", "Show version, build, backends, CPU features and CUDA devices");
   auto json = std::make_shared<bool>(false);
   cmd->add_flag("--json", *json, "Machine-readable output");
@@ -99,7 +99,7 @@ const CommandRegistration kRegistration("info", 0, [](CLI::App& app) -> std::fun
     const auto j = info_json();
     if (*json) std::cout << j.dump(2) << "\n";
     else print_text(j);
-    return 0;
+    return Status::ok();
   };
 });
 

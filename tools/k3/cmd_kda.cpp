@@ -34,17 +34,6 @@ struct RunArgs {
   int threads = 0;
 };
 
-int fail(const Status& st) {
-  std::fprintf(stderr, "k3 kda run: %s\n", st.to_string().c_str());
-  return 2;
-}
-
-#define K3_RETURN_IF_ERROR_INT(expr)              \
-  do {                                            \
-    const ::k3::Status k3_st_ = (expr);           \
-    if (!k3_st_.is_ok()) return fail(k3_st_);     \
-  } while (0)
-
 template <typename T>
 std::span<const uint8_t> as_bytes(const std::vector<T>& v) {
   return {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(T)};
@@ -75,19 +64,19 @@ Result<Choice> choose_backend(const std::string& name) {
   return Choice{b.value(), b.value()->name};
 }
 
-int run(const RunArgs& a) {
+Status run(const RunArgs& a) {
   // Paths first: the input must be a regular file (a FIFO is refused, not waited on) and the
   // output must not be the input.
-  K3_RETURN_IF_ERROR_INT(check_input_file("--input", a.input));
-  K3_RETURN_IF_ERROR_INT(check_output_path("--output", a.output));
-  K3_RETURN_IF_ERROR_INT(check_output_not_input("--output", a.output, "--input", a.input));
+  K3_RETURN_IF_ERROR(check_input_file("--input", a.input));
+  K3_RETURN_IF_ERROR(check_output_path("--output", a.output));
+  K3_RETURN_IF_ERROR(check_output_not_input("--output", a.output, "--input", a.input));
   auto choice = choose_backend(a.backend);
-  if (!choice.is_ok()) return fail(choice.status());
+  if (!choice.is_ok()) return choice.status();
   const Choice& ch = choice.value();
   auto alg = kda::parse_algorithm(a.algorithm);
-  if (!alg.is_ok()) return fail(alg.status());
+  if (!alg.is_ok()) return alg.status();
   if (ch.backend == nullptr && alg.value() == kda::Algorithm::kChunked) {
-    return fail(invalid_argument("--algorithm chunked: fp64-reference is token-recurrent only (auto or recurrent)"));
+    return invalid_argument("--algorithm chunked: fp64-reference is token-recurrent only (auto or recurrent)");
   }
   // The tool's options (K3_NUM_THREADS, K3_ISA), --threads over the environment's count.
   BackendOptions bo = backend_options();
@@ -95,7 +84,7 @@ int run(const RunArgs& a) {
   bo.kda_algorithm = alg.value();
   auto explain = [&](const Status& st) { return a.threads != 0 ? st : with_thread_source(st, bo.threads); };
   auto file = st::File::open(a.input);
-  if (!file.is_ok()) return fail(file.status());
+  if (!file.is_ok()) return file.status();
   kda::InputFileOptions read_opt;
   read_opt.gate = a.gate;
   read_opt.layout = a.layout;
@@ -103,13 +92,13 @@ int run(const RunArgs& a) {
   read_opt.lower_bound = a.lower_bound;
   read_opt.l2norm_qk = !a.no_l2norm;
   auto loaded = kda::load_input_file(file.value(), read_opt);
-  if (!loaded.is_ok()) return fail(loaded.status());
+  if (!loaded.is_ok()) return loaded.status();
   const kda::InputFile& L = loaded.value();
   const kda::KdaInputs in = L.inputs();
   const auto& c = L.cfg;
   // Output sizes come from the file's shapes (N from cu_seqlens): checked before allocating.
   auto elems = kda::output_elements(L, ch.backend == nullptr ? 8 : 4);
-  if (!elems.is_ok()) return fail(elems.status());
+  if (!elems.is_ok()) return elems.status();
   const int64_t o_size = elems->o, s_size = elems->final_state;
   const bool kf = c.layout == kda::StateLayout::kKFirst;
   const std::vector<int64_t> o_shape = {L.tokens, c.num_heads, c.head_v};
@@ -120,18 +109,14 @@ int run(const RunArgs& a) {
   const std::string algo = recurrent_only ? "recurrent" : kda::algorithm_name(alg.value());
   if (ch.backend == nullptr) {
     std::vector<double> o(static_cast<size_t>(o_size)), s(static_cast<size_t>(s_size));
-    if (Status st = kda::reference_fp64(c, in, o, s, bo.threads); !st.is_ok()) {
-      return fail(explain(st));
-    }
-    K3_RETURN_IF_ERROR_INT(w.add("o", st::DType::kF64, o_shape, as_bytes(o)));
-    K3_RETURN_IF_ERROR_INT(w.add("final_state", st::DType::kF64, s_shape, as_bytes(s)));
+    K3_RETURN_IF_ERROR(explain(kda::reference_fp64(c, in, o, s, bo.threads)));
+    K3_RETURN_IF_ERROR(w.add("o", st::DType::kF64, o_shape, as_bytes(o)));
+    K3_RETURN_IF_ERROR(w.add("final_state", st::DType::kF64, s_shape, as_bytes(s)));
   } else {
     std::vector<float> o(static_cast<size_t>(o_size)), s(static_cast<size_t>(s_size));
-    if (Status st = run_kda_prefill(*ch.backend, c, in, {o, s}, bo); !st.is_ok()) {
-      return fail(explain(st));
-    }
-    K3_RETURN_IF_ERROR_INT(w.add("o", st::DType::kF32, o_shape, as_bytes(o)));
-    K3_RETURN_IF_ERROR_INT(w.add("final_state", st::DType::kF32, s_shape, as_bytes(s)));
+    K3_RETURN_IF_ERROR(explain(run_kda_prefill(*ch.backend, c, in, {o, s}, bo)));
+    K3_RETURN_IF_ERROR(w.add("o", st::DType::kF32, o_shape, as_bytes(o)));
+    K3_RETURN_IF_ERROR(w.add("final_state", st::DType::kF32, s_shape, as_bytes(s)));
   }
   std::map<std::string, std::string> meta = {{"k3_version", build::kVersion},
                                               {"backend", ch.name},
@@ -144,16 +129,16 @@ int run(const RunArgs& a) {
   const std::string isa = recurrent_only ? "" : isa_level_name(bo.isa.value_or(best_isa_level()));
   if (!isa.empty()) meta["isa"] = isa;
   w.set_metadata(std::move(meta));
-  if (Status st = w.write(a.output, "--output"); !st.is_ok()) return fail(st);
+  K3_RETURN_IF_ERROR(w.write(a.output, "--output"));
   std::printf("k3 kda run: T = %lld, N = %lld, H = %lld, K = %lld, V = %lld, gate %s, %s state, backend %s (%s%s) -> %s\n",
               static_cast<long long>(L.tokens), static_cast<long long>(L.seqs), static_cast<long long>(c.num_heads),
               static_cast<long long>(c.head_k), static_cast<long long>(c.head_v), kda::gate_mode_name(c.gate),
               kda::state_layout_name(c.layout), ch.name.c_str(), algo.c_str(), isa.empty() ? "" : (", isa " + isa).c_str(),
               a.output.c_str());
-  return 0;
+  return Status::ok();
 }
 
-const CommandRegistration kRegistration("kda", 30, [](CLI::App& app) -> std::function<int()> {
+const CommandRegistration kRegistration("kda", 30, [](CLI::App& app) -> CommandRun {
   auto* cmd = app.add_subcommand("kda", "Kimi Delta Attention on user tensors");
   cmd->require_subcommand(1);
   auto* r = cmd->add_subcommand("run", "Run the KDA core on a safetensors file; writes o and final_state");

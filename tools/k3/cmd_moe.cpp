@@ -176,49 +176,43 @@ std::span<const uint8_t> as_bytes(const auto& v) {
   return {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(v[0])};
 }
 
-int run_moe(const MoeRunArgs& a) {
-  auto fail = [](const Status& st) {
-    std::fprintf(stderr, "k3 moe run: %s\n", st.to_string().c_str());
-    return 1;
-  };
+Status run_moe(const MoeRunArgs& a) {
   // Paths first, before anything is loaded or written: the input must be a regular file (a FIFO
   // is refused, not waited on) and the output must not be the input or a checkpoint file.
-  if (Status s = check_checkpoint_arg("--checkpoint", a.checkpoint); !s.is_ok()) return fail(s);
-  if (Status s = check_input_file("--input", a.input); !s.is_ok()) return fail(s);
-  if (Status s = check_output_path("--output", a.output); !s.is_ok()) return fail(s);
-  if (Status s = check_output_not_input("--output", a.output, "--input", a.input); !s.is_ok()) return fail(s);
-  if (Status s = check_output_not_checkpoint("--output", a.output, a.checkpoint); !s.is_ok()) return fail(s);
+  K3_RETURN_IF_ERROR(check_checkpoint_arg("--checkpoint", a.checkpoint));
+  K3_RETURN_IF_ERROR(check_input_file("--input", a.input));
+  K3_RETURN_IF_ERROR(check_output_path("--output", a.output));
+  K3_RETURN_IF_ERROR(check_output_not_input("--output", a.output, "--input", a.input));
+  K3_RETURN_IF_ERROR(check_output_not_checkpoint("--output", a.output, a.checkpoint));
   auto recipe = parse_recipe(a.recipe);
-  if (!recipe.is_ok()) return fail(recipe.status());
+  if (!recipe.is_ok()) return recipe.status();
   auto dtype = parse_out_dtype(a.out_dtype);
-  if (!dtype.is_ok()) return fail(dtype.status());
+  if (!dtype.is_ok()) return dtype.status();
   const MoeBackend* backend = &default_moe_backend();
   if (!a.backend.empty()) {
     auto b = find_moe_backend(a.backend);
-    if (!b.is_ok()) return fail(b.status());
+    if (!b.is_ok()) return b.status();
     if (const Status av = b.value()->available(); !av.is_ok()) {
-      return fail(unavailable("backend '" + a.backend + "' is not usable here: " + av.message()));
+      return unavailable("backend '" + a.backend + "' is not usable here: " + av.message());
     }
     backend = b.value();
   }
-  if (Status s = check_ep_flags(a.ep_size, a.ep_rank, a.checkpoint); !s.is_ok()) return fail(s);
+  K3_RETURN_IF_ERROR(check_ep_flags(a.ep_size, a.ep_rank, a.checkpoint));
   auto layer = load_moe_layer(a.checkpoint, a.layer, a.ep_size, a.ep_rank);
-  if (!layer.is_ok()) return fail(layer.status());
+  if (!layer.is_ok()) return layer.status();
   auto prob = problem_from_layer(layer.value(), recipe.value(), dtype.value());
-  if (!prob.is_ok()) return fail(prob.status());
+  if (!prob.is_ok()) return prob.status();
   auto in = read_inputs(a.input, layer.value());
-  if (!in.is_ok()) return fail(in.status());
+  if (!in.is_ok()) return in.status();
   MoeProblem p = prob.value();
   p.shape.top_k = in->top_k;  // user-supplied ids may carry any number of slots
-  if (const Status st = validate_moe_shape(p.shape); !st.is_ok()) return fail(st);
+  K3_RETURN_IF_ERROR(validate_moe_shape(p.shape));
 
   std::vector<uint8_t> out(in->m * p.shape.hidden * out_dtype_size(p.out_dtype));
   const MoeInputsView view{in->m, in->x, in->topk_ids, in->topk_weights};
   const auto t0 = std::chrono::steady_clock::now();
   const BackendOptions bo = backend_options();
-  if (const Status st = k3::run_moe(*backend, p, layer->view(), view, out, bo); !st.is_ok()) {
-    return fail(with_thread_source(st, bo.threads));
-  }
+  K3_RETURN_IF_ERROR(with_thread_source(k3::run_moe(*backend, p, layer->view(), view, out, bo), bo.threads));
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   st::Writer w;
@@ -227,7 +221,7 @@ int run_moe(const MoeRunArgs& a) {
   Status st = w.add("out", out_st, {in->m, p.shape.hidden}, out);
   if (st.is_ok()) st = w.add("topk_ids", st::DType::kI32, {in->m, in->top_k}, as_bytes(in->topk_ids));
   if (st.is_ok()) st = w.add("topk_weights", st::DType::kF32, {in->m, in->top_k}, as_bytes(in->topk_weights));
-  if (!st.is_ok()) return fail(st);
+  if (!st.is_ok()) return st;
   w.set_metadata({{"k3_version", build::kVersion},
                   {"backend", backend->name},
                   {"checkpoint", a.checkpoint},
@@ -237,7 +231,7 @@ int run_moe(const MoeRunArgs& a) {
                   {"recipe", recipe_name(p.recipe)},
                   {"activation", activation_name(p.activation.kind)},
                   {"routing", in->routed_here ? "logits routed by k3" : "topk_ids/topk_weights from the input"}});
-  if (const Status ws = w.write(a.output, "--output"); !ws.is_ok()) return fail(ws);
+  K3_RETURN_IF_ERROR(w.write(a.output, "--output"));
   std::printf("k3 moe run: layer %d EP%d rank %d, M %lld, top-%d, %s %s -> %s, backend %s, %.3f s\n", a.layer,
               a.ep_size, a.ep_rank, static_cast<long long>(in->m), in->top_k, recipe_name(p.recipe),
               activation_name(p.activation.kind), out_dtype_name(p.out_dtype), backend->name.c_str(), secs);
@@ -245,7 +239,7 @@ int run_moe(const MoeRunArgs& a) {
     std::printf("%s\n", map->to_string().c_str());
   }
   std::printf("out sha256 %s -> %s\n", sha256_hex(out).c_str(), a.output.c_str());
-  return 0;
+  return Status::ok();
 }
 
 // ---- --distributed: one EP rank per MPI process (docs/distributed.md) --------------------------
@@ -293,19 +287,13 @@ int threads_per_rank() {
   return std::max(1, (cpus > 0 ? cpus : 1) / local);
 }
 
-int run_moe_distributed(const MoeRunArgs& a) {
+Status run_moe_distributed(const MoeRunArgs& a) {
   auto made = comm::make_mpi_communicator({.timeout_s = a.comm_timeout});
-  if (!made.is_ok()) {
-    std::fprintf(stderr, "k3 moe run --distributed: %s\n", made.status().to_string().c_str());
-    return 1;
-  }
+  if (!made.is_ok()) return made.status();
   comm::Communicator& c = *made.value();
   const int rank = c.rank(), world = c.size();
-  // Every step ends with agree_on_status: all ranks leave together, rank 0 reports.
-  auto fail = [&](const Status& st) {
-    if (rank == 0) std::fprintf(stderr, "k3 moe run --distributed: %s\n", st.to_string().c_str());
-    return 1;
-  };
+  // Every step ends with agree_on_status: all ranks leave together with the same Status, rank 0 reports it.
+  set_reports_errors(rank == 0);
   auto agree = [&](const Status& local) { return comm::agree_on_status(c, local); };
 
   Status st = check_checkpoint_arg("--checkpoint", a.checkpoint);
@@ -333,18 +321,16 @@ int run_moe_distributed(const MoeRunArgs& a) {
       st = Status(e.code(), "the MPI job's " + std::to_string(world) + " ranks are the EP size (" + e.message() + ")");
     }
   }
-  if (Status s = agree(st); !s.is_ok()) return fail(s);
-  if (Status s = comm::check_same_on_all_ranks(c, "checkpoint and run options", run_fingerprint(a, world)); !s.is_ok()) {
-    return fail(s);
-  }
+  K3_RETURN_IF_ERROR(agree(st));
+  K3_RETURN_IF_ERROR(comm::check_same_on_all_ranks(c, "checkpoint and run options", run_fingerprint(a, world)));
 
   // Each rank loads its experts only; rank 0 reads (and routes) the tokens.
   const auto t_load = std::chrono::steady_clock::now();
   auto layer = load_moe_layer(a.checkpoint, a.layer, world, rank);
-  if (Status s = agree(layer.status()); !s.is_ok()) return fail(s);
+  K3_RETURN_IF_ERROR(agree(layer.status()));
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
   auto prob = problem_from_layer(layer.value(), recipe.value(), dtype.value());
-  if (Status s = agree(prob.status()); !s.is_ok()) return fail(s);
+  K3_RETURN_IF_ERROR(agree(prob.status()));
   UserInputs in;
   Status read_st = Status::ok();
   if (rank == 0) {
@@ -352,10 +338,10 @@ int run_moe_distributed(const MoeRunArgs& a) {
     if (r.is_ok()) in = std::move(r).value();
     else read_st = r.status();
   }
-  if (Status s = agree(read_st); !s.is_ok()) return fail(s);
+  K3_RETURN_IF_ERROR(agree(read_st));
   std::vector<int32_t> top_ks(static_cast<size_t>(world));
   const int32_t my_top_k = in.top_k;
-  if (Status s = c.allgather(&my_top_k, sizeof my_top_k, top_ks.data()); !s.is_ok()) return fail(s);
+  K3_RETURN_IF_ERROR(c.allgather(&my_top_k, sizeof my_top_k, top_ks.data()));
   MoeProblem p = prob.value();
   p.shape.top_k = top_ks[0];  // the input's slots per token (rank 0's file)
   BackendOptions bo = backend_options();
@@ -364,9 +350,9 @@ int run_moe_distributed(const MoeRunArgs& a) {
   if (co.threads == 0) co.threads = bo.threads;
   co.isa = bo.isa;
   auto plan = cpu::plan(p, co);
-  if (Status s = agree(with_thread_source(plan.status(), co.threads)); !s.is_ok()) return fail(s);
+  K3_RETURN_IF_ERROR(agree(with_thread_source(plan.status(), co.threads)));
   auto packed = cpu::prepack(plan.value(), layer->view());
-  if (Status s = agree(packed.status()); !s.is_ok()) return fail(s);
+  K3_RETURN_IF_ERROR(agree(packed.status()));
   std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));
   std::vector<uint8_t> out(static_cast<size_t>(in.m * p.shape.hidden * out_dtype_size(p.out_dtype)));
 
@@ -381,13 +367,13 @@ int run_moe_distributed(const MoeRunArgs& a) {
     std::fflush(stderr);
     c.abort(1);
   }
-  if (!run_st.is_ok()) return fail(run_st);  // ep_moe_run agrees on its errors itself
+  if (!run_st.is_ok()) return run_st;  // ep_moe_run agrees on its errors itself
 
   // Per-rank figures to rank 0: rows received, slots computed, bytes sent (dispatch + combine).
   const int64_t mine[4] = {stats.rows_received, stats.slots_computed, stats.dispatch_bytes_sent + stats.combine_bytes_sent,
                            static_cast<int64_t>(load_s * 1e3)};
   std::vector<int64_t> all(static_cast<size_t>(4 * world));
-  if (Status s = c.allgather(mine, sizeof mine, all.data()); !s.is_ok()) return fail(s);
+  K3_RETURN_IF_ERROR(c.allgather(mine, sizeof mine, all.data()));
   Status write_st = Status::ok();
   if (rank == 0) {
     st::Writer w;
@@ -406,7 +392,7 @@ int run_moe_distributed(const MoeRunArgs& a) {
                     {"routing", in.routed_here ? "logits routed by k3" : "topk_ids/topk_weights from the input"}});
     if (write_st.is_ok()) write_st = w.write(a.output, "--output");
   }
-  if (Status s = agree(write_st); !s.is_ok()) return fail(s);
+  K3_RETURN_IF_ERROR(agree(write_st));
   if (rank == 0) {
     std::printf("k3 moe run: layer %d, distributed over %d MPI ranks (EP%d, %d threads each), M %lld, top-%d, %s %s -> %s, "
                 "backend cpu, %.3f s (dispatch %.3f, experts %.3f, combine %.3f on rank 0)\n",
@@ -421,10 +407,10 @@ int run_moe_distributed(const MoeRunArgs& a) {
     }
     std::printf("out sha256 %s -> %s\n", sha256_hex(out).c_str(), a.output.c_str());
   }
-  return 0;
+  return Status::ok();
 }
 
-const CommandRegistration kRegistration("moe", 30, [](CLI::App& app) -> std::function<int()> {
+const CommandRegistration kRegistration("moe", 30, [](CLI::App& app) -> CommandRun {
   auto* cmd = app.add_subcommand("moe", "Run a checkpoint's fused-MoE layer on your own tensors");
   cmd->require_subcommand(1);
   auto* run = cmd->add_subcommand("run", "Routed experts of one layer: input x + logits or topk ids/weights -> out");

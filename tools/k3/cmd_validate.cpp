@@ -36,22 +36,18 @@ void print_table(const std::vector<ValidateRow>& rows) {
   }
 }
 
-int run_validate(const Args& a) {
+Status run_validate(const Args& a) {
   // The output path is checked before the (long) run; the write itself reports its errors.
   if (!a.output.empty()) {
     Status s = check_output_path("--output", a.output);
     if (s.is_ok() && !a.opts.checkpoint.empty()) s = check_output_not_checkpoint("--output", a.output, a.opts.checkpoint);
-    if (!s.is_ok()) {
-      std::fprintf(stderr, "k3 validate: %s\n", s.to_string().c_str());
-      return 2;
-    }
+    K3_RETURN_IF_ERROR(s);
   }
   // Every op reads the suite: an unknown name is a usage error for all of them, before any work.
   static constexpr const char* kSuites[] = {"smoke", "real", "nonfinite", "determinism", "all"};
   if (std::find(std::begin(kSuites), std::end(kSuites), a.opts.suite) == std::end(kSuites)) {
-    std::fprintf(stderr, "k3 validate: --suite '%s' is an unknown suite (known: smoke, real, nonfinite, determinism, all)\n",
-                 a.opts.suite.c_str());
-    return 2;
+    return invalid_argument("--suite '" + a.opts.suite +
+                            "' is an unknown suite (known: smoke, real, nonfinite, determinism, all)");
   }
   std::vector<ValidateRow> rows;
   bool matched = false;
@@ -64,8 +60,7 @@ int run_validate(const Args& a) {
   if (!matched) {
     std::string names;
     for (const auto& op : validate_registry()) names += " " + op.name;
-    std::fprintf(stderr, "k3 validate: --op %s is not known (known:%s, all)\n", a.op.c_str(), names.c_str());
-    return 2;
+    return invalid_argument("--op " + a.op + " is not known (known:" + names + ", all)");
   }
   print_table(rows);
   const auto failed = std::count_if(rows.begin(), rows.end(), [](const ValidateRow& r) { return !r.pass; });
@@ -87,15 +82,13 @@ int run_validate(const Args& a) {
                               {"nrmse", r.nrmse}, {"max_abs", r.max_abs}, {"digest", r.digest},
                               {"pass", r.pass}, {"skipped", r.skipped}, {"note", r.note}});
     }
-    if (const Status s = write_file_atomic(a.output, j.dump(2) + "\n", "--output"); !s.is_ok()) {
-      std::fprintf(stderr, "k3 validate: %s\n", s.to_string().c_str());
-      return 2;
-    }
+    K3_RETURN_IF_ERROR(write_file_atomic(a.output, j.dump(2) + "\n", "--output"));
   }
-  return failed == 0 ? 0 : 1;
+  if (failed == 0) return Status::ok();
+  return check_failed(std::to_string(failed) + " of " + std::to_string(rows.size()) + " checks failed (FAIL rows above)");
 }
 
-const CommandRegistration kRegistration("validate", 10, [](CLI::App& app) -> std::function<int()> {
+const CommandRegistration kRegistration("validate", 10, [](CLI::App& app) -> CommandRun {
   auto* cmd = app.add_subcommand("validate", "Run the correctness matrix against the FP64/FP32 oracles");
   auto a = std::make_shared<Args>();
   std::string ops_help = "Op to validate: all";

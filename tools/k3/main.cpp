@@ -1,4 +1,5 @@
 // k3 — command-line tool of the k3 kernel library. Sub-commands live in tools/k3/cmd_*.cpp.
+// Every command returns a Status; this file prints an error and maps it to the exit code, once.
 #include <algorithm>
 #include <cstdio>
 #include <exception>
@@ -10,11 +11,45 @@
 #include "command.hpp"
 
 namespace k3::tool {
+namespace {
+bool g_reports_errors = true;
+}  // namespace
+
 std::vector<CommandEntry>& command_registry() {
   static std::vector<CommandEntry> registry;
   return registry;
 }
+
+void set_reports_errors(bool on) { g_reports_errors = on; }
+bool reports_errors() { return g_reports_errors; }
+
+Status run_parsed(const std::vector<std::pair<CLI::App*, CommandRun>>& runners) {
+  for (const auto& [sub, run] : runners) {
+    if (sub->parsed()) return run();
+  }
+  return invalid_argument("no sub-command was given (see --help)");
+}
+
 }  // namespace k3::tool
+
+namespace {
+
+// "bench moe" for `k3 bench moe ...`: the chain of parsed sub-commands under `app`.
+std::string command_path(const CLI::App& app) {
+  std::string path;
+  const CLI::App* at = &app;
+  for (;;) {
+    const CLI::App* next = nullptr;
+    for (const CLI::App* sub : at->get_subcommands()) {
+      if (sub->parsed()) next = sub;
+    }
+    if (next == nullptr) return path;
+    path += (path.empty() ? "" : " ") + next->get_name();
+    at = next;
+  }
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   // An interrupted run removes the temporary files of outputs being written (k3/atomic_file.hpp).
@@ -24,7 +59,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   auto& registry = k3::tool::command_registry();
   std::sort(registry.begin(), registry.end(), [](const auto& a, const auto& b) { return a.order < b.order; });
-  std::vector<std::pair<CLI::App*, std::function<int()>>> runners;
+  std::vector<std::pair<CLI::App*, k3::tool::CommandRun>> runners;
   for (auto& entry : registry) {
     const size_t before = app.get_subcommands({}).size();
     auto run = entry.setup(app);
@@ -36,22 +71,19 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  for (auto& [sub, run] : runners) {
-    if (sub->parsed()) {
-      // A K3_ISA that is unknown or above what the CPU has is an error for every command: it must
-      // never make the CPU backend silently unavailable (and `moe run` / `validate` fall back to
-      // the slow reference backend).
-      if (const auto isa = k3::active_isa_level(); !isa.is_ok()) {
-        std::fprintf(stderr, "k3 %s: %s\n", sub->get_name().c_str(), isa.status().to_string().c_str());
-        return 2;
-      }
-      try {
-        return run();
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "k3 %s: error: %s\n", sub->get_name().c_str(), e.what());
-        return 2;
-      }
-    }
+  k3::Status status;
+  try {
+    // A K3_ISA that is unknown or above what the CPU has is an error for every command: it must
+    // never make the CPU backend silently unavailable (and `moe run` / `validate` fall back to
+    // the slow reference backend).
+    const auto isa = k3::active_isa_level();
+    status = isa.is_ok() ? k3::tool::run_parsed(runners) : isa.status();
+  } catch (const std::exception& e) {
+    status = k3::Status(k3::StatusCode::kInternal, std::string("uncaught exception: ") + e.what());
   }
-  return 0;
+  if (!status.is_ok() && k3::tool::reports_errors()) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "k3 %s: %s\n", command_path(app).c_str(), status.to_string().c_str());
+  }
+  return k3::tool::exit_code(status);
 }
