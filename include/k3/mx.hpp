@@ -87,16 +87,33 @@ K3_HOST_DEVICE constexpr float mx_decode_element(uint8_t code, uint8_t scale_cod
   return v * e8m0_to_f32(scale_code);
 }
 
-// Quantize one block of 32 values: returns the scale code, writes 32 unpacked element codes.
-K3_HOST_DEVICE constexpr uint8_t mx_quantize_block(const float* x, MxElement e, ScaleRule rule, uint8_t* codes) {
+// The block-scale decision of every MX quantizer in k3 (the host codec, the CUDA quantize kernel,
+// the CUDA MoE's x and activation re-quantization): the absolute maximum of the block's finite and
+// infinite values, with NaN tracked apart (an fmax would drop it), then a NaN block gets scale
+// 0xFF and any other block mx_scale_code(amax). Elements may be folded in any order and partial
+// accumulators merged in any order (max and or are exact): the same scale for every split.
+struct MxBlockAmax {
   float amax = 0.0f;
-  bool has_nan = false;
-  for (int i = 0; i < kMxBlock; ++i) {
-    const float a = x[i] < 0 ? -x[i] : x[i];
-    if (a != a) has_nan = true;
+  bool nan = false;
+  K3_HOST_DEVICE constexpr void add(float x) {
+    const float a = x < 0 ? -x : x;
+    if (a != a) nan = true;
     else if (a > amax) amax = a;
   }
-  const uint8_t scale = has_nan ? kE8M0Nan : mx_scale_code(amax, e, rule);
+  K3_HOST_DEVICE constexpr void merge(float other_amax, bool other_nan) {
+    nan = nan || other_nan;
+    if (other_amax > amax) amax = other_amax;
+  }
+  K3_HOST_DEVICE constexpr uint8_t scale_code(MxElement e, ScaleRule rule) const {
+    return nan ? kE8M0Nan : mx_scale_code(amax, e, rule);
+  }
+};
+
+// Quantize one block of 32 values: returns the scale code, writes 32 unpacked element codes.
+K3_HOST_DEVICE constexpr uint8_t mx_quantize_block(const float* x, MxElement e, ScaleRule rule, uint8_t* codes) {
+  MxBlockAmax block;
+  for (int i = 0; i < kMxBlock; ++i) block.add(x[i]);
+  const uint8_t scale = block.scale_code(e, rule);
   for (int i = 0; i < kMxBlock; ++i) codes[i] = mx_encode_element(x[i], scale, e);
   return scale;
 }

@@ -20,14 +20,9 @@ __global__ void mx_quantize_kernel(const float* __restrict__ x,  // [rows, cols]
   const float* src = x + r * cols + b * kMxBlock;
   // Two passes over the block straight from global memory: no per-thread arrays, so nothing
   // spills to local memory. Same decisions as mx_quantize_block (NaN block -> scale 0xFF).
-  float amax = 0.0f;
-  bool has_nan = false;
-  for (int i = 0; i < kMxBlock; ++i) {
-    const float a = fabsf(src[i]);
-    if (a != a) has_nan = true;
-    else amax = fmaxf(amax, a);
-  }
-  const uint8_t scale = has_nan ? kE8M0Nan : mx_scale_code(amax, e, rule);
+  MxBlockAmax block;
+  for (int i = 0; i < kMxBlock; ++i) block.add(src[i]);
+  const uint8_t scale = block.scale_code(e, rule);
   scales[blk] = scale;
   if (e == MxElement::kE2M1) {
     uint8_t* dst = q + r * (cols / 2) + b * (kMxBlock / 2);

@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -128,6 +129,34 @@ std::vector<float> random_rows(int64_t n, uint64_t seed) {
   std::vector<float> x(n);
   for (auto& v : x) v = nd(rng) * std::ldexp(1.f, static_cast<int>(rng() % 60) - 30);
   return x;
+}
+
+TEST(MxBlockAmax, AnySplitAndMergeOrderGivesTheCodecsScale) {
+  // The CUDA kernels fold 8 elements per lane and merge 4 lanes; the host codec folds 32 in order.
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const float nan = std::nanf(""), inf = std::numeric_limits<float>::infinity();
+  for (int trial = 0; trial < 2000; ++trial) {
+    float x[kMxBlock];
+    for (float& v : x) v = nd(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 60) - 30);
+    if (trial % 5 == 1) x[rng() % kMxBlock] = nan;
+    if (trial % 7 == 2) x[rng() % kMxBlock] = (rng() & 1) ? inf : -inf;
+    if (trial % 11 == 3) x[rng() % kMxBlock] = -0.0f;
+    uint8_t codes[kMxBlock];
+    for (const ScaleRule rule : {ScaleRule::kRceil, ScaleRule::kFloor}) {
+      for (const MxElement e : {MxElement::kE4M3, MxElement::kE2M1}) {
+        const uint8_t want = mx_quantize_block(x, e, rule, codes);
+        MxBlockAmax lanes[4];
+        for (int i = 0; i < kMxBlock; ++i) lanes[(i / 2) % 4].add(x[kMxBlock - 1 - i]);  // quad layout, reversed
+        MxBlockAmax merged = lanes[3];
+        for (int l = 2; l >= 0; --l) merged.merge(lanes[l].amax, lanes[l].nan);
+        ASSERT_EQ(merged.scale_code(e, rule), want) << trial;
+        EXPECT_EQ(merged.nan, want == kE8M0Nan) << trial;
+      }
+    }
+  }
+  MxBlockAmax empty;  // nothing added: amax 0, the smallest scale
+  EXPECT_EQ(empty.scale_code(MxElement::kE4M3, ScaleRule::kRceil), mx_scale_code(0.0f, MxElement::kE4M3, ScaleRule::kRceil));
 }
 
 TEST(MxRows, RandomErrorWithinHalfAnElementUlp) {

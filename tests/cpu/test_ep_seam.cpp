@@ -2,11 +2,16 @@
 // on every EP rank of a layer; and the one-process expert-parallel run (self communicator).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <random>
 #include <vector>
 
 #include "ep_test_util.hpp"
 #include "k3/ep.hpp"
+#include "k3/formats.hpp"
+#include "k3/mx.hpp"
+#include "k3/system.hpp"
 
 namespace {
 
@@ -72,6 +77,41 @@ TEST(EpSeam, SelfCommunicatorRunEqualsTheFusedRun) {
   EXPECT_EQ(*want, got);
   EXPECT_EQ(st.rows_received, 13);
   EXPECT_EQ(st.slots_computed, 13 * 4);
+}
+
+TEST(EpSeam, QuantizeXIsTheHostMxCodecBitForBit) {
+  // cpu::quantize_x_mxfp8 decides the scale on FP32 bits (so it vectorizes); it must agree with
+  // mx_quantize_block (k3/mx.hpp) on every block: normals, huge, E4M3-subnormal, Inf, NaN, zero.
+  k3::MoeProblem p;
+  p.shape = {64, 32, 4, 2, 1, 0};
+  p.recipe = k3::Recipe::kW4A8;
+  const int64_t m = 24, k = 64;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<uint16_t> x(static_cast<size_t>(m * k));
+  for (int64_t r = 0; r < m; ++r) {
+    const int exp_shift = static_cast<int>(r % 8) * 20 - 70;  // 2^-70 .. 2^70
+    for (int64_t c = 0; c < k; ++c) x[r * k + c] = k3::bf16_from_f32(std::ldexp(nd(rng), exp_shift));
+  }
+  x[3 * k + 5] = 0x7FC0;        // NaN
+  x[5 * k + 40] = 0xFF80;       // -Inf
+  x[7 * k + 1] = 0x7F80;        // +Inf
+  for (int64_t c = 0; c < 32; ++c) x[9 * k + c] = 0;  // a zero block
+  std::vector<uint8_t> want_codes(x.size()), want_scales(x.size() / 32);
+  for (size_t b = 0; b < want_scales.size(); ++b) {
+    float v[32];
+    for (int i = 0; i < 32; ++i) v[i] = k3::bf16_to_f32(x[b * 32 + i]);
+    want_scales[b] = k3::mx_quantize_block(v, k3::MxElement::kE4M3, k3::ScaleRule::kRceil, &want_codes[b * 32]);
+  }
+  for (int l = 0; l <= static_cast<int>(k3::best_isa_level()); ++l) {
+    const auto isa = static_cast<k3::IsaLevel>(l);
+    auto plan = k3::cpu::plan(p, {.threads = 1, .isa = isa});
+    ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+    std::vector<uint8_t> codes(x.size(), 0xAB), scales(x.size() / 32, 0xAB);
+    ASSERT_TRUE(k3::cpu::quantize_x_mxfp8(*plan, x, codes, scales).is_ok());
+    EXPECT_EQ(scales, want_scales) << k3::isa_level_name(isa);
+    EXPECT_EQ(codes, want_codes) << k3::isa_level_name(isa);
+  }
 }
 
 TEST(EpSeam, PreQuantizedW4A8RowsGiveTheSameBitsAsQuantizingInside) {

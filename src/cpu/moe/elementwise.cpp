@@ -85,6 +85,9 @@ K3_INLINE void activate_body(const ActParams& p, const float* gate, const float*
   }
 }
 
+// The block scale is MxBlockAmax's decision (k3/mx.hpp) on the FP32 bits, so that the loop vectorizes:
+// an unsigned max of |bits| is the float max, and a value above 0x7F800000 is a NaN (tested bitwise
+// against mx_quantize_block by the W4A8 tests).
 // E4M3 RNE of |q| <= 448 (or Inf, which saturates): normal range by mantissa rounding on the
 // FP32 bits, subnormal range (|q| < 2^-6) by adding 2^14, whose ulp is the E4M3 quantum 2^-9.
 K3_INLINE uint8_t quantize_e4m3_body(const float* v, uint8_t* codes) {

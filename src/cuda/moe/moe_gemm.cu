@@ -123,26 +123,20 @@ __global__ void __launch_bounds__(BM * 2) moe_gemm_kernel(Dims d, Recipe recipe,
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // row r_lo (c0, c1) or r_lo + 8 (c2, c3)
         float v[8];
-        float amax = 0.0f;
-        bool nan = false;
+        MxBlockAmax block;
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float x = activation_f32(act, expert, acc[j0 + jj][2 * half + e], acc_up[j0 + jj][2 * half + e]);
             v[2 * jj + e] = x;
-            nan = nan || (x != x);
-            amax = fmaxf(amax, fabsf(x));
+            block.add(x);
           }
         }
         uint8_t sc = 0;
         if (recipe == Recipe::kW4A8) {
-          // The 32 columns of this row live in the 4 lanes of the quad: reduce over them.
-          amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-          amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-          nan = __shfl_xor_sync(0xFFFFFFFFu, static_cast<int>(nan), 1) || nan;
-          nan = __shfl_xor_sync(0xFFFFFFFFu, static_cast<int>(nan), 2) || nan;
-          sc = nan ? kE8M0Nan : mx_scale_code(amax, MxElement::kE4M3, ScaleRule::kRceil);
+          quad_merge(block);  // the 32 columns of this row live in the 4 lanes of the quad
+          sc = block.scale_code(MxElement::kE4M3, ScaleRule::kRceil);
         }
         uint16_t h[8];
         if (recipe == Recipe::kW4A8) {

@@ -27,14 +27,9 @@ __global__ void prep_x_mx_kernel(Dims d, const int32_t* __restrict__ m_ptr, cons
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < live; i += stride) {
     const uint16_t* src = x + i * kMxBlock;
-    float amax = 0.0f;
-    bool has_nan = false;
-    for (int j = 0; j < kMxBlock; ++j) {
-      const float a = fabsf(bf16_to_f32(src[j]));
-      if (a != a) has_nan = true;
-      else amax = fmaxf(amax, a);
-    }
-    const uint8_t s = has_nan ? kE8M0Nan : mx_scale_code(amax, MxElement::kE4M3, ScaleRule::kRceil);
+    MxBlockAmax block;
+    for (int j = 0; j < kMxBlock; ++j) block.add(bf16_to_f32(src[j]));
+    const uint8_t s = block.scale_code(MxElement::kE4M3, ScaleRule::kRceil);
     scales[i] = s;
     for (int j = 0; j < kMxBlock; ++j) {
       codes[i * kMxBlock + j] = mx_encode_element(bf16_to_f32(src[j]), s, MxElement::kE4M3);
@@ -124,19 +119,14 @@ __global__ void __launch_bounds__(BM * 2) moe_gemm_mx_kernel(Dims d, ActParams a
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float v[8];
-        float amax = 0.0f;
-        int nan = 0;
+        MxBlockAmax block;
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
           v[t] = activation_f32(act, expert, acc[j0 + t / 2][2 * half + t % 2], acc_up[j0 + t / 2][2 * half + t % 2]);
-          nan |= v[t] != v[t];
-          amax = fmaxf(amax, fabsf(v[t]));
+          block.add(v[t]);
         }
-        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-        nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, 1);
-        nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, 2);
-        const uint8_t sc = nan ? kE8M0Nan : mx_scale_code(amax, MxElement::kE4M3, ScaleRule::kRceil);
+        quad_merge(block);  // the 32 columns of this row live in the 4 lanes of the quad
+        const uint8_t sc = block.scale_code(MxElement::kE4M3, ScaleRule::kRceil);
         const int64_t row = r_lo + 8 * half;
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {

@@ -20,6 +20,7 @@
 
 #include "cuda/moe/moe_shared.hpp"  // Dims, ActParams, status bits, geometry (host + device)
 #include "k3/moe.hpp"
+#include "k3/mx.hpp"
 
 namespace k3::cuda::moe_detail {
 
@@ -49,5 +50,20 @@ void launch_fc1_sm120(const Dims& d, int block_n, const ActParams& act, const ui
 void launch_fc2_sm120(const Dims& d, int block_n, const uint8_t* act_codes, const uint8_t* act_scales,
                       const int32_t* tile_expert, const uint8_t* fc2_q, const uint8_t* fc2_scale, float* y,
                       cudaStream_t s);
+
+}  // namespace k3::cuda::moe_detail
+
+namespace k3::cuda::moe_detail {
+
+// Merges the MX block accumulators of the 4 lanes of a quad (lanes 4q .. 4q+3 hold the 32 columns
+// of one row in the mma.sync accumulator layout): every lane ends with the block's amax and NaN flag.
+__device__ inline void quad_merge(MxBlockAmax& block) {
+#pragma unroll
+  for (int lane_mask = 1; lane_mask <= 2; lane_mask <<= 1) {
+    const float other_amax = __shfl_xor_sync(0xFFFFFFFFu, block.amax, lane_mask);
+    const int other_nan = __shfl_xor_sync(0xFFFFFFFFu, static_cast<int>(block.nan), lane_mask);
+    block.merge(other_amax, other_nan != 0);
+  }
+}
 
 }  // namespace k3::cuda::moe_detail

@@ -145,15 +145,9 @@ K3_HOST_DEVICE constexpr bool mxfp8_bf16_operands(const float (&v)[N], uint8_t s
 // exact dequantization as BF16 into dst. Returns false when some value is not held exactly
 // (the kernel then sets kStatusInexactX).
 K3_HOST_DEVICE constexpr bool w4a8_prep_block(const uint16_t* src, uint16_t* dst) {
-  float amax = 0.0f;
-  bool has_nan = false;
-  for (int j = 0; j < kMxBlock; ++j) {
-    const float v = bf16_to_f32(src[j]);
-    const float a = v < 0.0f ? -v : v;
-    if (a != a) has_nan = true;
-    else if (a > amax) amax = a;
-  }
-  const uint8_t scale = has_nan ? kE8M0Nan : mx_scale_code(amax, MxElement::kE4M3, ScaleRule::kRceil);
+  MxBlockAmax block;
+  for (int j = 0; j < kMxBlock; ++j) block.add(bf16_to_f32(src[j]));
+  const uint8_t scale = block.scale_code(MxElement::kE4M3, ScaleRule::kRceil);
   bool exact = true;
   for (int j = 0; j < kMxBlock; ++j) dst[j] = mxfp8_bf16_operand(bf16_to_f32(src[j]), scale, exact);
   return exact;
