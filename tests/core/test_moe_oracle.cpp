@@ -12,54 +12,15 @@
 #include "k3/formats.hpp"
 #include "k3/moe_ref.hpp"
 #include "k3/mx.hpp"
+#include "core/moe_case_util.hpp"
 
 namespace k3 {
 namespace {
 
-// ---- an owning problem with seeded random data ------------------------------------------------
-struct Case {
-  MoeProblem p;
-  int64_t m = 0;
-  std::vector<uint8_t> f1q, f1s, f2q, f2s;  // [E_local, 2N, K/2], [E_local, 2N, K/32], [E_local, K, N/2], [E_local, K, N/32]
-  std::vector<float> betas, lbetas;          // [E_local] or empty
-  std::vector<uint16_t> x;                   // [M, K] BF16
-  std::vector<int32_t> ids;                  // [M, top_k]
-  std::vector<float> wts;                    // [M, top_k]
-  MoeWeightsView wv() const { return {f1q, f1s, f2q, f2s, betas, lbetas}; }
-  MoeInputsView iv() const { return {m, x, ids, wts}; }
-};
-
-// Random MXFP4 weights with scale codes around `base` (all in the normal range), x ~ N(0, 1) in
-// BF16, distinct random ids over all E global experts (some remote), a few masked slots.
+// Cases: k3::test::random_moe_case (core/moe_case_util.hpp) with scale codes 121..123.
+using Case = test::MoeCase;
 Case random_case(int64_t k, int64_t n, int e, int top_k, int64_t m, int ep_size, int ep_rank, uint64_t seed) {
-  Case c;
-  c.p.shape = {k, n, e, top_k, ep_size, ep_rank};
-  c.m = m;
-  std::mt19937_64 rng(seed);
-  const int64_t el = e / ep_size;
-  auto fill_w = [&](std::vector<uint8_t>& q, std::vector<uint8_t>& s, int64_t rows, int64_t cols, int base) {
-    q.resize(el * rows * cols / 2);
-    s.resize(el * rows * cols / 32);
-    for (auto& b : q) b = static_cast<uint8_t>(rng());
-    for (auto& v : s) v = static_cast<uint8_t>(base + static_cast<int>(rng() % 3) - 1);
-  };
-  fill_w(c.f1q, c.f1s, 2 * n, k, 127 - 5);
-  fill_w(c.f2q, c.f2s, k, n, 127 - 5);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  c.x.resize(m * k);
-  for (auto& v : c.x) v = bf16_from_f32(nd(rng));
-  c.ids.resize(m * top_k);
-  c.wts.resize(m * top_k);
-  for (int64_t t = 0; t < m; ++t) {
-    std::vector<int32_t> perm(e);
-    for (int i = 0; i < e; ++i) perm[i] = i;
-    std::shuffle(perm.begin(), perm.end(), rng);
-    for (int s = 0; s < top_k; ++s) {
-      c.ids[t * top_k + s] = (rng() % 7 == 0) ? -1 : perm[s];
-      c.wts[t * top_k + s] = 0.05f + static_cast<float>(rng() % 1000) / 1000.f;
-    }
-  }
-  return c;
+  return test::random_moe_case(k, n, e, top_k, m, ep_size, ep_rank, seed, 127 - 5);
 }
 
 // ---- the naive oracle -------------------------------------------------------------------------
