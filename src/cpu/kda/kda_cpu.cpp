@@ -164,9 +164,8 @@ Result<int64_t> check_pool_inputs(const KdaConfig& c, const KdaInputs& in, std::
   if (!in.cu_seqlens.empty() || !in.initial_state.empty()) {
     return invalid_argument(std::string(what) + ": cu_seqlens and initial_state must be empty (the state pool holds the states)");
   }
-  auto s = kda::detail::validate_prefill_sizes(c, in, static_cast<int64_t>(o.size()), 0);
-  if (!s.is_ok()) return s.status();
-  return s.value().num_tokens;
+  K3_ASSIGN_OR_RETURN(auto s, kda::detail::validate_prefill_sizes(c, in, static_cast<int64_t>(o.size()), 0));
+  return s.num_tokens;
 }
 
 Result<int64_t> pool_slots(const KdaConfig& c, std::span<float> pool) {
@@ -232,13 +231,10 @@ std::string KdaPlan::describe() const {
 
 Status prefill(const KdaPlan& p, const KdaInputs& in, const KdaOutputs& out, std::span<uint8_t> workspace) {
   K3_RETURN_IF_ERROR(check_plan(p));
-  auto shape = validate_prefill(p.cfg, in, out);
-  if (!shape.is_ok()) return shape.status();
-  auto ws_at = workspace_floats(p, workspace);
-  if (!ws_at.is_ok()) return ws_at.status();
-  float* const ws = ws_at.value();
+  K3_ASSIGN_OR_RETURN(auto shape, validate_prefill(p.cfg, in, out));
+  K3_ASSIGN_OR_RETURN(float* const ws, workspace_floats(p, workspace));
   const KdaConfig& c = p.cfg;
-  const int64_t H = c.num_heads, N = shape.value().num_seqs, T = shape.value().num_tokens;
+  const int64_t H = c.num_heads, N = shape.num_seqs, T = shape.num_tokens;
   const int64_t block = c.head_k * c.head_v;
   const kda_detail::KernelTable& kt = kernels_for(p.isa);
   const kda_detail::ScratchLayout lay = kda_detail::scratch_layout(c.head_k, c.head_v);
@@ -315,11 +311,9 @@ Status prefill(const KdaPlan& p, const KdaInputs& in, const KdaOutputs& out, std
 Status decode(const KdaPlan& p, const DecodeArgs& a, std::span<uint8_t> workspace) {
   K3_RETURN_IF_ERROR(check_plan(p));
   const KdaConfig& c = p.cfg;
-  auto tokens = check_pool_inputs(c, a.in, a.o, "decode");
-  if (!tokens.is_ok()) return tokens.status();
-  auto slots = pool_slots(c, a.state_pool);
-  if (!slots.is_ok()) return slots.status();
-  const int64_t N = tokens.value(), H = c.num_heads, block = c.head_k * c.head_v;
+  K3_ASSIGN_OR_RETURN(auto tokens, check_pool_inputs(c, a.in, a.o, "decode"));
+  K3_ASSIGN_OR_RETURN(auto slots, pool_slots(c, a.state_pool));
+  const int64_t N = tokens, H = c.num_heads, block = c.head_k * c.head_v;
   if (static_cast<int64_t>(a.state_indices.size()) != N) {
     return invalid_argument("state_indices has " + num(static_cast<int64_t>(a.state_indices.size())) +
                             " entries, expected N = " + num(N) + " ([N])");
@@ -327,16 +321,14 @@ Status decode(const KdaPlan& p, const DecodeArgs& a, std::span<uint8_t> workspac
   std::vector<std::pair<int64_t, int64_t>> writes;
   for (int64_t n = 0; n < N; ++n) {
     const int64_t slot = a.state_indices[n];
-    if (slot >= slots.value()) {
+    if (slot >= slots) {
       return out_of_range("state_indices[" + num(n) + "] = " + num(slot) + " is past the pool's " +
-                          num(slots.value()) + " slots");
+                          num(slots) + " slots");
     }
     if (slot >= 0) writes.emplace_back(slot, n);
   }
   K3_RETURN_IF_ERROR(check_distinct_writes(std::move(writes)));
-  auto ws_at = workspace_floats(p, workspace);
-  if (!ws_at.is_ok()) return ws_at.status();
-  float* const ws = ws_at.value();
+  K3_ASSIGN_OR_RETURN(float* const ws, workspace_floats(p, workspace));
   const kda_detail::KernelTable& kt = kernels_for(p.isa);
   const int64_t per_thread = kda_detail::scratch_layout(c.head_k, c.head_v).total;
   // K-first states whose rows are whole SIMD vectors are updated in place in the pool.
@@ -367,16 +359,14 @@ Status decode(const KdaPlan& p, const DecodeArgs& a, std::span<uint8_t> workspac
 Status verify(const KdaPlan& p, const VerifyArgs& a, std::span<uint8_t> workspace) {
   K3_RETURN_IF_ERROR(check_plan(p));
   const KdaConfig& c = p.cfg;
-  auto tokens = check_pool_inputs(c, a.in, a.o, "verify");
-  if (!tokens.is_ok()) return tokens.status();
-  auto slots = pool_slots(c, a.state_pool);
-  if (!slots.is_ok()) return slots.status();
+  K3_ASSIGN_OR_RETURN(auto tokens, check_pool_inputs(c, a.in, a.o, "verify"));
+  K3_ASSIGN_OR_RETURN(auto slots, pool_slots(c, a.state_pool));
   const int64_t T = a.draft_tokens;
-  if (T < 1 || tokens.value() % T != 0) {
+  if (T < 1 || tokens % T != 0) {
     return invalid_argument("draft_tokens = " + num(T) + " must be >= 1 and divide the token count " +
-                            num(tokens.value()));
+                            num(tokens));
   }
-  const int64_t N = tokens.value() / T, H = c.num_heads, block = c.head_k * c.head_v;
+  const int64_t N = tokens / T, H = c.num_heads, block = c.head_k * c.head_v;
   if (static_cast<int64_t>(a.state_indices.size()) != N * T) {
     return invalid_argument("state_indices has " + num(static_cast<int64_t>(a.state_indices.size())) +
                             " entries, expected N * T = " + num(N * T) + " ([N, T])");
@@ -393,17 +383,15 @@ Status verify(const KdaPlan& p, const VerifyArgs& a, std::span<uint8_t> workspac
     }
     for (int64_t t = 0; t < T; ++t) {
       const int64_t slot = a.state_indices[n * T + t];
-      if (slot >= slots.value()) {
+      if (slot >= slots) {
         return out_of_range("state_indices[" + num(n) + ", " + num(t) + "] = " + num(slot) + " is past the pool's " +
-                            num(slots.value()) + " slots");
+                            num(slots) + " slots");
       }
       if (slot >= 0) writes.emplace_back(slot, n);
     }
   }
   K3_RETURN_IF_ERROR(check_distinct_writes(std::move(writes)));
-  auto ws_at = workspace_floats(p, workspace);
-  if (!ws_at.is_ok()) return ws_at.status();
-  float* const ws = ws_at.value();
+  K3_ASSIGN_OR_RETURN(float* const ws, workspace_floats(p, workspace));
   const kda_detail::KernelTable& kt = kernels_for(p.isa);
   const int64_t per_thread = kda_detail::scratch_layout(c.head_k, c.head_v).total;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p.threads)
@@ -432,25 +420,22 @@ Status verify(const KdaPlan& p, const VerifyArgs& a, std::span<uint8_t> workspac
 }
 
 Status prefill(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out, const KdaOptions& opt) {
-  auto pl = plan(cfg, opt);
-  if (!pl.is_ok()) return pl.status();
-  std::vector<uint8_t> ws(static_cast<size_t>(pl.value().workspace_bytes));
-  return prefill(pl.value(), in, out, ws);
+  K3_ASSIGN_OR_RETURN(auto pl, plan(cfg, opt));
+  std::vector<uint8_t> ws(static_cast<size_t>(pl.workspace_bytes));
+  return prefill(pl, in, out, ws);
 }
 
 Status decode(const KdaConfig& cfg, const DecodeArgs& args, const KdaOptions& opt) {
-  auto pl = plan(cfg, opt);
-  if (!pl.is_ok()) return pl.status();
-  std::vector<uint8_t> ws(static_cast<size_t>(pl.value().workspace_bytes));
-  return decode(pl.value(), args, ws);
+  K3_ASSIGN_OR_RETURN(auto pl, plan(cfg, opt));
+  std::vector<uint8_t> ws(static_cast<size_t>(pl.workspace_bytes));
+  return decode(pl, args, ws);
 }
 
 
 Status verify(const KdaConfig& cfg, const VerifyArgs& args, const KdaOptions& opt) {
-  auto pl = plan(cfg, opt);
-  if (!pl.is_ok()) return pl.status();
-  std::vector<uint8_t> ws(static_cast<size_t>(pl.value().workspace_bytes));
-  return verify(pl.value(), args, ws);
+  K3_ASSIGN_OR_RETURN(auto pl, plan(cfg, opt));
+  std::vector<uint8_t> ws(static_cast<size_t>(pl.workspace_bytes));
+  return verify(pl, args, ws);
 }
 
 }  // namespace k3::cpu
