@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "k3/moe.hpp"
+#include "k3/routing.hpp"
 #include "k3/status.hpp"
 
 namespace k3 {
@@ -84,6 +85,19 @@ struct MoeLayerWeights {
 // ranges, with the experts the checkpoint does hold for that layer); a tensor with the wrong
 // dtype or shape (each named with what was expected); a quantization format other than MXFP4.
 Result<MoeLayerWeights> load_moe_layer(const std::string& checkpoint_dir, int layer, int ep_size, int ep_rank);
+
+// ---- config.json -> what the backends take ---------------------------------------------------
+// Activation from hidden_act ("situ" with the config's betas, "swiglu", "silu"); anything else is
+// an UNSUPPORTED error naming the value and the config file.
+Result<Activation> activation_from_config(const MoeModelConfig& c);
+// The router's facts, for callers that route logits. scoring_func must be "sigmoid" (the only
+// scoring k3's router implements): anything else is an UNSUPPORTED error naming the value, the
+// config file and that reason; an invalid combination (validate_routing_config) names the file.
+// Inputs that bring topk_ids / topk_weights are not routed and need none of it.
+Result<RoutingConfig> routing_from_config(const MoeModelConfig& c);
+// The fused-MoE problem of a loaded layer under a recipe and output dtype (shape from the layer,
+// activation from its config), validated.
+Result<MoeProblem> moe_problem_from_layer(const MoeLayerWeights& l, Recipe recipe, OutDType out_dtype);
 
 // "3, 7-9, 12" for a sorted list of ids; after `max_ranges` ranges "... (N more)".
 std::string format_id_ranges(const std::vector<int>& sorted_ids, int max_ranges = 12);

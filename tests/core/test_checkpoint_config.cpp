@@ -154,6 +154,72 @@ TEST(ModelConfig, MistypedAndInconsistentValues) {
   EXPECT_HAS(parse_model_config("[]", "c.json").status().message(), "must be a JSON object");
 }
 
+// config.json -> activation / router configuration / problem: one definition in the library,
+// used by `k3 moe run`, `k3 validate --checkpoint` and the Python MoeLayer.
+TEST(ModelConfig, ActivationRoutingAndProblemFromTheConfig) {
+  auto kimi = parse_model_config(kimi_config().dump(), "kimi/config.json");
+  ASSERT_TRUE(kimi) << kimi.status().to_string();
+  auto act = activation_from_config(kimi.value());
+  ASSERT_TRUE(act) << act.status().to_string();
+  EXPECT_EQ(act->kind, ActivationKind::kSiTU);
+  EXPECT_EQ(act->situ_beta, 4.0f);
+  EXPECT_EQ(act->situ_linear_beta, 25.0f);
+  auto rc = routing_from_config(kimi.value());
+  ASSERT_TRUE(rc) << rc.status().to_string();
+  EXPECT_EQ(rc->num_experts, 896);
+  EXPECT_EQ(rc->top_k, 16);
+  EXPECT_TRUE(rc->renormalize);
+
+  auto ds = parse_model_config(deepseek_config().dump(), "ds/config.json");
+  ASSERT_TRUE(ds) << ds.status().to_string();
+  auto ds_rc = routing_from_config(ds.value());
+  ASSERT_TRUE(ds_rc) << ds_rc.status().to_string();
+  EXPECT_EQ(ds_rc->n_group, 8);
+  EXPECT_EQ(ds_rc->topk_group, 4);
+  EXPECT_EQ(ds_rc->routed_scaling_factor, 2.5f);
+  EXPECT_EQ(activation_from_config(ds.value())->kind, ActivationKind::kSiLU);
+
+  MoeLayerWeights layer;
+  layer.config = kimi.value();
+  auto shape = moe_shape_from_config(layer.config, 32, 7);
+  ASSERT_TRUE(shape) << shape.status().to_string();
+  layer.shape = shape.value();
+  auto p = moe_problem_from_layer(layer, Recipe::kW4A16, OutDType::kFP32);
+  ASSERT_TRUE(p) << p.status().to_string();
+  EXPECT_EQ(p->shape.local_experts(), 28);
+  EXPECT_EQ(p->recipe, Recipe::kW4A16);
+  EXPECT_EQ(p->out_dtype, OutDType::kFP32);
+  EXPECT_EQ(p->activation.kind, ActivationKind::kSiTU);
+}
+
+TEST(ModelConfig, WhatTheLibraryCannotRouteOrRunIsNamed) {
+  auto j = kimi_config();
+  j["text_config"]["moe_router_activation_func"] = "softmax";
+  j["text_config"]["hidden_act"] = "gelu";
+  auto c = parse_model_config(j.dump(), "odd/config.json");
+  ASSERT_TRUE(c) << c.status().to_string();
+  auto rc = routing_from_config(c.value());
+  ASSERT_FALSE(rc);
+  EXPECT_EQ(rc.status().code(), StatusCode::kUnsupported);
+  EXPECT_HAS(rc.status().message(), "odd/config.json: scoring_func = 'softmax' cannot be routed by k3");
+  auto act = activation_from_config(c.value());
+  ASSERT_FALSE(act);
+  EXPECT_EQ(act.status().code(), StatusCode::kUnsupported);
+  EXPECT_HAS(act.status().message(), "odd/config.json: hidden_act 'gelu' is not a fused-MoE activation");
+  MoeLayerWeights layer;
+  layer.config = c.value();
+  layer.shape = moe_shape_from_config(layer.config, 1, 0).value();
+  EXPECT_FALSE(moe_problem_from_layer(layer, Recipe::kW4A8, OutDType::kBF16));
+  // A grouping the router refuses names the file.
+  auto g = kimi_config();
+  g["text_config"]["num_expert_group"] = 64;  // 1 group of 14 experts cannot hold top-16
+  auto gc = parse_model_config(g.dump(), "grp/config.json");
+  ASSERT_TRUE(gc) << gc.status().to_string();
+  auto grc = routing_from_config(gc.value());
+  ASSERT_FALSE(grc);
+  EXPECT_HAS(grc.status().message(), "grp/config.json: routing: topk_group = 1 groups of 14 experts hold 14");
+}
+
 TEST(ModelConfig, LoadFromDirectoryOrFile) {
   test::TempDir dir("cfg_load");
   auto r = load_model_config(dir.str());

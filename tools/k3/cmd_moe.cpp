@@ -200,7 +200,7 @@ Status run_moe(const MoeRunArgs& a) {
   K3_RETURN_IF_ERROR(check_ep_flags(a.ep_size, a.ep_rank, a.checkpoint));
   auto layer = load_moe_layer(a.checkpoint, a.layer, a.ep_size, a.ep_rank);
   if (!layer.is_ok()) return layer.status();
-  auto prob = problem_from_layer(layer.value(), recipe.value(), dtype.value());
+  auto prob = moe_problem_from_layer(layer.value(), recipe.value(), dtype.value());
   if (!prob.is_ok()) return prob.status();
   auto in = read_inputs(a.input, layer.value());
   if (!in.is_ok()) return in.status();
@@ -329,7 +329,7 @@ Status run_moe_distributed(const MoeRunArgs& a) {
   auto layer = load_moe_layer(a.checkpoint, a.layer, world, rank);
   K3_RETURN_IF_ERROR(agree(layer.status()));
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
-  auto prob = problem_from_layer(layer.value(), recipe.value(), dtype.value());
+  auto prob = moe_problem_from_layer(layer.value(), recipe.value(), dtype.value());
   K3_RETURN_IF_ERROR(agree(prob.status()));
   UserInputs in;
   Status read_st = Status::ok();

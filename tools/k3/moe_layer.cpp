@@ -2,7 +2,7 @@
 
 #include <string>
 
-#include "k3/safetensors.hpp"
+#include "k3/checkpoint.hpp"
 
 namespace k3::tool {
 
@@ -20,50 +20,6 @@ Status check_ep_flags(int ep_size, int ep_rank, const std::string& checkpoint) {
                             " experts (num_experts in " + cfg->source + "), got " + std::to_string(ep_size));
   }
   return Status::ok();
-}
-
-Result<Activation> activation_from_config(const MoeModelConfig& c) {
-  auto kind = parse_activation(c.hidden_act);
-  if (!kind.is_ok()) {
-    return unsupported(c.source + ": hidden_act '" + st::printable_name(c.hidden_act) +
-                       "' is not a fused-MoE activation of k3 (situ, swiglu, silu)");
-  }
-  Activation a;
-  a.kind = kind.value();
-  a.situ_beta = c.situ_beta;
-  a.situ_linear_beta = c.situ_linear_beta;
-  return a;
-}
-
-Result<RoutingConfig> routing_from_config(const MoeModelConfig& c) {
-  if (c.scoring_func != "sigmoid") {
-    return unsupported(c.source + ": scoring_func = '" + st::printable_name(c.scoring_func) +
-                       "' cannot be routed by k3: its router implements only scoring_func = 'sigmoid' (sigmoid "
-                       "scores + e_score_correction_bias, Kimi-K3 / DeepSeek-V3 style); an input with "
-                       "'topk_ids' + 'topk_weights' instead of 'logits' needs no routing");
-  }
-  RoutingConfig r;
-  r.num_experts = c.num_experts;
-  r.top_k = c.top_k;
-  r.n_group = c.n_group;
-  r.topk_group = c.topk_group;
-  r.renormalize = c.renormalize;
-  r.routed_scaling_factor = c.routed_scaling_factor;
-  const Status st = validate_routing_config(r);
-  if (!st.is_ok()) return invalid_argument(c.source + ": " + st.message());
-  return r;
-}
-
-Result<MoeProblem> problem_from_layer(const MoeLayerWeights& l, Recipe recipe, OutDType out_dtype) {
-  auto act = activation_from_config(l.config);
-  if (!act.is_ok()) return act.status();
-  MoeProblem p;
-  p.shape = l.shape;
-  p.recipe = recipe;
-  p.activation = act.value();
-  p.out_dtype = out_dtype;
-  K3_RETURN_IF_ERROR(validate_moe_shape(p.shape));
-  return p;
 }
 
 }  // namespace k3::tool

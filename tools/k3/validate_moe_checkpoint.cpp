@@ -57,7 +57,7 @@ void validate_on_checkpoint(const ValidateOptions& o, const std::vector<Recipe>&
   }
   MoeLayerWeights& l = layer.value();
   auto rc = routing_from_config(l.config);
-  auto prob = problem_from_layer(l, Recipe::kW4A8, OutDType::kBF16);
+  auto prob = moe_problem_from_layer(l, Recipe::kW4A8, OutDType::kBF16);
   if (!rc.is_ok() || !prob.is_ok()) {
     rows.push_back(fail_row(tag + " config", (rc.is_ok() ? prob.status() : rc.status()).to_string()));
     return;
