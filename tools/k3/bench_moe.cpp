@@ -3,23 +3,20 @@
 //   decode  (M <= 64):  MXFP4 weight bytes streamed per second / read bandwidth
 //   prefill (M >= 128): FLOP/s / peak of the dot-product instruction the kernel uses
 // Both fractions are printed for every M; the "bound" column names the one that applies.
-#include <omp.h>
 
 #include <algorithm>
-#include <cstring>
 #include <cstdio>
-#include <memory>
 #include <random>
 #include <sstream>
 
 #include "backend_options.hpp"
 #include "bench.hpp"
 #include "bench_moe_cuda.hpp"
-#include "bench_moe_routing.hpp"
 #include "k3/atomic_file.hpp"
 #include "k3/cpu_moe.hpp"
 #include "k3/expert_map.hpp"
 #include "k3/formats.hpp"
+#include "k3/moe_workload.hpp"
 #include "k3/system.hpp"
 
 namespace k3::tool {
@@ -68,41 +65,17 @@ Result<std::vector<int64_t>> parse_m_list(const std::string& s) {
   return out;
 }
 
-// Random MXFP4 weights: codes uniform, scales 2^-8 .. 2^-6 (unit-scale GEMM outputs at Kimi
-// fan-ins); only the bytes streamed matter to the timing, the values to nothing but finiteness.
-void random_weights(const MoeShape& sh, uint64_t seed, std::vector<uint8_t>& f1q, std::vector<uint8_t>& f1s,
-                    std::vector<uint8_t>& f2q, std::vector<uint8_t>& f2s) {
-  const int64_t el = sh.local_experts(), k = sh.hidden, n = sh.intermediate;
-  f1q.resize(static_cast<size_t>(el * 2 * n * k / 2));
-  f1s.resize(static_cast<size_t>(el * 2 * n * k / 32));
-  f2q.resize(static_cast<size_t>(el * k * n / 2));
-  f2s.resize(static_cast<size_t>(el * k * n / 32));
-  // splitmix64 of the byte offset: fast, seeded, and independent of the thread count.
-  auto fill = [seed](std::vector<uint8_t>& v) {
-    const int64_t words = static_cast<int64_t>(v.size() / 8);
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < words; ++i) {
-      uint64_t z = seed + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
-      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-      z ^= z >> 31;
-      std::memcpy(v.data() + i * 8, &z, 8);
-    }
-  };
-  fill(f1q);
-  fill(f2q);
-  std::mt19937_64 rng(seed);
-  for (auto& s : f1s) s = static_cast<uint8_t>(119 + rng() % 3);
-  for (auto& s : f2s) s = static_cast<uint8_t>(119 + rng() % 3);
-}
-
-struct Case {
-  std::vector<uint16_t> x;        // [M, K]
-  Routing routing;                // ids / weights [M, top_k]
+// The sweep the flags ask for, checked before anything is measured.
+struct Sweep {
+  std::vector<int64_t> ms;
+  std::vector<Recipe> recipes;
+  ActivationKind activation = ActivationKind::kSiTU;
+  BenchRouting routing;
+  MoeShape shape;
 };
 
-Status run_moe_bench(const MoeBenchArgs& a) {
-  // Output paths are checked before the (long) run; a replay file is never overwritten.
+// Output paths are checked before the (long) run; a replay file is never overwritten.
+Status check_output_flags(const MoeBenchArgs& a) {
   for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--output", a.output},
                                    std::pair<const char*, const std::string&>{"--save-routing", a.save_routing}}) {
     if (path.empty()) continue;
@@ -115,183 +88,135 @@ Status run_moe_bench(const MoeBenchArgs& a) {
     K3_RETURN_IF_ERROR(check_output_not_input("--save-routing", a.save_routing, "--output", a.output));
     if (a.output == a.save_routing) return invalid_argument("--output and --save-routing are both " + a.output);
   }
-  std::vector<int64_t> ms(std::begin(kDefaultM), std::end(kDefaultM));
-  if (a.full) ms.push_back(8192);
+  return Status::ok();
+}
+
+Result<Sweep> resolve_sweep(const MoeBenchArgs& a) {
+  Sweep s;
+  s.ms.assign(std::begin(kDefaultM), std::end(kDefaultM));
+  if (a.full) s.ms.push_back(8192);
   if (!a.m_list.empty()) {
-    auto r = parse_m_list(a.m_list);
-    if (!r.is_ok()) return r.status();
-    ms = r.value();
+    K3_ASSIGN_OR_RETURN(s.ms, parse_m_list(a.m_list));
   }
-  std::vector<Recipe> recipes;
   if (a.recipe == "both") {
-    recipes = {Recipe::kW4A8, Recipe::kW4A16};
+    s.recipes = {Recipe::kW4A8, Recipe::kW4A16};
   } else {
-    auto r = parse_recipe(a.recipe);
-    if (!r.is_ok()) return r.status();
-    recipes = {r.value()};
+    K3_ASSIGN_OR_RETURN(const Recipe r, parse_recipe(a.recipe));
+    s.recipes = {r};
   }
-  auto act = parse_activation(a.activation);
-  if (!act.is_ok()) return act.status();
-  auto spec = parse_routing(a.routing);
-  if (!spec.is_ok()) return spec.status();
-  const MoeShape shape{a.k, a.n, a.experts, a.top_k, a.ep_size, a.ep_rank};
-  K3_RETURN_IF_ERROR(validate_moe_shape(shape));
-  if (a.backend == "cuda") {
-    CudaMoeBenchParams cp;
-    cp.ms = ms;
-    cp.recipes = recipes;
-    cp.activation = act.value();
-    cp.routing = spec.value();
-    cp.shape = shape;
-    cp.iters = a.iters;
-    cp.seed = a.seed;
-    cp.output = a.output;
-    const Status st = run_moe_bench_cuda(cp);
-    return st.is_ok() ? st : Status(st.code(), "--backend cuda: " + st.message());
+  K3_ASSIGN_OR_RETURN(s.activation, parse_activation(a.activation));
+  auto routing = parse_bench_routing(a.routing);
+  if (!routing.is_ok()) return Status(routing.status().code(), "--" + routing.status().message());
+  s.routing = routing.value();
+  s.shape = MoeShape{a.k, a.n, a.experts, a.top_k, a.ep_size, a.ep_rank};
+  K3_RETURN_IF_ERROR(validate_moe_shape(s.shape));
+  return s;
+}
+
+// One input set: x and its routing. Several per M so that consecutive calls touch different experts.
+struct InputSet {
+  std::vector<uint16_t> x;  // [M, K]
+  RoutedTokens routing;     // ids / weights [M, top_k]
+};
+
+Result<std::vector<InputSet>> make_input_sets(const MoeBenchArgs& a, const Sweep& s, int64_t m) {
+  std::vector<InputSet> sets(static_cast<size_t>(std::max(1, a.input_sets)));
+  std::mt19937_64 rng(a.seed + static_cast<uint64_t>(m));
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (size_t i = 0; i < sets.size(); ++i) {
+    sets[i].x.resize(static_cast<size_t>(m * a.k));
+    for (auto& v : sets[i].x) v = bf16_from_f32(nd(rng));
+    const uint64_t seed = a.seed + 1000003ull * static_cast<uint64_t>(i + 1) + static_cast<uint64_t>(m);
+    K3_ASSIGN_OR_RETURN(sets[i].routing, make_bench_routing(s.routing, s.shape, m, seed));
   }
-  if (a.backend != "cpu") return invalid_argument("--backend " + a.backend + " is not known (cpu or cuda)");
-  const int threads = a.threads > 0 ? a.threads : default_thread_count();
-  const int64_t max_m = *std::max_element(ms.begin(), ms.end());
-  auto isa = a.isa.empty() ? active_isa_level() : parse_isa_level(a.isa);
-  if (!isa.is_ok()) return Status(isa.status().code(), (a.isa.empty() ? "" : "--isa: ") + isa.status().message());
+  return sets;
+}
 
-  if (auto probe = make_routing(spec.value(), shape, 1, a.seed); !probe.is_ok()) return probe.status();
-  if (!a.save_routing.empty()) {
-    auto r = make_routing(spec.value(), shape, max_m, a.seed);
-    if (!r.is_ok()) return r.status();
-    K3_RETURN_IF_ERROR(save_routing(a.save_routing, max_m, a.top_k, r->ids));
-    std::fprintf(stderr, "saved %lld x %d ids to %s\n", static_cast<long long>(max_m), a.top_k, a.save_routing.c_str());
+// What a call over one input set does, averaged over the sets: weight bytes streamed, FLOPs,
+// rows, the rows-per-expert histogram and the padding a block-8 grouped GEMM would add.
+struct SetStats {
+  double bytes = 0, flops = 0, rows = 0, padding = 0;
+  ExpertLoad load;
+};
+
+Result<SetStats> set_stats(const Sweep& s, const std::vector<InputSet>& sets, int64_t m, int64_t chunk_tokens) {
+  SetStats st;
+  std::vector<int64_t> all_rows;
+  const double n = static_cast<double>(sets.size());
+  for (const auto& c : sets) {
+    K3_ASSIGN_OR_RETURN(const MoeCallTraffic t, moe_call_traffic(s.shape, m, c.routing.ids, chunk_tokens));
+    K3_ASSIGN_OR_RETURN(const EpMapping map, map_expert_parallel(s.shape, m, c.routing.ids));
+    st.bytes += t.weight_bytes / n;
+    st.flops += t.flops / n;
+    st.rows += static_cast<double>(t.local_slots) / n;
+    all_rows.insert(all_rows.end(), map.rows_per_expert.begin(), map.rows_per_expert.end());
+    if (auto pad = pad_to_block(map, 8); pad.is_ok()) st.padding += pad->padding_fraction / n;
   }
+  st.load = expert_load(all_rows);
+  return st;
+}
 
-  std::fprintf(stderr, "measuring machine limits (%d thread(s), isa %s) ...\n", threads, isa_level_name(isa.value()));
-  const MeasuredRate bw = measure_read_bandwidth(threads, a.bandwidth_mib << 20);
-  const MeasuredRate peak = measure_dot_peak(threads, isa.value());  // the instruction the level's kernel uses
+struct Limits {
+  MeasuredRate bw, peak;
+  int threads = 1;
+  IsaLevel isa = IsaLevel::kScalar;
+};
 
-  std::fprintf(stderr, "preparing weights: E_local %d, K %lld, N %lld ...\n", shape.local_experts(),
-               static_cast<long long>(a.k), static_cast<long long>(a.n));
-  std::vector<uint8_t> f1q, f1s, f2q, f2s;
-  random_weights(shape, a.seed, f1q, f1s, f2q, f2s);
-  const MoeWeightsView wv{f1q, f1s, f2q, f2s, {}, {}};
+// Times one M of one recipe, prints its row and returns its JSON record.
+Result<nlohmann::json> measure_m(const MoeBenchArgs& a, const Sweep& s, const Limits& lim, const cpu::MoePlan& plan,
+                                 const cpu::PackedWeights& packed, std::vector<uint8_t>& ws, int64_t m) {
+  K3_ASSIGN_OR_RETURN(const std::vector<InputSet> sets, make_input_sets(a, s, m));
+  K3_ASSIGN_OR_RETURN(const SetStats st, set_stats(s, sets, m, plan.chunk_tokens));
+  std::vector<uint8_t> out(static_cast<size_t>(m * a.k * 2));
+  size_t next = 0;
+  Status run_status;
+  auto call = [&]() {
+    const InputSet& c = sets[next];
+    next = (next + 1) % sets.size();
+    const MoeInputsView in{m, c.x, c.routing.ids, c.routing.weights};
+    Status r = cpu::run(plan, packed, in, ws, out);
+    if (!r.is_ok()) run_status = r;
+  };
+  const Timing t = time_runs(call, a.warmup, a.iters > 0 ? a.iters : default_iters(m));
+  K3_RETURN_IF_ERROR(run_status);
+  const double gbps = st.bytes / t.median / 1e9, gflops = st.flops / t.median / 1e9;
+  const double frac_bw = st.bytes / t.median / lim.bw.value, frac_peak = st.flops / t.median / lim.peak.value;
+  const bool decode = m <= 64;
+  const Recipe recipe = plan.problem.recipe;
+  std::printf("%-6s %6lld %-10s %7.0f %9.3f %9.3f %9.3f %9.2f %6.1f%% %9.1f %6.1f%% %-8s %s\n", recipe_name(recipe),
+              static_cast<long long>(m), s.routing.name().c_str(), st.rows, t.median * 1e3, t.min * 1e3, t.max * 1e3,
+              gbps, 100 * frac_bw, gflops, 100 * frac_peak, decode ? "memory" : "compute", st.load.to_string().c_str());
+  std::fflush(stdout);
+  const auto& sh = s.shape;
+  return nlohmann::json{
+      {"op", "moe"},
+      {"backend", "cpu"},
+      {"isa", isa_level_name(lim.isa)},
+      {"kernel", plan.blocking.kernel},
+      {"recipe", recipe_name(recipe)},
+      {"activation", a.activation},
+      {"m", m},
+      {"shape", {{"K", sh.hidden}, {"N", sh.intermediate}, {"E", sh.num_experts}, {"E_local", sh.local_experts()},
+                 {"top_k", sh.top_k}, {"ep_size", sh.ep_size}, {"ep_rank", sh.ep_rank}}},
+      {"routing", s.routing.name()},
+      {"input_sets", sets.size()},
+      {"histogram", {{"rows_per_call", st.rows}, {"mean", st.load.mean}, {"p50", st.load.p50}, {"p90", st.load.p90},
+                     {"max", st.load.max}, {"empty_experts", st.load.empty}, {"padding_fraction_block8", st.padding}}},
+      {"plan", plan.describe()},
+      {"timing", to_json(t)},
+      {"weight_bytes_per_call", st.bytes},
+      {"flop_per_call", st.flops},
+      {"weight_GBps", gbps},
+      {"GFLOPs", gflops},
+      {"fraction_of_read_bandwidth", frac_bw},
+      {"fraction_of_dot_peak", frac_peak},
+      {"bound", decode ? "memory" : "compute"}};
+}
 
-  nlohmann::json records = nlohmann::json::array();
-  std::printf("cpu moe bench: %s, isa %s, %d thread(s); limits: read %.2f GB/s, %s %.1f GFLOP/s\n",
-              cpu_info().model.c_str(), isa_level_name(isa.value()), threads, bw.value / 1e9, peak.what.c_str(),
-              peak.value / 1e9);
-  std::printf("%-6s %6s %-10s %7s %9s %9s %9s %9s %7s %9s %7s %-8s %s\n", "recipe", "M", "routing", "rows", "median_ms",
-              "min_ms", "max_ms", "wGB/s", "%bw", "GFLOP/s", "%peak", "bound", "rows/expert");
-  const int total = static_cast<int>(ms.size() * recipes.size());
-  int done = 0;
-  for (Recipe recipe : recipes) {
-    MoeProblem prob;
-    prob.shape = shape;
-    prob.recipe = recipe;
-    prob.activation.kind = act.value();
-    prob.out_dtype = OutDType::kBF16;
-    cpu::MoeOptions opt;
-    opt.threads = threads;
-    opt.max_tokens = max_m;
-    opt.isa = isa.value();
-    auto plan = cpu::plan(prob, opt);
-    if (!plan.is_ok()) return a.threads > 0 ? plan.status() : with_thread_source(plan.status(), threads);
-    auto packed = cpu::prepack(plan.value(), wv);
-    if (!packed.is_ok()) return packed.status();
-    std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));
-    std::fprintf(stderr, "%s\n", plan->describe().c_str());
-    for (int64_t m : ms) {
-      progress(done, total, std::string("moe ") + recipe_name(recipe) + " M=" + std::to_string(m));
-      // Several input sets (x and routing) so that consecutive calls touch different experts.
-      const int sets = std::max(1, a.input_sets);
-      std::vector<Case> cases(static_cast<size_t>(sets));
-      std::mt19937_64 rng(a.seed + static_cast<uint64_t>(m));
-      std::normal_distribution<float> nd(0.f, 1.f);
-      for (int s = 0; s < sets; ++s) {
-        auto& c = cases[static_cast<size_t>(s)];
-        c.x.resize(static_cast<size_t>(m * a.k));
-        for (auto& v : c.x) v = bf16_from_f32(nd(rng));
-        auto r = make_routing(spec.value(), shape, m, a.seed + 1000003ull * static_cast<uint64_t>(s + 1) + static_cast<uint64_t>(m));
-        if (!r.is_ok()) return r.status();
-        c.routing = std::move(r.value());
-      }
-      std::vector<uint8_t> out(static_cast<size_t>(m * a.k * 2));
-      // Bytes streamed and FLOPs of each set: every local expert with rows reads FC1 + FC2 once
-      // per chunk of tokens it has rows in.
-      double bytes = 0, flops = 0;
-      int64_t rows = 0;
-      ExpertLoad load;
-      double padding = 0;
-      std::vector<int64_t> all_rows;
-      for (const auto& c : cases) {
-        auto map = map_expert_parallel(shape, m, c.routing.ids);
-        if (!map.is_ok()) return map.status();
-        for (int64_t t0 = 0; t0 < m; t0 += plan->chunk_tokens) {
-          const int64_t t1 = std::min(m, t0 + plan->chunk_tokens);
-          std::vector<char> used(static_cast<size_t>(shape.local_experts()), 0);
-          for (int64_t i = t0 * a.top_k; i < t1 * a.top_k; ++i) {
-            const int32_t l = map->local_ids[static_cast<size_t>(i)];
-            if (l >= 0) used[static_cast<size_t>(l)] = 1;
-          }
-          for (char u : used) bytes += u ? static_cast<double>(packed->fc1_expert_bytes() + packed->fc2_expert_bytes()) : 0.0;
-        }
-        rows += map->local_slots;
-        flops += 2.0 * static_cast<double>(map->local_slots) * 3.0 * static_cast<double>(a.k * a.n);
-        all_rows.insert(all_rows.end(), map->rows_per_expert.begin(), map->rows_per_expert.end());
-        auto pad = pad_to_block(map.value(), 8);
-        if (pad.is_ok()) padding += pad->padding_fraction / sets;
-      }
-      load = expert_load(all_rows);
-      bytes /= sets;
-      flops /= sets;
-      const double rows_per_call = static_cast<double>(rows) / sets;
-      int next = 0;
-      Status run_status;
-      auto call = [&]() {
-        const Case& c = cases[static_cast<size_t>(next)];
-        next = (next + 1) % sets;
-        const MoeInputsView in{m, c.x, c.routing.ids, c.routing.weights};
-        Status s = cpu::run(plan.value(), packed.value(), in, ws, out);
-        if (!s.is_ok()) run_status = s;
-      };
-      const int iters = a.iters > 0 ? a.iters : default_iters(m);
-      const Timing t = time_runs(call, a.warmup, iters);
-      if (!run_status.is_ok()) return run_status;
-      const double gbps = bytes / t.median / 1e9, gflops = flops / t.median / 1e9;
-      const double frac_bw = bytes / t.median / bw.value, frac_peak = flops / t.median / peak.value;
-      const bool decode = m <= 64;
-      std::printf("%-6s %6lld %-10s %7.0f %9.3f %9.3f %9.3f %9.2f %6.1f%% %9.1f %6.1f%% %-8s %s\n",
-                  recipe_name(recipe), static_cast<long long>(m), spec->name().c_str(), rows_per_call,
-                  t.median * 1e3, t.min * 1e3, t.max * 1e3, gbps, 100 * frac_bw, gflops, 100 * frac_peak,
-                  decode ? "memory" : "compute", load.to_string().c_str());
-      std::fflush(stdout);
-      records.push_back({{"op", "moe"},
-                         {"backend", "cpu"},
-                         {"isa", isa_level_name(isa.value())},
-                         {"kernel", plan->blocking.kernel},
-                         {"recipe", recipe_name(recipe)},
-                         {"activation", a.activation},
-                         {"m", m},
-                         {"shape", {{"K", a.k}, {"N", a.n}, {"E", a.experts}, {"E_local", shape.local_experts()},
-                                    {"top_k", a.top_k}, {"ep_size", a.ep_size}, {"ep_rank", a.ep_rank}}},
-                         {"routing", spec->name()},
-                         {"input_sets", sets},
-                         {"histogram", {{"rows_per_call", rows_per_call}, {"mean", load.mean}, {"p50", load.p50},
-                                        {"p90", load.p90}, {"max", load.max}, {"empty_experts", load.empty},
-                                        {"padding_fraction_block8", padding}}},
-                         {"plan", plan->describe()},
-                         {"timing", to_json(t)},
-                         {"weight_bytes_per_call", bytes},
-                         {"flop_per_call", flops},
-                         {"weight_GBps", gbps},
-                         {"GFLOPs", gflops},
-                         {"fraction_of_read_bandwidth", frac_bw},
-                         {"fraction_of_dot_peak", frac_peak},
-                         {"bound", decode ? "memory" : "compute"}});
-      ++done;
-    }
-  }
-  progress(total, total, "done");
-  // One line for the machine: per recipe, the smallest decode M (fraction of the read bandwidth)
-  // and the largest prefill M (fraction of the level's peak).
-  std::string verdict;
+// Per recipe, the smallest decode M (fraction of the read bandwidth) and the largest prefill M
+// (fraction of the level's peak): "; w4a8 M=1 41% of read bandwidth, M=2048 63% of peak".
+std::string verdict(const std::vector<Recipe>& recipes, const nlohmann::json& records) {
+  std::string v;
   for (Recipe recipe : recipes) {
     const nlohmann::json* dec = nullptr;
     const nlohmann::json* pre = nullptr;
@@ -306,31 +231,104 @@ Status run_moe_bench(const MoeBenchArgs& a) {
       std::snprintf(buf, sizeof buf, "; %s M=%lld %.0f%% of read bandwidth", recipe_name(recipe),
                     static_cast<long long>((*dec)["m"].get<int64_t>()),
                     100 * (*dec)["fraction_of_read_bandwidth"].get<double>());
-      verdict += buf;
+      v += buf;
     }
     if (pre != nullptr) {
       const std::string lead = dec != nullptr ? "," : std::string("; ") + recipe_name(recipe);
       std::snprintf(buf, sizeof buf, "%s M=%lld %.0f%% of peak", lead.c_str(),
                     static_cast<long long>((*pre)["m"].get<int64_t>()),
                     100 * (*pre)["fraction_of_dot_peak"].get<double>());
-      verdict += buf;
+      v += buf;
     }
   }
-  std::printf("verdict: %s, isa %s (kernel %s), %d thread(s)%s\n", cpu_info().model.c_str(), isa_level_name(isa.value()),
-              records.empty() ? "-" : records[0]["kernel"].get<std::string>().c_str(), threads, verdict.c_str());
-  std::printf("limits: %s %.2f GB/s (min %.2f, max %.2f); %s %.1f GFLOP/s (min %.1f, max %.1f)\n", bw.what.c_str(),
-              bw.value / 1e9, bw.min / 1e9, bw.max / 1e9, peak.what.c_str(), peak.value / 1e9, peak.min / 1e9,
-              peak.max / 1e9);
-  if (!a.output.empty()) {
-    nlohmann::json machine = machine_json(threads);
-    machine["isa"] = isa_level_name(isa.value());
-    nlohmann::json j = {{"machine", machine},
-                        {"read_bandwidth_Bps", to_json(bw)},
-                        {"dot_peak_flops", to_json(peak)},
-                        {"records", records}};
-    K3_RETURN_IF_ERROR(write_file_atomic(a.output, j.dump(2) + "\n", "--output"));
+  return v;
+}
+
+Status run_moe_bench_cpu(const MoeBenchArgs& a, const Sweep& s) {
+  Limits lim;
+  lim.threads = a.threads > 0 ? a.threads : default_thread_count();
+  const int64_t max_m = *std::max_element(s.ms.begin(), s.ms.end());
+  auto isa = a.isa.empty() ? active_isa_level() : parse_isa_level(a.isa);
+  if (!isa.is_ok()) return Status(isa.status().code(), (a.isa.empty() ? "" : "--isa: ") + isa.status().message());
+  lim.isa = isa.value();
+
+  K3_RETURN_IF_ERROR(make_bench_routing(s.routing, s.shape, 1, a.seed).status());  // a bad replay fails now
+  if (!a.save_routing.empty()) {
+    K3_ASSIGN_OR_RETURN(const RoutedTokens r, make_bench_routing(s.routing, s.shape, max_m, a.seed));
+    K3_RETURN_IF_ERROR(save_routing_replay(a.save_routing, max_m, a.top_k, r.ids, "--save-routing"));
+    std::fprintf(stderr, "saved %lld x %d ids to %s\n", static_cast<long long>(max_m), a.top_k, a.save_routing.c_str());
   }
-  return Status::ok();
+
+  std::fprintf(stderr, "measuring machine limits (%d thread(s), isa %s) ...\n", lim.threads, isa_level_name(lim.isa));
+  lim.bw = measure_read_bandwidth(lim.threads, a.bandwidth_mib << 20);
+  lim.peak = measure_dot_peak(lim.threads, lim.isa);  // the instruction the level's kernel uses
+
+  std::fprintf(stderr, "preparing weights: E_local %d, K %lld, N %lld ...\n", s.shape.local_experts(),
+               static_cast<long long>(a.k), static_cast<long long>(a.n));
+  const SyntheticMoeWeights weights = synthetic_moe_weights(s.shape, a.seed);
+
+  nlohmann::json records = nlohmann::json::array();
+  std::printf("cpu moe bench: %s, isa %s, %d thread(s); limits: read %.2f GB/s, %s %.1f GFLOP/s\n",
+              cpu_info().model.c_str(), isa_level_name(lim.isa), lim.threads, lim.bw.value / 1e9,
+              lim.peak.what.c_str(), lim.peak.value / 1e9);
+  std::printf("%-6s %6s %-10s %7s %9s %9s %9s %9s %7s %9s %7s %-8s %s\n", "recipe", "M", "routing", "rows", "median_ms",
+              "min_ms", "max_ms", "wGB/s", "%bw", "GFLOP/s", "%peak", "bound", "rows/expert");
+  const int total = static_cast<int>(s.ms.size() * s.recipes.size());
+  int done = 0;
+  for (Recipe recipe : s.recipes) {
+    MoeProblem prob;
+    prob.shape = s.shape;
+    prob.recipe = recipe;
+    prob.activation.kind = s.activation;
+    prob.out_dtype = OutDType::kBF16;
+    cpu::MoeOptions opt;
+    opt.threads = lim.threads;
+    opt.max_tokens = max_m;
+    opt.isa = lim.isa;
+    auto plan = cpu::plan(prob, opt);
+    if (!plan.is_ok()) return a.threads > 0 ? plan.status() : with_thread_source(plan.status(), lim.threads);
+    K3_ASSIGN_OR_RETURN(const cpu::PackedWeights packed, cpu::prepack(plan.value(), weights.view()));
+    std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));
+    std::fprintf(stderr, "%s\n", plan->describe().c_str());
+    for (int64_t m : s.ms) {
+      progress(done++, total, std::string("moe ") + recipe_name(recipe) + " M=" + std::to_string(m));
+      K3_ASSIGN_OR_RETURN(nlohmann::json record, measure_m(a, s, lim, plan.value(), packed, ws, m));
+      records.push_back(std::move(record));
+    }
+  }
+  progress(total, total, "done");
+  std::printf("verdict: %s, isa %s (kernel %s), %d thread(s)%s\n", cpu_info().model.c_str(), isa_level_name(lim.isa),
+              records.empty() ? "-" : records[0]["kernel"].get<std::string>().c_str(), lim.threads,
+              verdict(s.recipes, records).c_str());
+  std::printf("limits: %s %.2f GB/s (min %.2f, max %.2f); %s %.1f GFLOP/s (min %.1f, max %.1f)\n",
+              lim.bw.what.c_str(), lim.bw.value / 1e9, lim.bw.min / 1e9, lim.bw.max / 1e9, lim.peak.what.c_str(),
+              lim.peak.value / 1e9, lim.peak.min / 1e9, lim.peak.max / 1e9);
+  if (a.output.empty()) return Status::ok();
+  nlohmann::json machine = machine_json(lim.threads);
+  machine["isa"] = isa_level_name(lim.isa);
+  const nlohmann::json j = {{"machine", machine},
+                            {"read_bandwidth_Bps", to_json(lim.bw)},
+                            {"dot_peak_flops", to_json(lim.peak)},
+                            {"records", records}};
+  return write_file_atomic(a.output, j.dump(2) + "\n", "--output");
+}
+
+Status run_moe_bench(const MoeBenchArgs& a) {
+  K3_RETURN_IF_ERROR(check_output_flags(a));
+  K3_ASSIGN_OR_RETURN(const Sweep s, resolve_sweep(a));
+  if (a.backend == "cpu") return run_moe_bench_cpu(a, s);
+  if (a.backend != "cuda") return invalid_argument("--backend " + a.backend + " is not known (cpu or cuda)");
+  CudaMoeBenchParams cp;
+  cp.ms = s.ms;
+  cp.recipes = s.recipes;
+  cp.activation = s.activation;
+  cp.routing = s.routing;
+  cp.shape = s.shape;
+  cp.iters = a.iters;
+  cp.seed = a.seed;
+  cp.output = a.output;
+  const Status st = run_moe_bench_cuda(cp);
+  return st.is_ok() ? st : Status(st.code(), "--backend cuda: " + st.message());
 }
 
 const BenchRegistration kMoe("moe", [](CLI::App& bench) -> CommandRun {

@@ -11,35 +11,21 @@
 #include "k3/cuda_bench.hpp"
 #include "k3/expert_map.hpp"
 #include "k3/formats.hpp"
+#include "k3/moe_workload.hpp"
 
 namespace k3::tool {
-namespace {
-
-// Random MXFP4 weights at the synthetic checkpoint's scale (2^-7 around Kimi shapes).
-void random_mxfp4(int64_t bytes, int64_t scales, uint64_t seed, std::vector<uint8_t>& q, std::vector<uint8_t>& s) {
-  std::mt19937_64 rng(seed);
-  q.resize(static_cast<size_t>(bytes));
-  s.resize(static_cast<size_t>(scales));
-  for (auto& b : q) b = static_cast<uint8_t>(rng());
-  for (auto& v : s) v = static_cast<uint8_t>(119 + rng() % 3);
-}
-
-}  // namespace
 
 Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
   auto devs = cuda::devices();
   if (!devs.is_ok()) return devs.status();
   const auto& sh = p.shape;
-  const int64_t e = sh.local_experts(), k = sh.hidden, n = sh.intermediate;
+  const int64_t k = sh.hidden;
   std::fprintf(stderr, "measuring the device copy bandwidth ...\n");
   auto copy = cuda::time_device_copy(int64_t{2} << 30, 3, 10);
   if (!copy.is_ok()) return copy.status();
   const double copy_bw = 2.0 * static_cast<double>(int64_t{2} << 30) / copy->median_s;  // read + write
-  std::vector<uint8_t> f1q, f1s, f2q, f2s;
-  random_mxfp4(e * 2 * n * k / 2, e * 2 * n * k / 32, p.seed, f1q, f1s);
-  random_mxfp4(e * k * n / 2, e * k * n / 32, p.seed + 1, f2q, f2s);
-  const MoeWeightsView wv{f1q, f1s, f2q, f2s, {}, {}};
-  const double expert_bytes = static_cast<double>(2 * n * k / 2 + 2 * n * k / 32 + k * n / 2 + k * n / 32);
+  const SyntheticMoeWeights w = synthetic_moe_weights(sh, p.seed);
+  const MoeWeightsView wv = w.view();
   std::printf("%-6s %6s %-10s %9s %9s %9s %8s %7s %10s %8s\n", "recipe", "M", "routing", "median_ms", "min_ms",
               "max_ms", "wTB/s", "%copy", "cublas_ms", "speedup");
   nlohmann::json records = nlohmann::json::array();
@@ -49,24 +35,23 @@ Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
       prob.shape = sh;
       prob.recipe = recipe;
       prob.activation.kind = p.activation;
-      auto routing = make_routing(p.routing, sh, m, p.seed + static_cast<uint64_t>(m));
-      if (!routing.is_ok()) return routing.status();
+      K3_ASSIGN_OR_RETURN(const RoutedTokens routing, make_bench_routing(p.routing, sh, m, p.seed + static_cast<uint64_t>(m)));
       std::vector<uint16_t> x(static_cast<size_t>(m * k));
       std::mt19937 rng(static_cast<uint32_t>(p.seed + m));
       std::normal_distribution<float> nd;
       for (auto& v : x) v = bf16_from_f32(nd(rng));
-      const MoeInputsView in{m, x, routing->ids, routing->weights};
-      auto map = map_expert_parallel(sh, m, routing->ids);
-      if (!map.is_ok()) return map.status();
+      const MoeInputsView in{m, x, routing.ids, routing.weights};
+      // The whole call is one pass over the tokens: each active expert streams its weights once.
+      K3_ASSIGN_OR_RETURN(const MoeCallTraffic traffic, moe_call_traffic(sh, m, routing.ids, std::max<int64_t>(m, 1)));
+      K3_ASSIGN_OR_RETURN(const EpMapping map, map_expert_parallel(sh, m, routing.ids));
       const int iters = p.iters > 0 ? p.iters : 20;
       // Decode-sized calls rotate 4 weight copies so that no call finds its weights in L2.
       auto t = cuda::time_moe(prob, wv, in, p.warmup, iters, m <= 64 ? 4 : 1);
       if (!t.is_ok()) return t.status();
-      auto base = cuda::time_cublas_baseline(prob, map->rows_per_expert, p.warmup, iters);
+      auto base = cuda::time_cublas_baseline(prob, map.rows_per_expert, p.warmup, iters);
       if (!base.is_ok()) return base.status();
-      int64_t active = 0;
-      for (int64_t r : map->rows_per_expert) active += r > 0;
-      const double bytes = expert_bytes * static_cast<double>(active);
+      const int64_t active = traffic.active_experts;
+      const double bytes = traffic.weight_bytes;
       const double tbps = bytes / t->median_s / 1e12;
       std::printf("%-6s %6lld %-10s %9.3f %9.3f %9.3f %8.3f %6.1f%% %10.3f %7.2fx\n", recipe_name(recipe),
                   static_cast<long long>(m), p.routing.name().c_str(), t->median_s * 1e3, t->min_s * 1e3,
@@ -83,6 +68,7 @@ Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
                          {"timing", {{"median_s", t->median_s}, {"min_s", t->min_s}, {"max_s", t->max_s}}},
                          {"cublas_bf16_median_s", base->median_s},
                          {"weight_bytes_per_call", bytes},
+                         {"flop_per_call", traffic.flops},
                          {"fraction_of_copy_bandwidth", bytes / t->median_s / copy_bw}});
     }
   }

@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "bench_moe_routing.hpp"
 #include "k3/moe.hpp"
+#include "k3/moe_workload.hpp"
 
 namespace k3::tool {
 
@@ -16,7 +16,7 @@ struct CudaMoeBenchParams {
   std::vector<int64_t> ms;
   std::vector<Recipe> recipes;
   ActivationKind activation = ActivationKind::kSiTU;
-  RoutingSpec routing;
+  BenchRouting routing;
   MoeShape shape;
   int iters = 0;    // 0: 20 per M
   int warmup = 3;
@@ -24,7 +24,7 @@ struct CudaMoeBenchParams {
   std::string output;
 };
 
-// Prints the table; returns the exit code (0 ok, 2 on error with the reason on stderr).
+// Prints the table and writes the JSON records to `output` when set.
 Status run_moe_bench_cuda(const CudaMoeBenchParams& p);
 
 }  // namespace k3::tool
