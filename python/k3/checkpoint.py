@@ -18,6 +18,9 @@ class MoeLayer:
         self.router_weight = d.get("router_weight")
         self.config = d["config"]
         self.layer = d["layer"]
+        self._routing = d.get("routing")
+        self._routing_error = d.get("routing_error")
+        self._problem_error = d.get("problem_error")
 
     @property
     def weights(self):
@@ -26,6 +29,8 @@ class MoeLayer:
 
     def problem(self, recipe="w4a8", out_dtype="bf16"):
         """The fused-MoE problem of this layer: shape and activation from config.json."""
+        if self._problem_error is not None:
+            raise ValueError(self._problem_error)
         c = self.config
         return _moe.problem(hidden=c["hidden"], intermediate=c["intermediate"], num_experts=c["num_experts"],
                             top_k=c["top_k"], ep_size=c["ep_size"], ep_rank=c["ep_rank"], recipe=recipe,
@@ -33,12 +38,11 @@ class MoeLayer:
                             situ_linear_beta=c["situ_linear_beta"])
 
     def routing(self):
-        """Keyword arguments of k3.route / FusedMoE for this checkpoint's router."""
-        c = self.config
-        if c["scoring_func"] != "sigmoid":
-            raise ValueError(f"{c['source']}: scoring_func = '{c['scoring_func']}' cannot be routed by k3 (sigmoid only)")
-        return dict(top_k=c["top_k"], n_group=c["n_group"], topk_group=c["topk_group"], renormalize=c["renormalize"],
-                    routed_scaling_factor=c["routed_scaling_factor"])
+        """Keyword arguments of k3.route / FusedMoE for this checkpoint's router. A checkpoint k3
+        cannot route (scoring_func other than sigmoid) raises ValueError naming the value."""
+        if self._routing is None:
+            raise ValueError(self._routing_error)
+        return dict(self._routing)
 
     def __repr__(self):
         c = self.config

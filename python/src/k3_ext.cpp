@@ -286,6 +286,20 @@ nb::dict load_checkpoint_layer(const std::string& dir, int layer, int ep_size, i
   cfg["situ_linear_beta"] = c.situ_linear_beta;
   cfg["source"] = c.source;
   d["config"] = cfg;
+  // The router's keyword arguments, decided by the library (k3::routing_from_config), or the
+  // reason this checkpoint cannot be routed by k3 (raised by MoeLayer.routing()).
+  if (auto rc = k3::routing_from_config(c); rc.is_ok()) {
+    nb::dict r;
+    r["top_k"] = rc->top_k;
+    r["n_group"] = rc->n_group;
+    r["topk_group"] = rc->topk_group;
+    r["renormalize"] = rc->renormalize;
+    r["routed_scaling_factor"] = rc->routed_scaling_factor;
+    d["routing"] = r;
+  } else {
+    d["routing_error"] = rc.status().message();
+  }
+  if (auto act = k3::activation_from_config(c); !act.is_ok()) d["problem_error"] = act.status().message();
   d["layer"] = w->layer;
   return d;
 }

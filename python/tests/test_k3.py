@@ -216,6 +216,22 @@ def test_load_checkpoint_layer_reads_one_ranks_experts_without_copies(tmp_path):
         k3.load_checkpoint_layer(d, 1, ep_size=3, ep_rank=0)
 
 
+def test_checkpoint_the_library_cannot_route_or_run_says_why(tmp_path):
+    import json
+    d = synth_checkpoint(tmp_path)
+    cfg_path = d / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    text = cfg.get("text_config", cfg)
+    text["moe_router_activation_func"] = "softmax"
+    text["hidden_act"] = "gelu"
+    cfg_path.write_text(json.dumps(cfg))
+    layer = k3.load_checkpoint_layer(d, 1)
+    with pytest.raises(ValueError, match="scoring_func = 'softmax' cannot be routed by k3"):
+        layer.routing()
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not a fused-MoE activation"):
+        layer.problem()
+
+
 def test_type_stub_covers_the_extension():
     import os
     stub = open(os.path.join(os.path.dirname(k3.__file__), "_k3.pyi")).read()
