@@ -97,6 +97,10 @@ Status check_cu_seqlens(std::span<const int64_t> cu_seqlens, int64_t num_tokens)
 // Checks 1 <= H <= kMaxHeads, 1 <= K, V <= kMaxHeadDim, lb < 0 and finite, scale >= 0 and finite.
 Status validate_config(const KdaConfig& cfg);
 
+// The gate's parameters for cfg.gate: none for log_decay; for the gated modes a_log [H] (each in
+// [kMinALog, kMaxALog]) and an optional dt_bias [H, K]. Every backend's entry calls this.
+Status check_gate_inputs(const KdaConfig& cfg, std::span<const float> a_log, std::span<const float> dt_bias);
+
 // A read-only activation tensor, BF16 (bit patterns) or FP32: set exactly one of the spans.
 // Both empty means an empty tensor (T = 0).
 struct ActSpan {

@@ -1,10 +1,12 @@
-// Helpers shared by the CUDA sources: error translation into k3::Status and device buffers.
+// Helpers shared by the CUDA sources: error translation into k3::Status, device buffers, the
+// device check and launch sizes.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <string>
 
+#include "k3/cuda.hpp"
 #include "k3/status.hpp"
 
 namespace k3::cuda::detail {
@@ -34,5 +36,20 @@ class DeviceBuffer {
  private:
   T* ptr_ = nullptr;
 };
+
+// Device 0 exists and one of the compiled architectures runs on it; else UNAVAILABLE naming both.
+inline Status require_device() {
+  auto devs = devices();
+  if (!devs.is_ok()) return devs.status();
+  if (!devs.value()[0].runnable) {
+    return unavailable("device 0 (" + devs.value()[0].name + ", sm_" + std::to_string(devs.value()[0].cc_major) +
+                       std::to_string(devs.value()[0].cc_minor) + ") is not among the compiled architectures " +
+                       compiled_archs() + "; use the CPU backend");
+  }
+  return Status::ok();
+}
+
+// Blocks of `block` threads covering n elements.
+inline unsigned grid_for(int64_t n, unsigned block) { return static_cast<unsigned>((n + block - 1) / block); }
 
 }  // namespace k3::cuda::detail

@@ -7,6 +7,9 @@
 #include "k3/cuda.hpp"
 
 namespace k3::cuda {
+using detail::grid_for;
+using detail::require_device;
+
 namespace {
 
 __global__ void mx_quantize_kernel(const float* __restrict__ x,  // [rows, cols]
@@ -49,19 +52,6 @@ __global__ void mx_dequantize_kernel(const uint8_t* __restrict__ q, const uint8_
   }
   out[i] = mx_decode_element(code, scales[r * (cols / kMxBlock) + c / kMxBlock], e);
 }
-
-Status require_device() {
-  auto devs = devices();
-  if (!devs.is_ok()) return devs.status();
-  if (!devs.value()[0].runnable) {
-    return unavailable("device 0 (" + devs.value()[0].name + ", sm_" + std::to_string(devs.value()[0].cc_major) +
-                       std::to_string(devs.value()[0].cc_minor) + ") is not among the compiled architectures " +
-                       compiled_archs() + "; use the CPU backend");
-  }
-  return Status::ok();
-}
-
-unsigned grid_for(int64_t n, unsigned block) { return static_cast<unsigned>((n + block - 1) / block); }
 
 }  // namespace
 

@@ -1,6 +1,7 @@
 // The CUDA entry points of a build without nvcc: each reports that CUDA is not compiled in.
 #include "k3/cuda.hpp"
 #include "k3/cuda_bench.hpp"
+#include "k3/cuda_kda.hpp"
 #include "k3/cuda_moe.hpp"
 #include "k3/cuda_routing.hpp"
 
@@ -14,6 +15,10 @@ Status not_built() {
 bool compiled() { return false; }
 std::string compiled_archs() { return ""; }
 Result<std::vector<DeviceInfo>> devices() { return not_built(); }
+Status kda_log_decay(const kda::KdaConfig&, int64_t, std::span<const float>, std::span<const float>,
+                     std::span<const float>, std::span<float>) {
+  return not_built();
+}
 Status mx_quantize(std::span<const float>, int64_t, int64_t, MxElement, ScaleRule, std::span<uint8_t>,
                    std::span<uint8_t>) {
   return not_built();

@@ -143,6 +143,32 @@ Status validate_config(const KdaConfig& c) {
   return Status::ok();
 }
 
+Status check_gate_inputs(const KdaConfig& c, std::span<const float> a_log, std::span<const float> dt_bias) {
+  const int64_t h = c.num_heads, dk = c.head_k;
+  if (c.gate == GateMode::kLogDecay) {
+    if (!a_log.empty() || !dt_bias.empty()) {
+      return invalid_argument("a_log / dt_bias are given but gate = log_decay takes the decay g directly");
+    }
+    return Status::ok();
+  }
+  if (static_cast<int64_t>(a_log.size()) < h) {
+    return invalid_argument("a_log has " + num(a_log.size()) + " elements, gate = " + gate_mode_name(c.gate) +
+                            " needs at least H = " + num(h));
+  }
+  if (!dt_bias.empty()) {
+    K3_RETURN_IF_ERROR(check_size("dt_bias", static_cast<int64_t>(dt_bias.size()), h * dk, "([H, K])"));
+  }
+  for (int64_t i = 0; i < h; ++i) {
+    const float a = a_log[static_cast<size_t>(i)];
+    if (!(a >= kMinALog && a <= kMaxALog)) {  // NaN fails too
+      return invalid_argument("a_log[" + num(i) + "] = " + num(a) + " is outside [" + num(kMinALog) + ", " +
+                              num(kMaxALog) +
+                              "] (exp(a_log) must be a normal FP32 number; gate = " + gate_mode_name(c.gate) + ")");
+    }
+  }
+  return Status::ok();
+}
+
 Result<PrefillShape> detail::validate_prefill_sizes(const KdaConfig& c, const KdaInputs& in, int64_t o_size,
                                                    int64_t final_state_size) {
   K3_RETURN_IF_ERROR(validate_config(c));
@@ -161,27 +187,7 @@ Result<PrefillShape> detail::validate_prefill_sizes(const KdaConfig& c, const Kd
   K3_RETURN_IF_ERROR(check_size("v", in.v.size(), t * h * dv, "([T, H, V])"));
   K3_RETURN_IF_ERROR(check_size("g", static_cast<int64_t>(in.g.size()), t * h * dk, "([T, H, K])"));
   K3_RETURN_IF_ERROR(check_size("beta", static_cast<int64_t>(in.beta.size()), t * h, "([T, H])"));
-  if (c.gate == GateMode::kLogDecay) {
-    if (!in.a_log.empty() || !in.dt_bias.empty()) {
-      return invalid_argument("a_log / dt_bias are given but gate = log_decay takes the decay g directly");
-    }
-  } else {
-    if (static_cast<int64_t>(in.a_log.size()) < h) {
-      return invalid_argument("a_log has " + num(in.a_log.size()) + " elements, gate = " + gate_mode_name(c.gate) +
-                              " needs at least H = " + num(h));
-    }
-    if (!in.dt_bias.empty()) {
-      K3_RETURN_IF_ERROR(check_size("dt_bias", static_cast<int64_t>(in.dt_bias.size()), h * dk, "([H, K])"));
-    }
-    for (int64_t i = 0; i < h; ++i) {
-      const float a = in.a_log[static_cast<size_t>(i)];
-      if (!(a >= kMinALog && a <= kMaxALog)) {  // NaN fails too
-        return invalid_argument("a_log[" + num(i) + "] = " + num(a) + " is outside [" + num(kMinALog) + ", " +
-                                num(kMaxALog) +
-                                "] (exp(a_log) must be a normal FP32 number; gate = " + gate_mode_name(c.gate) + ")");
-      }
-    }
-  }
+  K3_RETURN_IF_ERROR(check_gate_inputs(c, in.a_log, in.dt_bias));
   if (in.cu_seqlens.empty()) {
     s.num_seqs = 1;
   } else {
