@@ -2,31 +2,39 @@
 #include <cmath>
 #include <string>
 
+#include "k3/activation.hpp"
 #include "k3/moe_ref.hpp"
 
 namespace k3 {
 
-double sigmoid_ref(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+namespace {
+// The oracle's math: the C++ library in FP64.
+struct StdMath {
+  static double exp(double x) { return std::exp(x); }
+  static double tanh(double x) { return std::tanh(x); }
+};
+}  // namespace
 
+double sigmoid_ref(double v) { return act::sigmoid<StdMath>(v); }
+
+// tanh bounds both SiTU factors (|b tanh(g/b)| < b, |lb tanh(u/lb)| < lb), so |out| < b * lb = 100.
 double situ_ref(double gate, double up, double beta, double linear_beta) {
-  // tanh bounds both factors (|b tanh(g/b)| < b, |lb tanh(u/lb)| < lb), so |out| < b * lb = 100.
-  return (beta * std::tanh(gate / beta) * sigmoid_ref(gate)) * (linear_beta * std::tanh(up / linear_beta));
+  return act::situ<StdMath>(gate, up, beta, linear_beta);
 }
 
 double swiglu_ref(double gate, double up, double alpha, double beta, double limit) {
-  // Comparisons written so that NaN falls through unchanged (std::min / fmin would return the limit).
-  const double g = gate > limit ? limit : gate;
-  const double u = up > limit ? limit : (up < -limit ? -limit : up);
-  return g * sigmoid_ref(alpha * g) * (u + beta);
+  return act::swiglu<StdMath>(gate, up, alpha, beta, limit);
 }
 
-double silu_and_mul_ref(double gate, double up) { return gate * sigmoid_ref(gate) * up; }
+double silu_and_mul_ref(double gate, double up) { return act::silu_mul<StdMath>(gate, up); }
 
 double activation_ref(const Activation& a, double gate, double up, double situ_beta, double situ_linear_beta) {
   switch (a.kind) {
-    case ActivationKind::kSiTU: return situ_ref(gate, up, situ_beta, situ_linear_beta);
-    case ActivationKind::kSwiGLU: return swiglu_ref(gate, up, a.swiglu_alpha, a.swiglu_beta, a.swiglu_limit);
-    case ActivationKind::kSiLU: return silu_and_mul_ref(gate, up);
+    case ActivationKind::kSiTU:
+    case ActivationKind::kSwiGLU:
+    case ActivationKind::kSiLU:
+      return act::gated<StdMath>(a.kind, gate, up, situ_beta, situ_linear_beta, static_cast<double>(a.swiglu_alpha),
+                                 static_cast<double>(a.swiglu_beta), static_cast<double>(a.swiglu_limit));
   }
   return std::nan("");
 }

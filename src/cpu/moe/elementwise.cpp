@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "k3/activation.hpp"
 #include "k3/mx.hpp"
 
 #define K3_INLINE inline __attribute__((always_inline))
@@ -57,30 +58,26 @@ K3_INLINE float tanh_body(float x) {
   return ax < 0.3f ? small : big;
 }
 
-K3_INLINE float sigmoid_body(float x) { return 1.0f / (1.0f + exp_body(-x)); }
+// The CPU backend's math for the shared activation formulas (k3/activation.hpp).
+struct CpuMath {
+  static K3_INLINE float exp(float x) { return exp_body(x); }
+  static K3_INLINE float tanh(float x) { return tanh_body(x); }
+};
 
 K3_INLINE void activate_body(const ActParams& p, const float* gate, const float* up, float* out, int64_t n) {
   switch (p.kind) {
     case ActivationKind::kSiTU: {
       const float b = p.beta, lb = p.linear_beta;
-      for (int64_t i = 0; i < n; ++i) {
-        const float g = gate[i], u = up[i];
-        out[i] = (b * tanh_body(g / b) * sigmoid_body(g)) * (lb * tanh_body(u / lb));
-      }
+      for (int64_t i = 0; i < n; ++i) out[i] = act::situ<CpuMath>(gate[i], up[i], b, lb);
       break;
     }
     case ActivationKind::kSwiGLU: {
       const float lim = p.limit, alpha = p.alpha, beta = p.swiglu_beta;
-      for (int64_t i = 0; i < n; ++i) {
-        const float g = gate[i] > lim ? lim : gate[i];  // NaN stays NaN
-        const float u0 = up[i] > lim ? lim : up[i];
-        const float u = u0 < -lim ? -lim : u0;
-        out[i] = g * sigmoid_body(alpha * g) * (u + beta);
-      }
+      for (int64_t i = 0; i < n; ++i) out[i] = act::swiglu<CpuMath>(gate[i], up[i], alpha, beta, lim);
       break;
     }
     case ActivationKind::kSiLU:
-      for (int64_t i = 0; i < n; ++i) out[i] = gate[i] * sigmoid_body(gate[i]) * up[i];
+      for (int64_t i = 0; i < n; ++i) out[i] = act::silu_mul<CpuMath>(gate[i], up[i]);
       break;
   }
 }

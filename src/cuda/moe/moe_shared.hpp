@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "k3/activation.hpp"
 #include "k3/config.hpp"
 #include "k3/cuda_moe.hpp"
 #include "k3/formats.hpp"
@@ -74,29 +75,21 @@ struct ActParams {
 };
 
 // min(v, hi) and clamp(v, lo, hi) that return NaN for a NaN v, as the contract's SwiGLU does
-// (k3/moe_ref.hpp). fminf / fmaxf return the other operand for a NaN and would hide it.
-K3_HOST_DEVICE constexpr float min_keep_nan(float v, float hi) { return v > hi ? hi : v; }
-K3_HOST_DEVICE constexpr float clamp_keep_nan(float v, float lo, float hi) {
-  return v > hi ? hi : (v < lo ? lo : v);
-}
+// (k3/activation.hpp). fminf / fmaxf return the other operand for a NaN and would hide it.
+using act::clamp_keep_nan;
+using act::min_keep_nan;
 
-K3_HOST_DEVICE inline float act_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+// The kernels' math for the shared activation formulas: CUDA's expf / tanhf (the host's libm
+// where this header is compiled for host tests).
+struct DeviceMath {
+  K3_HOST_DEVICE static float exp(float x) { return expf(x); }
+  K3_HOST_DEVICE static float tanh(float x) { return tanhf(x); }
+};
 
-// The gated activation in FP32 (formulas of k3/moe_ref.hpp); b, lb: this expert's SiTU betas.
+// The gated activation in FP32 (k3/activation.hpp); b, lb: this expert's SiTU betas.
 K3_HOST_DEVICE inline float activation_f32(ActivationKind kind, float alpha, float beta, float limit, float b,
                                            float lb, float g, float u) {
-  switch (kind) {
-    case ActivationKind::kSiTU:
-      return (b * tanhf(g / b) * act_sigmoid(g)) * (lb * tanhf(u / lb));
-    case ActivationKind::kSwiGLU: {
-      const float gc = min_keep_nan(g, limit);
-      const float uc = clamp_keep_nan(u, -limit, limit);
-      return gc * act_sigmoid(alpha * gc) * (uc + beta);
-    }
-    case ActivationKind::kSiLU:
-    default:
-      return g * act_sigmoid(g) * u;
-  }
+  return act::gated<DeviceMath>(kind, g, u, b, lb, alpha, beta, limit);
 }
 
 // As used by the kernels: the SiTU betas are read per local expert (device pointers there).
