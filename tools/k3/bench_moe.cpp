@@ -65,14 +65,7 @@ Result<std::vector<int64_t>> parse_m_list(const std::string& s) {
   return out;
 }
 
-// The sweep the flags ask for, checked before anything is measured.
-struct Sweep {
-  std::vector<int64_t> ms;
-  std::vector<Recipe> recipes;
-  ActivationKind activation = ActivationKind::kSiTU;
-  BenchRouting routing;
-  MoeShape shape;
-};
+using Sweep = MoeBenchSweep;
 
 // Output paths are checked before the (long) run; a replay file is never overwritten.
 Status check_output_flags(const MoeBenchArgs& a) {
@@ -319,11 +312,7 @@ Status run_moe_bench(const MoeBenchArgs& a) {
   if (a.backend == "cpu") return run_moe_bench_cpu(a, s);
   if (a.backend != "cuda") return invalid_argument("--backend " + a.backend + " is not known (cpu or cuda)");
   CudaMoeBenchParams cp;
-  cp.ms = s.ms;
-  cp.recipes = s.recipes;
-  cp.activation = s.activation;
-  cp.routing = s.routing;
-  cp.shape = s.shape;
+  cp.sweep = s;
   cp.iters = a.iters;
   cp.seed = a.seed;
   cp.output = a.output;

@@ -18,7 +18,7 @@ namespace k3::tool {
 Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
   auto devs = cuda::devices();
   if (!devs.is_ok()) return devs.status();
-  const auto& sh = p.shape;
+  const auto& sh = p.sweep.shape;
   const int64_t k = sh.hidden;
   std::fprintf(stderr, "measuring the device copy bandwidth ...\n");
   auto copy = cuda::time_device_copy(int64_t{2} << 30, 3, 10);
@@ -29,13 +29,13 @@ Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
   std::printf("%-6s %6s %-10s %9s %9s %9s %8s %7s %10s %8s\n", "recipe", "M", "routing", "median_ms", "min_ms",
               "max_ms", "wTB/s", "%copy", "cublas_ms", "speedup");
   nlohmann::json records = nlohmann::json::array();
-  for (Recipe recipe : p.recipes) {
-    for (int64_t m : p.ms) {
+  for (Recipe recipe : p.sweep.recipes) {
+    for (int64_t m : p.sweep.ms) {
       MoeProblem prob;
       prob.shape = sh;
       prob.recipe = recipe;
-      prob.activation.kind = p.activation;
-      K3_ASSIGN_OR_RETURN(const RoutedTokens routing, make_bench_routing(p.routing, sh, m, p.seed + static_cast<uint64_t>(m)));
+      prob.activation.kind = p.sweep.activation;
+      K3_ASSIGN_OR_RETURN(const RoutedTokens routing, make_bench_routing(p.sweep.routing, sh, m, p.seed + static_cast<uint64_t>(m)));
       std::vector<uint16_t> x(static_cast<size_t>(m * k));
       std::mt19937 rng(static_cast<uint32_t>(p.seed + m));
       std::normal_distribution<float> nd;
@@ -54,7 +54,7 @@ Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
       const double bytes = traffic.weight_bytes;
       const double tbps = bytes / t->median_s / 1e12;
       std::printf("%-6s %6lld %-10s %9.3f %9.3f %9.3f %8.3f %6.1f%% %10.3f %7.2fx\n", recipe_name(recipe),
-                  static_cast<long long>(m), p.routing.name().c_str(), t->median_s * 1e3, t->min_s * 1e3,
+                  static_cast<long long>(m), p.sweep.routing.name().c_str(), t->median_s * 1e3, t->min_s * 1e3,
                   t->max_s * 1e3, tbps, 100.0 * bytes / t->median_s / copy_bw, base->median_s * 1e3,
                   base->median_s / t->median_s);
       std::fflush(stdout);
@@ -63,7 +63,7 @@ Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
                          {"device", devs.value()[0].name},
                          {"recipe", recipe_name(recipe)},
                          {"m", m},
-                         {"routing", p.routing.name()},
+                         {"routing", p.sweep.routing.name()},
                          {"active_experts", active},
                          {"timing", {{"median_s", t->median_s}, {"min_s", t->min_s}, {"max_s", t->max_s}}},
                          {"cublas_bf16_median_s", base->median_s},

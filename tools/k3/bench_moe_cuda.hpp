@@ -12,12 +12,17 @@
 
 namespace k3::tool {
 
-struct CudaMoeBenchParams {
+// The sweep `k3 bench moe` asks for, checked before anything is measured (both backends).
+struct MoeBenchSweep {
   std::vector<int64_t> ms;
   std::vector<Recipe> recipes;
   ActivationKind activation = ActivationKind::kSiTU;
   BenchRouting routing;
   MoeShape shape;
+};
+
+struct CudaMoeBenchParams {
+  MoeBenchSweep sweep;
   int iters = 0;    // 0: 20 per M
   int warmup = 3;
   uint64_t seed = 0;
