@@ -9,6 +9,18 @@
 #define K3_HOST_DEVICE
 #endif
 
+// Always inlined. Shared math (k3/activation.hpp) is called from CPU kernels compiled with
+// per-function ISA targets (__attribute__((target("avx512f")))): left to the inliner's size
+// heuristics, a call would go to an out-of-line copy built for the baseline ISA (no FMA, no
+// vectorization) and cost the caller most of its speed.
+#if defined(__CUDACC__)
+#define K3_FORCE_INLINE __forceinline__
+#elif defined(__GNUC__)
+#define K3_FORCE_INLINE inline __attribute__((always_inline))
+#else
+#define K3_FORCE_INLINE inline
+#endif
+
 // k3's results are defined bit for bit (IEEE-754 rounding, NaN / Inf propagation): -ffast-math and
 // -Ofast would change them (and make `x != x` NaN checks disappear), so k3's own build refuses
 // them (K3_BUILDING is defined for every target of k3's build tree, CMakeLists.txt, which also
