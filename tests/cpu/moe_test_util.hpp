@@ -11,6 +11,7 @@
 
 #include "k3/cpu_moe.hpp"
 #include "k3/formats.hpp"
+#include "k3/moe_compare.hpp"
 #include "k3/moe_ref.hpp"
 #include "core/moe_case_util.hpp"
 
@@ -53,26 +54,17 @@ inline std::vector<double> contract_oracle(const MoeCase& c, OracleKind kind = O
   return out;
 }
 
-struct Diff {
-  double nrmse = 0, max_abs = 0, rms_ref = 0;
-  int64_t nonfinite = 0;
-};
-inline Diff diff(const std::vector<double>& got, const std::vector<double>& ref) {
-  Diff d;
-  double se = 0, sr = 0;
+// Metrics of FP32 values (held as doubles) against an FP64 reference: the library's comparison
+// (k3/moe_compare.hpp), so that the unit tests and `k3 validate` measure alike.
+inline MoeMetrics diff(const std::vector<double>& got, const std::vector<double>& ref) {
+  std::vector<uint8_t> bytes(got.size() * 4);
   for (size_t i = 0; i < got.size(); ++i) {
-    if (!std::isfinite(got[i])) {
-      ++d.nonfinite;
-      continue;
-    }
-    const double e = got[i] - ref[i];
-    se += e * e;
-    sr += ref[i] * ref[i];
-    d.max_abs = std::max(d.max_abs, std::fabs(e));
+    const float f = static_cast<float>(got[i]);
+    std::memcpy(&bytes[i * 4], &f, 4);
   }
-  d.rms_ref = std::sqrt(sr / static_cast<double>(got.size()));
-  d.nrmse = sr > 0 ? std::sqrt(se / sr) : std::sqrt(se);
-  return d;
+  auto m = compare_moe_output(bytes, OutDType::kFP32, ref, {});
+  EXPECT_TRUE(m.is_ok()) << m.status().to_string();
+  return m.is_ok() ? m.value() : MoeMetrics{};
 }
 
 }  // namespace k3::test
