@@ -44,6 +44,18 @@ struct EpMapping {
 // ids [M, top_k] global ids (-1 masked). Checks the shape (validate_moe_shape) and every id.
 Result<EpMapping> map_expert_parallel(const MoeShape& shape, int64_t m, std::span<const int32_t> ids);
 
+// The permutation itself, shared by map_expert_parallel and the CPU backend's permute step (which
+// runs it on its workspace, per chunk of tokens): the local slots of `ids` ([tokens, top_k] global
+// ids) sorted by local expert, stable (ascending slot order within an expert). Slots whose id is
+// not one of this rank's [first_local, first_local + local_experts) — remote, masked (-1) or
+// invalid — are not local. No allocation and no checks beyond the sizes:
+//   offsets   [local_experts + 1]  rows of expert e are [offsets[e], offsets[e + 1])
+//   slot_row  [tokens * top_k]     the sorted row of each slot, -1 if not local
+//   row_token [local slots] or empty: the token of each sorted row
+// Errors: a span shorter than stated above (INVALID_ARGUMENT naming it).
+Status sort_local_slots(std::span<const int32_t> ids, int top_k, int first_local, int local_experts,
+                        std::span<int64_t> offsets, std::span<int32_t> slot_row, std::span<int32_t> row_token);
+
 inline constexpr int kRowBlocks[] = {8, 16, 32, 64};
 
 // Each local expert's rows padded up to a multiple of `block` (8, 16, 32 or 64), as grouped GEMMs

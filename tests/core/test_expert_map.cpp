@@ -141,5 +141,57 @@ TEST(ExpertMap, ErrorsAndEmptyInput) {
   EXPECT_FALSE(pad_to_block(broken, 8).is_ok());
 }
 
+// The shared permutation against a direct stable sort, on every split of the tokens into chunks
+// (how the CPU backend runs it) and with remote, masked and invalid ids.
+TEST(ExpertMap, SortLocalSlotsIsTheStableSortByExpert) {
+  std::mt19937 rng(4);
+  const int top_k = 5, first = 8, el = 6;
+  for (int64_t tokens : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{40}}) {
+    std::vector<int32_t> ids(static_cast<size_t>(tokens * top_k));
+    for (auto& id : ids) id = static_cast<int32_t>(rng() % 24) - 2;  // -2 (invalid), -1 (masked), remote, local
+    std::vector<int64_t> off(el + 1);
+    std::vector<int32_t> slot_row(ids.size()), row_token(ids.size());
+    ASSERT_TRUE(sort_local_slots(ids, top_k, first, el, off, slot_row, row_token).is_ok());
+    // Direct: rows in (expert, slot) order.
+    std::vector<std::pair<int, int64_t>> want;
+    for (int64_t i = 0; i < static_cast<int64_t>(ids.size()); ++i) {
+      if (ids[static_cast<size_t>(i)] >= first && ids[static_cast<size_t>(i)] < first + el) {
+        want.push_back({ids[static_cast<size_t>(i)] - first, i});
+      }
+    }
+    std::stable_sort(want.begin(), want.end(), [](auto a, auto b) { return a.first < b.first; });
+    ASSERT_EQ(off[el], static_cast<int64_t>(want.size()));
+    for (size_t r = 0; r < want.size(); ++r) {
+      const auto [e, slot] = want[r];
+      EXPECT_GE(static_cast<int64_t>(r), off[static_cast<size_t>(e)]);
+      EXPECT_LT(static_cast<int64_t>(r), off[static_cast<size_t>(e) + 1]);
+      EXPECT_EQ(slot_row[static_cast<size_t>(slot)], static_cast<int32_t>(r));
+      EXPECT_EQ(row_token[r], static_cast<int32_t>(slot / top_k));
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] < first || ids[i] >= first + el) {
+        EXPECT_EQ(slot_row[i], -1);
+      }
+    }
+    // map_expert_parallel is the same permutation (valid ids only).
+    std::vector<int32_t> valid = ids;
+    for (auto& id : valid) id = id < -1 ? -1 : id;
+    const MoeShape sh{64, 32, 24, top_k, 4, 1};  // rank 1 of 4: experts 6..11
+    auto map = map_expert_parallel(sh, tokens, valid);
+    ASSERT_TRUE(map) << map.status().to_string();
+    std::vector<int64_t> off2(sh.local_experts() + 1);
+    std::vector<int32_t> rows2(valid.size());
+    ASSERT_TRUE(sort_local_slots(valid, top_k, sh.first_local_expert(), sh.local_experts(), off2, rows2, {}).is_ok());
+    EXPECT_EQ(off2, map->expert_offsets);
+    for (size_t i = 0; i < valid.size(); ++i) EXPECT_EQ(rows2[i], map->slot_to_sorted[i]);
+  }
+  std::vector<int32_t> ids(10, 0);
+  std::vector<int64_t> off(3);
+  std::vector<int32_t> rows(10);
+  EXPECT_FALSE(sort_local_slots(ids, 3, 0, 2, off, rows, {}).is_ok());            // 10 not a multiple of 3
+  EXPECT_FALSE(sort_local_slots(ids, 5, 0, 3, off, rows, {}).is_ok());            // offsets too short
+  EXPECT_FALSE(sort_local_slots(ids, 5, 0, 2, off, rows, std::span<int32_t>(rows).first(3)).is_ok());  // 10 local rows
+}
+
 }  // namespace
 }  // namespace k3

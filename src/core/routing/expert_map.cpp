@@ -88,17 +88,59 @@ Result<EpMapping> map_expert_parallel(const MoeShape& shape, int64_t m, std::spa
     }
   }
   r.expert_offsets.assign(r.local_experts + 1, 0);
-  for (int e = 0; e < r.local_experts; ++e) r.expert_offsets[e + 1] = r.expert_offsets[e] + r.rows_per_expert[e];
+  std::vector<int32_t> slot_row(static_cast<size_t>(slots));
+  K3_RETURN_IF_ERROR(sort_local_slots(ids, shape.top_k, r.first_local, r.local_experts, r.expert_offsets, slot_row, {}));
   r.sorted_slots.assign(r.local_slots, 0);
   r.slot_to_sorted.assign(slots, -1);
-  std::vector<int64_t> next(r.expert_offsets.begin(), r.expert_offsets.end() - 1);
-  for (int64_t i = 0; i < slots; ++i) {  // ascending slot order -> stable within each expert
-    const int32_t e = r.local_ids[i];
-    if (e < 0) continue;
-    r.sorted_slots[next[e]] = i;
-    r.slot_to_sorted[i] = next[e]++;
+  for (int64_t i = 0; i < slots; ++i) {
+    const int32_t row = slot_row[static_cast<size_t>(i)];
+    if (row < 0) continue;
+    r.sorted_slots[row] = i;
+    r.slot_to_sorted[i] = row;
   }
   return r;
+}
+
+Status sort_local_slots(std::span<const int32_t> ids, int top_k, int first_local, int local_experts,
+                        std::span<int64_t> offsets, std::span<int32_t> slot_row, std::span<int32_t> row_token) {
+  if (top_k < 1 || local_experts < 0 || ids.size() % static_cast<size_t>(top_k) != 0) {
+    return invalid_argument("sort_local_slots: ids has " + num(static_cast<int64_t>(ids.size())) +
+                            " elements, not a multiple of top_k = " + num(top_k));
+  }
+  if (offsets.size() < static_cast<size_t>(local_experts) + 1 || slot_row.size() < ids.size()) {
+    return invalid_argument("sort_local_slots: offsets has " + num(static_cast<int64_t>(offsets.size())) +
+                            " elements (needs local_experts + 1 = " + num(local_experts + 1) + "), slot_row " +
+                            num(static_cast<int64_t>(slot_row.size())) + " (needs " +
+                            num(static_cast<int64_t>(ids.size())) + ")");
+  }
+  const int64_t slots = static_cast<int64_t>(ids.size());
+  auto local = [&](int64_t i) -> int64_t {
+    const int64_t e = static_cast<int64_t>(ids[static_cast<size_t>(i)]) - first_local;
+    return e >= 0 && e < local_experts ? e : -1;
+  };
+  for (int64_t e = 0; e <= local_experts; ++e) offsets[static_cast<size_t>(e)] = 0;
+  for (int64_t i = 0; i < slots; ++i) {
+    if (const int64_t e = local(i); e >= 0) ++offsets[static_cast<size_t>(e + 1)];
+  }
+  for (int64_t e = 0; e < local_experts; ++e) offsets[static_cast<size_t>(e + 1)] += offsets[static_cast<size_t>(e)];
+  const int64_t rows = offsets[static_cast<size_t>(local_experts)];
+  if (!row_token.empty() && static_cast<int64_t>(row_token.size()) < rows) {
+    return invalid_argument("sort_local_slots: row_token has " + num(static_cast<int64_t>(row_token.size())) +
+                            " elements, the ids hold " + num(rows) + " local slots");
+  }
+  // offsets[e] serves as expert e's running cursor (ascending slot order: stable), then is shifted back.
+  for (int64_t i = 0; i < slots; ++i) {
+    const int64_t e = local(i);
+    int32_t r = -1;
+    if (e >= 0) {
+      r = static_cast<int32_t>(offsets[static_cast<size_t>(e)]++);
+      if (!row_token.empty()) row_token[static_cast<size_t>(r)] = static_cast<int32_t>(i / top_k);
+    }
+    slot_row[static_cast<size_t>(i)] = r;
+  }
+  for (int64_t e = local_experts; e > 0; --e) offsets[static_cast<size_t>(e)] = offsets[static_cast<size_t>(e - 1)];
+  offsets[0] = 0;
+  return Status::ok();
 }
 
 std::string PaddedLayout::to_string() const {

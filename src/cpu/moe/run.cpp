@@ -10,6 +10,7 @@
 // computed by one thread with a fixed operation order: bits do not depend on the thread count.
 #include <omp.h>
 
+#include <cassert>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -21,6 +22,7 @@
 #include "cpu/moe/operand.hpp"
 #include "cpu/moe/workspace.hpp"
 #include "k3/cpu_moe.hpp"
+#include "k3/expert_map.hpp"
 #include "k3/formats.hpp"
 #include "k3/mx.hpp"
 
@@ -55,33 +57,17 @@ struct Pass {
   }
 };
 
-// 1. Routing map (sequential, O(tokens * top_k)).
+// 1. Routing map (sequential, O(tokens * top_k)): the library's permutation (k3/expert_map.hpp),
+// on this chunk's ids and the workspace.
 void build_routing(Pass& p) {
-  auto* slot_row = p.region<int32_t>(p.lay.slot_row);
-  auto* row_token = p.region<int32_t>(p.lay.row_token);
-  auto* offset = p.region<int64_t>(p.lay.expert_offset);
-  for (int64_t e = 0; e <= p.e_local; ++e) offset[e] = 0;
-  for (int64_t t = 0; t < p.tokens; ++t) {
-    for (int64_t s = 0; s < p.topk; ++s) {
-      const int64_t e = p.in.topk_ids[static_cast<size_t>((p.t0 + t) * p.topk + s)] - p.first_expert;
-      if (e >= 0 && e < p.e_local) ++offset[e + 1];
-    }
-  }
-  for (int64_t e = 0; e < p.e_local; ++e) offset[e + 1] += offset[e];
-  // Second pass: offset[e] serves as expert e's running cursor, then is shifted back.
-  for (int64_t t = 0; t < p.tokens; ++t) {
-    for (int64_t s = 0; s < p.topk; ++s) {
-      const int64_t e = p.in.topk_ids[static_cast<size_t>((p.t0 + t) * p.topk + s)] - p.first_expert;
-      int32_t r = -1;
-      if (e >= 0 && e < p.e_local) {
-        r = static_cast<int32_t>(offset[e]++);
-        row_token[r] = static_cast<int32_t>(t);
-      }
-      slot_row[t * p.topk + s] = r;
-    }
-  }
-  for (int64_t e = p.e_local; e > 0; --e) offset[e] = offset[e - 1];  // undo the running counters
-  offset[0] = 0;
+  const auto rows = static_cast<size_t>(p.tokens * p.topk);
+  const Status st = sort_local_slots(
+      p.in.topk_ids.subspan(static_cast<size_t>(p.t0 * p.topk), rows), static_cast<int>(p.topk),
+      static_cast<int>(p.first_expert), static_cast<int>(p.e_local),
+      {p.region<int64_t>(p.lay.expert_offset), static_cast<size_t>(p.e_local + 1)},
+      {p.region<int32_t>(p.lay.slot_row), rows}, {p.region<int32_t>(p.lay.row_token), rows});
+  assert(st.is_ok() && "sizes are fixed by the workspace layout");
+  (void)st;
 }
 
 // 2. x operand of one token.
