@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/synth_test_util.hpp"
 #include "k3/checkpoint.hpp"
 #include "k3/checkpoint_synth.hpp"
 #include "k3/formats.hpp"
@@ -31,15 +32,7 @@ class MoeIo : public ::testing::Test {
   void SetUp() override {
     dir_ = testing::TempDir() + "k3_moe_io_ckpt";
     std::filesystem::remove_all(dir_);
-    SynthOptions o;  // K 64, N 32, E 8, top-3, layer 1
-    o.output_dir = dir_;
-    o.hidden_size = 96;
-    o.expert_hidden = 64;
-    o.intermediate = 32;
-    o.num_experts = 8;
-    o.top_k = 3;
-    o.layers = {1};
-    o.seed = 3;
+    const SynthOptions o = test::small_synth_options(dir_);  // K 64, N 32, E 8, top-3, layer 1
     ASSERT_TRUE(write_synthetic_checkpoint(o).is_ok());
     auto l = load_moe_layer(dir_, 1, 1, 0);
     ASSERT_TRUE(l) << l.status().to_string();

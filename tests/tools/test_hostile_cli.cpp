@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/st_test_util.hpp"
+#include "core/synth_test_util.hpp"
 #include "k3/checkpoint_synth.hpp"
 #include "k3/safetensors.hpp"
 #include "k3/system.hpp"
@@ -237,15 +238,7 @@ TEST(HostileCli, InspectEscapesControlCharactersInNames) {
 class HostileEpFlags : public ::testing::Test {
  protected:
   void SetUp() override {
-    k3::SynthOptions o;
-    o.output_dir = dir_.str();
-    o.hidden_size = 96;
-    o.expert_hidden = 64;
-    o.intermediate = 32;
-    o.num_experts = 8;
-    o.top_k = 3;
-    o.layers = {1};
-    o.seed = 3;
+    const k3::SynthOptions o = k3::test::small_synth_options(dir_.str());
     ASSERT_TRUE(k3::write_synthetic_checkpoint(o).is_ok());
   }
   k3::test::TempDir dir_{"hostile_ep"};

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/st_test_util.hpp"
+#include "core/synth_test_util.hpp"
 #include "k3/checkpoint.hpp"
 #include "k3/checkpoint_synth.hpp"
 #include "k3/formats.hpp"
@@ -31,18 +32,7 @@ using k3::test::CliRun;
 using k3::test::run_cli;
 
 // K 64, N 32, E 8, top-3, hidden 96, layer 1, all experts stored.
-SynthOptions small_ckpt(const std::string& dir) {
-  SynthOptions o;
-  o.output_dir = dir;
-  o.hidden_size = 96;
-  o.expert_hidden = 64;
-  o.intermediate = 32;
-  o.num_experts = 8;
-  o.top_k = 3;
-  o.layers = {1};
-  o.seed = 3;
-  return o;
-}
+SynthOptions small_ckpt(const std::string& dir) { return test::small_synth_options(dir); }
 
 template <typename T>
 std::span<const uint8_t> bytes_of(const std::vector<T>& v) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/st_test_util.hpp"
+#include "core/synth_test_util.hpp"
 #include "k3/checkpoint_synth.hpp"
 #include "k3/formats.hpp"
 #include "k3/safetensors.hpp"
@@ -49,15 +50,7 @@ std::vector<float> read_out(const std::string& path) {
 TEST(MoeCliCpu, RunOnTheCpuBackendAgreesWithTheReferenceAndIsTheDefault) {
   test::TempDir io("moe_cli_cpu");
   const std::string dir = io.file("ckpt");
-  SynthOptions o;
-  o.output_dir = dir;
-  o.hidden_size = 96;
-  o.expert_hidden = 64;
-  o.intermediate = 32;
-  o.num_experts = 8;
-  o.top_k = 3;
-  o.layers = {1};
-  o.seed = 5;
+  const SynthOptions o = test::small_synth_options(dir, 5);
   ASSERT_TRUE(write_synthetic_checkpoint(o).is_ok());
   const int64_t m = 6, k = 64, e = 8;
   std::mt19937_64 rng(12);

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "core/st_test_util.hpp"
+#include "core/synth_test_util.hpp"
 #include "k3/checkpoint_synth.hpp"
 #include "k3/safetensors.hpp"
 
@@ -70,18 +71,7 @@ void write_kda_input(const std::string& path, float salt, int64_t t = 3, int64_t
   ASSERT_TRUE(w.write(path).is_ok());
 }
 
-// K 64, N 32, E 8, top-3, hidden 96, layer 1 (as in test_moe_cli.cpp).
-SynthOptions small_ckpt(const std::string& dir) {
-  SynthOptions o;
-  o.output_dir = dir;
-  o.hidden_size = 96;
-  o.expert_hidden = 64;
-  o.intermediate = 32;
-  o.num_experts = 8;
-  o.top_k = 3;
-  o.seed = 3;
-  return o;
-}
+SynthOptions small_ckpt(const std::string& dir) { return test::small_synth_options(dir); }
 
 void write_moe_input(const std::string& path) {
   const int64_t m = 2, k = 64;
