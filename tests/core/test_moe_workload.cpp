@@ -94,6 +94,12 @@ TEST(MoeWorkload, SyntheticRoutingThatCannotBeDrawnIsNamed) {
   MoeShape bad = small_shape();
   bad.hidden = 70;
   EXPECT_FALSE(make_bench_routing(parse_bench_routing("uniform").value(), bad, 4, 1));
+  auto neg = make_bench_routing(parse_bench_routing("uniform").value(), small_shape(), -1, 1);
+  ASSERT_FALSE(neg);
+  EXPECT_HAS(neg.status().message(), "routing: m = -1 must be >= 0");
+  auto none = make_bench_routing(parse_bench_routing("uniform").value(), small_shape(), 0, 1);
+  ASSERT_TRUE(none) << none.status().to_string();
+  EXPECT_TRUE(none->ids.empty());
 }
 
 TEST(MoeWorkload, ReplayFilesRoundTripAndRepeatCyclically) {
