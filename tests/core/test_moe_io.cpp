@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/st_test_util.hpp"
 #include "core/synth_test_util.hpp"
 #include "k3/checkpoint.hpp"
 #include "k3/checkpoint_synth.hpp"
@@ -30,26 +31,26 @@ std::span<const uint8_t> bytes_of(const std::vector<T>& v) {
 class MoeIo : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = testing::TempDir() + "k3_moe_io_ckpt";
-    std::filesystem::remove_all(dir_);
+    // A directory of this process's own: ctest runs each test as its own process, in parallel.
+    dir_ = tmp_.file("ckpt");
     const SynthOptions o = test::small_synth_options(dir_);  // K 64, N 32, E 8, top-3, layer 1
     ASSERT_TRUE(write_synthetic_checkpoint(o).is_ok());
     auto l = load_moe_layer(dir_, 1, 1, 0);
     ASSERT_TRUE(l) << l.status().to_string();
     layer_ = std::move(l).value();
   }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
 
   std::string write(const std::string& name, const std::function<void(st::Writer&)>& fill) {
     st::Writer w;
     fill(w);
-    const std::string path = testing::TempDir() + name;
+    const std::string path = tmp_.file(name);
     std::remove(path.c_str());
     const Status st = w.write(path);
     EXPECT_TRUE(st.is_ok()) << st.to_string();
     return path;
   }
 
+  test::TempDir tmp_{"moe_io"};
   std::string dir_;
   MoeLayerWeights layer_;
 };
@@ -152,7 +153,7 @@ TEST_F(MoeIo, MalformedFilesAreNamedWithTheTensor) {
     EXPECT_HAS(in.status().message(), path);
     std::remove(path.c_str());
   }
-  EXPECT_FALSE(load_moe_inputs(testing::TempDir() + "k3_moe_io_missing.safetensors", layer_));
+  EXPECT_FALSE(load_moe_inputs(tmp_.file("missing.safetensors"), layer_));
 }
 
 // Logits need a router the config allows; given ids do not.

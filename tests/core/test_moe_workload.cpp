@@ -9,6 +9,7 @@
 #include <numeric>
 #include <set>
 
+#include "core/st_test_util.hpp"
 #include "k3/cpu_moe.hpp"
 #include "k3/moe_workload.hpp"
 
@@ -20,7 +21,11 @@ namespace {
 // K 64, N 32, 32 experts over 4 ranks (E_local 8, rank 1 holds 8..15), top-4.
 MoeShape small_shape() { return MoeShape{64, 32, 32, 4, 4, 1}; }
 
-std::string temp_path(const char* name) { return testing::TempDir() + name; }
+// Files in a directory of this process's own (ctest runs tests as parallel processes).
+std::string temp_path(const char* name) {
+  static const test::TempDir dir("moe_workload");
+  return dir.file(name);
+}
 
 TEST(MoeWorkload, RoutingSpecsParseAndName) {
   for (const char* s : {"uniform", "ep_mixed", "zipf:1.5", "replay:/tmp/x.ids"}) {
