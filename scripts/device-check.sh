@@ -3,13 +3,16 @@
 #
 #   scripts/device-check.sh build   # on the build machine: configure + build build-device/ (CUDA,
 #                                   # sm_90a only, Release) — the folder is carried to the GPU machine
-#   scripts/device-check.sh run     # on the GPU machine: CUDA tests, k3 validate --backend cuda,
-#                                   # k3 bench moe --backend cuda with its baselines; a table last
+#   scripts/device-check.sh run     # on the GPU machine: CUDA tests, k3 validate --backend cuda (moe,
+#                                   # kda), k3 bench moe / kda --backend cuda with their baselines,
+#                                   # fla's Triton KDA on the same inputs; a table last
 #   scripts/device-check.sh         # both, on a machine that has a GPU and the build dependencies
 #
 # With the device tool: run `build` here, then run
 #   `bash scripts/device-check.sh run` with carry=["build-device"].
-# Logs and JSON go to $OUT (or build-device/out when $OUT is unset).
+# Logs and JSON go to $OUT (or build-device/out when $OUT is unset). The run phase has one deadline
+# (K3_CHECK_BUDGET_S, default 400 s): each step gets its own limit or what is left, whichever is
+# smaller, so the whole check fits an 8-minute device window with the machine's start-up.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 bdir="$root/build-device"
@@ -19,7 +22,20 @@ build() {
   "$root/scripts/setup.sh"
   # No MPI: the GPU machine has no libmpi, and the carried binaries must start there.
   "$root/scripts/build.sh" "$bdir" -DK3_CUDA=ON -DK3_CUDA_ARCHS=90a -DK3_BUILD_BENCH=OFF -DK3_WERROR=ON -DK3_MPI=OFF
-  du -sh "$bdir/k3" "$bdir/tests/k3_cuda_tests"
+  # flash-linear-attention's Triton KDA kernels for the side-by-side step (pure Python; the GPU
+  # machine has torch and Triton but cannot download).
+  mkdir -p "$bdir/wheels"
+  python3 -m pip download --no-deps -q -d "$bdir/wheels" "fla-core==0.6.0" ||
+    echo "fla-core wheel not downloaded: the fla step will report it"
+  du -sh "$bdir/k3" "$bdir/tests/k3_cuda_tests" "$bdir/wheels"
+}
+
+deadline=0
+# step_limit WANTED: seconds for the next step, at most what is left before the deadline (>= 1).
+step_limit() {
+  local left=$((deadline - $(date +%s) - 5))
+  [ "$left" -lt 1 ] && left=1
+  [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
 }
 
 summary=()
@@ -33,6 +49,7 @@ run_checks() {
   local out="${OUT:-$bdir/out}"
   mkdir -p "$out"
   local k3="$bdir/k3" rc=0
+  deadline=$(( $(date +%s) + ${K3_CHECK_BUDGET_S:-400} ))
   trap print_summary EXIT
   # NCCL for the world-size-1 transport tests: the pip wheel's library when torch's image has it.
   if [ -z "${K3_NCCL_LIBRARY:-}" ]; then
@@ -45,25 +62,48 @@ run_checks() {
   ldd "$k3" | grep -E "not found" && echo "missing shared libraries (see above)"
   "$k3" info | tee "$out/info.txt"
   echo "== CUDA unit tests"
-  timeout 240 "$bdir/tests/k3_cuda_tests" --gtest_brief=1 --gtest_filter='-NcclDevice.*' 2>&1 | tee "$out/cuda_tests.txt" | tail -25
+  timeout "$(step_limit 150)" "$bdir/tests/k3_cuda_tests" --gtest_brief=1 --gtest_filter='-NcclDevice.*' 2>&1 | tee "$out/cuda_tests.txt" | tail -25
   local tests_rc=${PIPESTATUS[0]}
   summary+=("$(printf "%-34s %s" "cuda unit tests" "$([ "$tests_rc" = 0 ] && echo PASS || echo "FAIL (rc $tests_rc)")")")
   echo "== NCCL transport + device all-reduce, world size 1 (K3_NCCL_LIBRARY=${K3_NCCL_LIBRARY:-unset})"
-  timeout 60 "$bdir/tests/k3_cuda_tests" --gtest_filter='NcclDevice.*' 2>&1 | tee "$out/nccl_tests.txt" | tail -12
+  timeout "$(step_limit 40)" "$bdir/tests/k3_cuda_tests" --gtest_filter='NcclDevice.*' 2>&1 | tee "$out/nccl_tests.txt" | tail -12
   local nccl_rc=${PIPESTATUS[0]}
   summary+=("$(printf "%-34s %s" "nccl world size 1" "$([ "$nccl_rc" = 0 ] && (grep -q SKIPPED "$out/nccl_tests.txt" && echo SKIPPED || echo PASS) || echo "FAIL (rc $nccl_rc)")")")
   echo "== k3 validate --op moe --suite all --backend cuda"
-  timeout 300 "$k3" validate --op moe --suite all --backend cuda --output "$out/validate.json" >"$out/validate.txt" 2>&1
+  timeout "$(step_limit 90)" "$k3" validate --op moe --suite all --backend cuda --output "$out/validate.json" >"$out/validate.txt" 2>&1
   local validate_rc=$?
   tail -15 "$out/validate.txt"
   summary+=("$(printf "%-34s %s" "k3 validate --backend cuda" "$([ "$validate_rc" = 0 ] && echo PASS || echo "FAIL (rc $validate_rc)")")")
   echo "== k3 bench moe --backend cuda"
-  timeout 240 "$k3" bench moe --backend cuda --m 1,8,128,2048,8192 --recipe w4a8 --routing ep_mixed \
+  timeout "$(step_limit 60)" "$k3" bench moe --backend cuda --m 1,8,128,2048,8192 --recipe w4a8 --routing ep_mixed \
     --output "$out/bench.json" >"$out/bench.txt" 2>&1
   local bench_rc=$?
   summary+=("$(printf "%-34s %s" "k3 bench moe --backend cuda" "$([ "$bench_rc" = 0 ] && echo ran || echo "FAIL (rc $bench_rc)")")")
   tail -20 "$out/bench.txt"
-  [ "$tests_rc" = 0 ] && [ "$nccl_rc" = 0 ] && [ "$validate_rc" = 0 ] && [ "$bench_rc" = 0 ] || rc=1
+  echo "== k3 validate --op kda --backend cuda"
+  timeout "$(step_limit 60)" "$k3" validate --op kda --backend cuda --output "$out/validate_kda.json" \
+    >"$out/validate_kda.txt" 2>&1
+  local vkda_rc=$?
+  tail -15 "$out/validate_kda.txt"
+  summary+=("$(printf "%-34s %s" "k3 validate --op kda --backend cuda" "$([ "$vkda_rc" = 0 ] && echo PASS || echo "FAIL (rc $vkda_rc)")")")
+  echo "== k3 bench kda --backend cuda"
+  timeout "$(step_limit 60)" "$k3" bench kda --backend cuda --prefill-t 1024 8192 --decode-n 1 64 --iters 3 \
+    --output "$out/bench_kda.json" >"$out/bench_kda.txt" 2>&1
+  local bkda_rc=$?
+  tail -14 "$out/bench_kda.txt"
+  summary+=("$(printf "%-34s %s" "k3 bench kda --backend cuda" "$([ "$bkda_rc" = 0 ] && echo ran || echo "FAIL (rc $bkda_rc)")")")
+  echo "== fla (Triton) chunk_kda / fused_recurrent_kda, same inputs as k3 kda run --backend cuda"
+  local fla_dir="$out/fla_pkg" fla_rc=3
+  mkdir -p "$fla_dir"
+  for w in "$bdir"/wheels/*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" "$fla_dir"; done
+  PYTHONPATH="$fla_dir${PYTHONPATH:+:$PYTHONPATH}" timeout "$(step_limit 120)" \
+    python3 "$root/scripts/fla_kda_compare.py" --k3 "$k3" --out "$out" >"$out/fla.txt" 2>&1
+  fla_rc=$?
+  rm -rf "$fla_dir"
+  tail -12 "$out/fla.txt"
+  summary+=("$(printf "%-34s %s" "fla side by side" "$([ "$fla_rc" = 0 ] && echo ran || echo "FAIL (rc $fla_rc)")")")
+  [ "$tests_rc" = 0 ] && [ "$nccl_rc" = 0 ] && [ "$validate_rc" = 0 ] && [ "$bench_rc" = 0 ] &&
+    [ "$vkda_rc" = 0 ] && [ "$bkda_rc" = 0 ] || rc=1
   return $rc
 }
 

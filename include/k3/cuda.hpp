@@ -31,6 +31,19 @@ struct DeviceInfo {
 // no CUDA in this build, no driver, or no device.
 Result<std::vector<DeviceInfo>> devices();
 
+// What a device offers, as read by device_caps() (or written by a test).
+struct DeviceCaps {
+  std::string name;
+  int cc_major = 0;
+  int cc_minor = 0;
+  int sm_count = 0;
+  int64_t smem_per_block_optin = 0;  // bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+  std::vector<int> compiled_archs;   // e.g. {90, 120}: architectures built into this binary
+};
+
+// What device `device` offers, for planning (cuda::plan of each op); kUnavailable without one.
+Result<DeviceCaps> device_caps(int device);
+
 // MX quantize / dequantize on device 0 (host buffers in and out; copies included). Same results,
 // bit for bit, as k3::mx_quantize / k3::mx_dequantize. Used by tests and `k3 validate --op formats`.
 Status mx_quantize(std::span<const float> x, int64_t rows, int64_t cols, MxElement e, ScaleRule rule,

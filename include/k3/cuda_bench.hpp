@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <span>
 
+#include "k3/kda.hpp"
 #include "k3/moe.hpp"
 #include "k3/status.hpp"
 
@@ -31,5 +32,14 @@ Result<DeviceTiming> time_moe(const MoeProblem& p, const MoeWeightsView& w, cons
 // of what a BF16 grouped-GEMM pipeline costs).
 Result<DeviceTiming> time_cublas_baseline(const MoeProblem& p, std::span<const int64_t> rows_per_expert, int warmup,
                                           int iters);
+
+// KDA (k3/cuda_kda.hpp) on device 0, inputs uploaded once, CUDA events around the device call:
+// a prefill of `in` with `algorithm`; a decode of the N tokens of `in` (no cu_seqlens) that
+// rotates over pool_slots / N groups of N slots, so that no step finds its states in L2 (the
+// state bytes read + written per step are 2 N H K V 4).
+Result<DeviceTiming> time_kda_prefill(const kda::KdaConfig& cfg, const kda::KdaInputs& in, kda::Algorithm algorithm,
+                                      int warmup, int iters);
+Result<DeviceTiming> time_kda_decode(const kda::KdaConfig& cfg, const kda::KdaInputs& in, int64_t pool_slots,
+                                     int warmup, int iters);
 
 }  // namespace k3::cuda

@@ -14,20 +14,12 @@
 #include <string>
 #include <vector>
 
+#include "k3/cuda.hpp"
 #include "k3/moe.hpp"
 #include "k3/status.hpp"
 
 namespace k3::cuda {
 
-// What a device offers, as read by device_caps() (or written by a test).
-struct DeviceCaps {
-  std::string name;
-  int cc_major = 0;
-  int cc_minor = 0;
-  int sm_count = 0;
-  int64_t smem_per_block_optin = 0;  // bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin)
-  std::vector<int> compiled_archs;   // e.g. {90, 120}: architectures built into this binary
-};
 
 // The bounded list of kernel instances (a fixed, small list keeps CI builds short).
 enum class MoePath : uint8_t {
@@ -84,8 +76,6 @@ struct MoeOptions {
 Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options);
 
 // ---- device side (available only in builds with CUDA; otherwise kUnavailable) ---------------
-
-Result<DeviceCaps> device_caps(int device);
 
 // Weights resident on the device in the checkpoint layout ([gate; up] FC1, FC2, linear scales).
 // Prepack also checks that every scale code keeps the exact BF16 dequantization valid

@@ -175,4 +175,10 @@ struct VerifyArgs {
   std::span<const int32_t> num_accepted;   // [N], each in [1, T]
   std::span<float> o;                      // [N * T, H, V]
 };
+
+// Decode / verify argument checks every backend's host entry runs (sizes, then the values:
+// state_indices within the pool's slots, written slots distinct over the batch, num_accepted in
+// [1, T]). Returns num_tokens = the token count and num_seqs = N.
+Result<PrefillShape> check_decode_args(const KdaConfig& cfg, const DecodeArgs& args);
+Result<PrefillShape> check_verify_args(const KdaConfig& cfg, const VerifyArgs& args);
 }  // namespace k3::kda

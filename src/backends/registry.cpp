@@ -8,6 +8,7 @@
 #include "k3/cpu_kda.hpp"
 #include "k3/cpu_moe.hpp"
 #include "k3/cuda.hpp"
+#include "k3/cuda_kda.hpp"
 #include "k3/cuda_moe.hpp"
 #include "k3/moe_ref.hpp"
 
@@ -84,10 +85,6 @@ cpu::KdaOptions kda_cpu_options(const BackendOptions& opt) {
   return o;
 }
 
-Status kda_not_on_cuda() {
-  return unavailable("KDA has no CUDA backend yet (the CUDA build covers the fused MoE only)");
-}
-
 std::vector<KdaBackend> make_kda_backends() {
   std::vector<KdaBackend> v;
   KdaBackend cpu;
@@ -107,8 +104,16 @@ std::vector<KdaBackend> make_kda_backends() {
   KdaBackend cuda;
   cuda.name = "cuda";
   cuda.priority = 5;
-  cuda.available = kda_not_on_cuda;
-  cuda.supports = [](const kda::KdaConfig&) { return kda_not_on_cuda(); };
+  cuda.available = cuda_available;  // NOT YET RUN ON A GPU (k3/cuda_kda.hpp)
+  cuda.supports = [](const kda::KdaConfig& c) { return kda::validate_config(c); };
+  cuda.prefill = [](const kda::KdaConfig& c, const kda::KdaInputs& in, const kda::KdaOutputs& out,
+                    const BackendOptions& o) { return cuda::prefill_host(c, in, out, o.kda_algorithm); };
+  cuda.decode = [](const kda::KdaConfig& c, const kda::DecodeArgs& a, const BackendOptions&) {
+    return cuda::decode_host(c, a);
+  };
+  cuda.verify = [](const kda::KdaConfig& c, const kda::VerifyArgs& a, const BackendOptions&) {
+    return cuda::verify_host(c, a);
+  };
   v.push_back(std::move(cuda));
   KdaBackend ref;
   ref.name = "reference";  // the FP32 token recurrence, prefill only

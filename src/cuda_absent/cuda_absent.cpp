@@ -19,6 +19,15 @@ Status kda_log_decay(const kda::KdaConfig&, int64_t, std::span<const float>, std
                      std::span<const float>, std::span<float>) {
   return not_built();
 }
+Status prefill(const KdaPlan&, const kda::KdaInputs&, const kda::KdaOutputs&, void*, void*) { return not_built(); }
+Status decode(const KdaPlan&, const kda::DecodeArgs&, void*, void*) { return not_built(); }
+Status verify(const KdaPlan&, const kda::VerifyArgs&, void*, void*) { return not_built(); }
+Status kda_status(const KdaPlan&, const void*, void*) { return not_built(); }
+Status prefill_host(const kda::KdaConfig&, const kda::KdaInputs&, const kda::KdaOutputs&, kda::Algorithm) {
+  return not_built();
+}
+Status decode_host(const kda::KdaConfig&, const kda::DecodeArgs&) { return not_built(); }
+Status verify_host(const kda::KdaConfig&, const kda::VerifyArgs&) { return not_built(); }
 Status mx_quantize(std::span<const float>, int64_t, int64_t, MxElement, ScaleRule, std::span<uint8_t>,
                    std::span<uint8_t>) {
   return not_built();
@@ -36,6 +45,12 @@ DeviceWeights::DeviceWeights(DeviceWeights&&) noexcept = default;
 DeviceWeights& DeviceWeights::operator=(DeviceWeights&&) noexcept = default;
 
 Result<DeviceCaps> device_caps(int) { return not_built(); }
+Result<DeviceTiming> time_kda_prefill(const kda::KdaConfig&, const kda::KdaInputs&, kda::Algorithm, int, int) {
+  return not_built();
+}
+Result<DeviceTiming> time_kda_decode(const kda::KdaConfig&, const kda::KdaInputs&, int64_t, int, int) {
+  return not_built();
+}
 Result<DeviceWeights> prepack(const MoePlan&, const MoeWeightsView&) { return not_built(); }
 Status run(const MoePlan&, const DeviceWeights&, const DeviceInputs&, void*, void*) { return not_built(); }
 Status run_host(const MoeProblem&, const MoeWeightsView&, const MoeInputsView&, std::span<uint8_t>) {

@@ -118,8 +118,10 @@ TEST(BackendRegistry, KdaBackendsSayWhatTheyCanDo) {
   EXPECT_EQ(list[0].name, "cpu");
   EXPECT_EQ(default_kda_backend().name, "cpu");
   const KdaBackend& cuda = *find_kda_backend("cuda").value();
-  ASSERT_FALSE(cuda.available().is_ok());
-  EXPECT_NE(cuda.available().message().find("no CUDA backend"), std::string::npos);
+  EXPECT_TRUE(cuda.prefill && cuda.decode && cuda.verify);  // every entry (never run on a GPU)
+  if (!cuda.available().is_ok()) {  // no device here, or built without CUDA: the reason
+    EXPECT_TRUE(cuda.available().code() == StatusCode::kUnavailable) << cuda.available().to_string();
+  }
   const KdaBackend& ref = *find_kda_backend("reference").value();
   EXPECT_TRUE(ref.prefill && !ref.decode && !ref.verify);
   auto bad = find_kda_backend("gpu");
@@ -208,8 +210,10 @@ TEST(BackendRegistry, RunKdaNamesAMissingEntryAndPassesTheOptions) {
   st = run_kda_verify(ref, cfg, {step, 3, pool, idx, acc, o});
   EXPECT_NE(st.message().find("has no verify entry"), std::string::npos) << st.message();
   std::vector<float> o1(q.size()), o2(q.size());
-  st = run_kda_prefill(cuda, cfg, in, {o1, {}});
-  EXPECT_EQ(st.message(), cuda.available().message());
+  if (!cuda.available().is_ok()) {
+    st = run_kda_prefill(cuda, cfg, in, {o1, {}});
+    EXPECT_EQ(st.message(), cuda.available().message());
+  }
   EXPECT_TRUE(run_kda_decode(cpu, cfg, {step, pool, idx, o}).is_ok());
 
   // The reference is token-recurrent: chunked is refused, recurrent accepted.

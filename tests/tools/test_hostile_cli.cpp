@@ -13,6 +13,7 @@
 #include "core/st_test_util.hpp"
 #include "core/synth_test_util.hpp"
 #include "k3/checkpoint_synth.hpp"
+#include "k3/cuda.hpp"
 #include "k3/safetensors.hpp"
 #include "k3/system.hpp"
 #include "scoped_env.hpp"
@@ -292,6 +293,20 @@ TEST(HostileCli, BenchKdaRejectsNonPositiveSizesAsFlagErrors) {
   r = run_cli("bench kda --prefill-t 8 --decode-n -1");
   EXPECT_NE(r.code, 0) << r.out;
   EXPECT_HAS(r.out, "--decode-n");
+}
+
+TEST(HostileCli, BenchKdaBackendIsCheckedAndCudaSaysWhyItCannotRun) {
+  auto r = run_cli("bench kda --backend gpu --prefill-t 8 --decode-n 1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_HAS(r.out, "--backend gpu is not known (cpu or cuda)");
+  r = run_cli("bench kda --backend cuda --heads 1024 --head-dim 512 --prefill-t 1048576 --decode-n 1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_HAS(r.out, "--backend cuda: --prefill-t 1048576: the case's q, k, v, g, o needs");
+  if (!k3::cuda::devices().is_ok()) {  // every CI machine: no device, the reason
+    r = run_cli("bench kda --backend cuda --prefill-t 8 --decode-n 1");
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_HAS(r.out, "--backend cuda: ");
+  }
 }
 
 TEST(HostileCli, BenchKdaRefusesCasesAboveTheMemoryLimitBeforeRunning) {

@@ -12,6 +12,8 @@
 #include "core/kda/kda_case.hpp"
 #include "k3/atomic_file.hpp"
 #include "k3/cpu_kda.hpp"
+#include "k3/cuda.hpp"
+#include "k3/cuda_bench.hpp"
 #include "k3/kda.hpp"
 #include "k3/system.hpp"
 
@@ -19,6 +21,7 @@ namespace k3::tool {
 namespace {
 
 struct Args {
+  std::string backend = "cpu";
   int threads = 0;
   std::string isa;  // empty: K3_ISA or the CPU's best level
   int64_t heads = 96, head_dim = 128;
@@ -49,7 +52,97 @@ double flop_chunked(double K, double V) {
   return (dots + subst + gemms) / C;
 }
 
+// --backend cuda: the device API timed with CUDA events, against the device-to-device copy
+// bandwidth measured in the same run (decode moves 2 N H K V 4 bytes of state per step).
+// NOT YET RUN ON A GPU.
+Status run_cuda(const Args& a) {
+  kda::KdaConfig cfg;
+  cfg.num_heads = a.heads;
+  cfg.head_k = cfg.head_v = a.head_dim;
+  cfg.gate = kda::GateMode::kSafe;
+  K3_RETURN_IF_ERROR(kda::validate_config(cfg));
+  for (const int64_t T : a.prefill_t) {  // the host copy of every case fits before anything runs
+    K3_RETURN_IF_ERROR(kda::check_buffer_bytes("--prefill-t " + std::to_string(T) + ": the case's q, k, v, g, o",
+                                               T * cfg.num_heads, (3 * cfg.head_k + 2 * cfg.head_v) * 4));
+  }
+  const int64_t copy_bytes = int64_t{1} << 30;
+  K3_ASSIGN_OR_RETURN(const cuda::DeviceTiming copy, cuda::time_device_copy(copy_bytes, 2, 10));
+  const double copy_bw = 2.0 * static_cast<double>(copy_bytes) / copy.median_s;  // read + written
+  auto devs = cuda::devices();
+  const std::string device = devs.is_ok() ? devs.value()[0].name : std::string("?");
+  nlohmann::json records = nlohmann::json::array();
+  auto timing_json = [](const cuda::DeviceTiming& t) {
+    return nlohmann::json{{"median_s", t.median_s}, {"min_s", t.min_s}, {"max_s", t.max_s}, {"iterations", t.iterations}};
+  };
+  std::printf("device: %s; device-to-device copy %.1f GB/s (read + written, 1 GiB)\n\n", device.c_str(), copy_bw / 1e9);
+  std::printf("prefill H=%lld K=V=%lld, one sequence, BF16 q/k/v, safe gate (median [min, max] ms)\n",
+              static_cast<long long>(cfg.num_heads), static_cast<long long>(cfg.head_k));
+  std::printf("%7s | %28s | %28s\n", "T", "recurrent ms", "chunked ms");
+  for (const int64_t T : a.prefill_t) {
+    kda::CaseSpec spec;
+    spec.cfg = cfg;
+    spec.seqlens = {T};
+    const kda::KdaCase c = kda::make_case(spec);
+    nlohmann::json rec = {{"kind", "prefill"}, {"backend", "cuda"}, {"T", T}, {"H", cfg.num_heads}, {"K", cfg.head_k},
+                          {"V", cfg.head_v}};
+    std::string cols[2];
+    int i = 0;
+    for (kda::Algorithm algo : {kda::Algorithm::kRecurrent, kda::Algorithm::kChunked}) {
+      auto t = cuda::time_kda_prefill(cfg, c.inputs(), algo, 1, T >= 4096 ? 3 : a.iters);
+      char buf[64];
+      if (t.is_ok()) {
+        std::snprintf(buf, sizeof buf, "%9.3f [%7.3f, %7.3f]", t->median_s * 1e3, t->min_s * 1e3, t->max_s * 1e3);
+        rec[kda::algorithm_name(algo)] = timing_json(t.value());
+      } else if (t.status().code() == StatusCode::kUnsupported) {
+        std::snprintf(buf, sizeof buf, "%28s", "not built");
+        rec[kda::algorithm_name(algo)] = {{"error", t.status().message()}};
+      } else {
+        return Status(t.status().code(), std::string("prefill T=") + std::to_string(T) + " " +
+                                             kda::algorithm_name(algo) + ": " + t.status().message());
+      }
+      cols[i++] = buf;
+    }
+    std::printf("%7lld | %s | %s\n", static_cast<long long>(T), cols[0].c_str(), cols[1].c_str());
+    records.push_back(rec);
+  }
+  std::printf("\ndecode H=%lld K=V=%lld, FP32 state, one token per sequence (state read + written once per step)\n",
+              static_cast<long long>(cfg.num_heads), static_cast<long long>(cfg.head_k));
+  std::printf("%5s | %28s %12s %9s %12s\n", "N", "step ms", "state MB", "GB/s", "of copy bw");
+  const double slot_bytes = static_cast<double>(cfg.num_heads * cfg.head_k * cfg.head_v) * 4;
+  for (const int64_t N : a.decode_n) {
+    kda::CaseSpec spec;
+    spec.cfg = cfg;
+    spec.seqlens = {N};
+    spec.initial_state = false;
+    const kda::KdaCase c = kda::make_case(spec);
+    // At least 4x the 50 MB L2 of an H100 / H200 rotated over, and at least 4 groups.
+    const int64_t groups = std::max<int64_t>(4, static_cast<int64_t>(200e6 / (slot_bytes * static_cast<double>(N))) + 1);
+    auto t = cuda::time_kda_decode(cfg, c.inputs(), groups * N, 2, std::max<int>(a.iters * 4, 20));
+    if (!t.is_ok()) return Status(t.status().code(), "decode N=" + std::to_string(N) + ": " + t.status().message());
+    const double bytes = 2.0 * slot_bytes * static_cast<double>(N), rate = bytes / t->median_s;
+    std::printf("%5lld | %9.3f [%7.3f, %7.3f] %12.1f %9.1f %11.1f%%\n", static_cast<long long>(N), t->median_s * 1e3,
+                t->min_s * 1e3, t->max_s * 1e3, bytes / 1e6, rate / 1e9, 100 * rate / copy_bw);
+    records.push_back({{"kind", "decode"}, {"backend", "cuda"}, {"N", N}, {"H", cfg.num_heads}, {"K", cfg.head_k},
+                       {"V", cfg.head_v}, {"state_bytes_read_written", bytes}, {"pool_slots", groups * N},
+                       {"timing", timing_json(t.value())}, {"fraction_of_copy_bw", rate / copy_bw}});
+  }
+  if (!a.output.empty()) {
+    const nlohmann::json j = {{"device", device},
+                              {"device_copy_Bps", copy_bw},
+                              {"note", "CUDA KDA backend; see docs/kda.md"},
+                              {"records", records}};
+    K3_RETURN_IF_ERROR(write_file_atomic(a.output, j.dump(2) + "\n", "--output"));
+  }
+  return Status::ok();
+}
+
 Status run(const Args& a) {
+  if (a.backend == "cuda") {
+    if (!a.output.empty()) K3_RETURN_IF_ERROR(check_output_path("--output", a.output));
+    const Status st = run_cuda(a);
+    return st.is_ok() ? st : Status(st.code(), "--backend cuda: " + st.message());
+  }
+  if (a.backend != "cpu") return invalid_argument("--backend " + a.backend + " is not known (cpu or cuda)");
   if (!a.output.empty()) {
     K3_RETURN_IF_ERROR(check_output_path("--output", a.output));
   }
@@ -228,6 +321,8 @@ Status run(const Args& a) {
 const BenchRegistration kRegistration("kda", [](CLI::App& bench) -> CommandRun {
   auto* cmd = bench.add_subcommand("kda", "KDA prefill (chunked vs recurrent) and decode sweeps");
   auto a = std::make_shared<Args>();
+  cmd->add_option("--backend", a->backend, "cpu | cuda (cuda: CUDA events, vs the device copy bandwidth)")
+      ->capture_default_str();
   cmd->add_option("--threads", a->threads, "Threads (default: K3_NUM_THREADS or all CPUs)");
   cmd->add_option("--isa", a->isa,
                   "CPU kernel level: scalar | avx2 | avx512 | avx512bf16 (default: K3_ISA or the CPU's best); the "

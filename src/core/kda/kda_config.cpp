@@ -1,9 +1,12 @@
 // KDA configuration names, limits and the shape checks every backend shares.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/kda/kda_math.hpp"
 #include "k3/kda.hpp"
@@ -170,7 +173,7 @@ Status check_gate_inputs(const KdaConfig& c, std::span<const float> a_log, std::
 }
 
 Result<PrefillShape> detail::validate_prefill_sizes(const KdaConfig& c, const KdaInputs& in, int64_t o_size,
-                                                   int64_t final_state_size) {
+                                                   int64_t final_state_size, bool host_values) {
   K3_RETURN_IF_ERROR(validate_config(c));
   K3_RETURN_IF_ERROR(check_act("q", in.q));
   K3_RETURN_IF_ERROR(check_act("k", in.k));
@@ -187,9 +190,24 @@ Result<PrefillShape> detail::validate_prefill_sizes(const KdaConfig& c, const Kd
   K3_RETURN_IF_ERROR(check_size("v", in.v.size(), t * h * dv, "([T, H, V])"));
   K3_RETURN_IF_ERROR(check_size("g", static_cast<int64_t>(in.g.size()), t * h * dk, "([T, H, K])"));
   K3_RETURN_IF_ERROR(check_size("beta", static_cast<int64_t>(in.beta.size()), t * h, "([T, H])"));
-  K3_RETURN_IF_ERROR(check_gate_inputs(c, in.a_log, in.dt_bias));
+  if (host_values) {
+    K3_RETURN_IF_ERROR(check_gate_inputs(c, in.a_log, in.dt_bias));
+  } else if (c.gate == GateMode::kLogDecay) {
+    K3_RETURN_IF_ERROR(check_gate_inputs(c, in.a_log, in.dt_bias));  // reads no value: both must be empty
+  } else {
+    if (static_cast<int64_t>(in.a_log.size()) < h) {
+      return invalid_argument("a_log has " + num(in.a_log.size()) + " elements, gate = " + gate_mode_name(c.gate) +
+                              " needs at least H = " + num(h));
+    }
+    if (!in.dt_bias.empty()) K3_RETURN_IF_ERROR(check_size("dt_bias", static_cast<int64_t>(in.dt_bias.size()), h * dk, "([H, K])"));
+  }
   if (in.cu_seqlens.empty()) {
     s.num_seqs = 1;
+  } else if (!host_values) {
+    if (in.cu_seqlens.size() < 2) {
+      return invalid_argument("cu_seqlens has " + num(in.cu_seqlens.size()) + " entries, needs at least 2 ([N + 1], N >= 1)");
+    }
+    s.num_seqs = static_cast<int64_t>(in.cu_seqlens.size()) - 1;
   } else {
     K3_RETURN_IF_ERROR(check_cu_seqlens(in.cu_seqlens, t));
     s.num_seqs = static_cast<int64_t>(in.cu_seqlens.size()) - 1;
@@ -209,6 +227,107 @@ Result<PrefillShape> detail::validate_prefill_sizes(const KdaConfig& c, const Kd
 Result<PrefillShape> validate_prefill(const KdaConfig& c, const KdaInputs& in, const KdaOutputs& out) {
   return detail::validate_prefill_sizes(c, in, static_cast<int64_t>(out.o.size()),
                                         static_cast<int64_t>(out.final_state.size()));
+}
+
+
+namespace {
+
+// The token inputs of decode / verify (cu_seqlens and initial_state empty): the token count.
+Result<int64_t> check_pool_inputs(const KdaConfig& c, const KdaInputs& in, std::span<float> o, const char* what) {
+  if (!in.cu_seqlens.empty() || !in.initial_state.empty()) {
+    return invalid_argument(std::string(what) + ": cu_seqlens and initial_state must be empty (the state pool holds the states)");
+  }
+  K3_ASSIGN_OR_RETURN(auto s, detail::validate_prefill_sizes(c, in, static_cast<int64_t>(o.size()), 0));
+  return s.num_tokens;
+}
+
+Result<int64_t> pool_slots(const KdaConfig& c, std::span<float> pool) {
+  const int64_t per_slot = c.num_heads * c.head_k * c.head_v;
+  if (pool.empty() || static_cast<int64_t>(pool.size()) % per_slot != 0) {
+    return invalid_argument("state_pool has " + num(static_cast<int64_t>(pool.size())) +
+                            " floats, expected a positive multiple of H * K * V = " + num(per_slot) +
+                            " ([slots, H, K, V] or [slots, H, V, K])");
+  }
+  return static_cast<int64_t>(pool.size()) / per_slot;
+}
+
+// (slot, owner) pairs of the written slots must be distinct. (A sequence's read slot is one of
+// its own write slots, so no other sequence can write it.)
+Status check_distinct_writes(std::vector<std::pair<int64_t, int64_t>> writes) {
+  std::sort(writes.begin(), writes.end());
+  for (size_t i = 1; i < writes.size(); ++i) {
+    if (writes[i].first == writes[i - 1].first) {
+      return invalid_argument("state slot " + num(writes[i].first) + " is written twice (sequences " +
+                              num(writes[i - 1].second) + " and " + num(writes[i].second) + ")");
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<PrefillShape> check_decode_args(const KdaConfig& c, const DecodeArgs& a) {
+  K3_ASSIGN_OR_RETURN(auto tokens, check_pool_inputs(c, a.in, a.o, "decode"));
+  K3_ASSIGN_OR_RETURN(auto slots, pool_slots(c, a.state_pool));
+  const int64_t N = tokens;
+  if (static_cast<int64_t>(a.state_indices.size()) != N) {
+    return invalid_argument("state_indices has " + num(static_cast<int64_t>(a.state_indices.size())) +
+                            " entries, expected N = " + num(N) + " ([N])");
+  }
+  std::vector<std::pair<int64_t, int64_t>> writes;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t slot = a.state_indices[n];
+    if (slot >= slots) {
+      return out_of_range("state_indices[" + num(n) + "] = " + num(slot) + " is past the pool's " +
+                          num(slots) + " slots");
+    }
+    if (slot >= 0) writes.emplace_back(slot, n);
+  }
+  K3_RETURN_IF_ERROR(check_distinct_writes(std::move(writes)));
+  PrefillShape shape;
+  shape.num_tokens = N;
+  shape.num_seqs = N;
+  return shape;
+}
+
+Result<PrefillShape> check_verify_args(const KdaConfig& c, const VerifyArgs& a) {
+  K3_ASSIGN_OR_RETURN(auto tokens, check_pool_inputs(c, a.in, a.o, "verify"));
+  K3_ASSIGN_OR_RETURN(auto slots, pool_slots(c, a.state_pool));
+  const int64_t T = a.draft_tokens;
+  if (T < 1 || tokens % T != 0) {
+    return invalid_argument("draft_tokens = " + num(T) + " must be >= 1 and divide the token count " +
+                            num(tokens));
+  }
+  const int64_t N = tokens / T;
+  if (static_cast<int64_t>(a.state_indices.size()) != N * T) {
+    return invalid_argument("state_indices has " + num(static_cast<int64_t>(a.state_indices.size())) +
+                            " entries, expected N * T = " + num(N * T) + " ([N, T])");
+  }
+  if (static_cast<int64_t>(a.num_accepted.size()) != N) {
+    return invalid_argument("num_accepted has " + num(static_cast<int64_t>(a.num_accepted.size())) +
+                            " entries, expected N = " + num(N) + " ([N])");
+  }
+  std::vector<std::pair<int64_t, int64_t>> writes;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t acc = a.num_accepted[n];
+    if (acc < 1 || acc > T) {
+      return invalid_argument("num_accepted[" + num(n) + "] = " + num(acc) + " must be in [1, T = " + num(T) + "]");
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = a.state_indices[n * T + t];
+      if (slot >= slots) {
+        return out_of_range("state_indices[" + num(n) + ", " + num(t) + "] = " + num(slot) + " is past the pool's " +
+                            num(slots) + " slots");
+      }
+      if (slot >= 0) writes.emplace_back(slot, n);
+    }
+  }
+  K3_RETURN_IF_ERROR(check_distinct_writes(std::move(writes)));
+
+  PrefillShape shape;
+  shape.num_tokens = tokens;
+  shape.num_seqs = N;
+  return shape;
 }
 
 }  // namespace k3::kda

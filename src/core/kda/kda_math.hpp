@@ -12,9 +12,10 @@
 namespace k3::kda::detail {
 
 // validate_prefill on output sizes instead of spans (o and final_state element counts; a
-// final_state size of 0 means "not returned").
+// final_state size of 0 means "not returned"). host_values = false: the spans are device memory,
+// so only sizes are checked (no cu_seqlens or a_log value is read; the device checks those).
 Result<PrefillShape> validate_prefill_sizes(const KdaConfig& c, const KdaInputs& in, int64_t o_size,
-                                            int64_t final_state_size);
+                                            int64_t final_state_size, bool host_values = true);
 
 // Element i of an activation tensor, widened exactly to FP32.
 inline float act_at(const ActSpan& a, int64_t i) {

@@ -159,38 +159,6 @@ Status check_plan(const KdaPlan& p) {
   return Status::ok();
 }
 
-// Checks of the token inputs shared by decode and verify: returns the token count.
-Result<int64_t> check_pool_inputs(const KdaConfig& c, const KdaInputs& in, std::span<float> o, const char* what) {
-  if (!in.cu_seqlens.empty() || !in.initial_state.empty()) {
-    return invalid_argument(std::string(what) + ": cu_seqlens and initial_state must be empty (the state pool holds the states)");
-  }
-  K3_ASSIGN_OR_RETURN(auto s, kda::detail::validate_prefill_sizes(c, in, static_cast<int64_t>(o.size()), 0));
-  return s.num_tokens;
-}
-
-Result<int64_t> pool_slots(const KdaConfig& c, std::span<float> pool) {
-  const int64_t per_slot = c.num_heads * c.head_k * c.head_v;
-  if (pool.empty() || static_cast<int64_t>(pool.size()) % per_slot != 0) {
-    return invalid_argument("state_pool has " + num(static_cast<int64_t>(pool.size())) +
-                            " floats, expected a positive multiple of H * K * V = " + num(per_slot) +
-                            " ([slots, H, K, V] or [slots, H, V, K])");
-  }
-  return static_cast<int64_t>(pool.size()) / per_slot;
-}
-
-// (slot, owner) pairs of the written slots must be distinct. (A sequence's read slot is one of
-// its own write slots, so no other sequence can write it.)
-Status check_distinct_writes(std::vector<std::pair<int64_t, int64_t>> writes) {
-  std::sort(writes.begin(), writes.end());
-  for (size_t i = 1; i < writes.size(); ++i) {
-    if (writes[i].first == writes[i - 1].first) {
-      return invalid_argument("state slot " + num(writes[i].first) + " is written twice (sequences " +
-                              num(writes[i - 1].second) + " and " + num(writes[i].second) + ")");
-    }
-  }
-  return Status::ok();
-}
-
 }  // namespace
 
 Result<KdaPlan> plan(const KdaConfig& cfg, const KdaOptions& opt) {
@@ -311,23 +279,8 @@ Status prefill(const KdaPlan& p, const KdaInputs& in, const KdaOutputs& out, std
 Status decode(const KdaPlan& p, const DecodeArgs& a, std::span<uint8_t> workspace) {
   K3_RETURN_IF_ERROR(check_plan(p));
   const KdaConfig& c = p.cfg;
-  K3_ASSIGN_OR_RETURN(auto tokens, check_pool_inputs(c, a.in, a.o, "decode"));
-  K3_ASSIGN_OR_RETURN(auto slots, pool_slots(c, a.state_pool));
-  const int64_t N = tokens, H = c.num_heads, block = c.head_k * c.head_v;
-  if (static_cast<int64_t>(a.state_indices.size()) != N) {
-    return invalid_argument("state_indices has " + num(static_cast<int64_t>(a.state_indices.size())) +
-                            " entries, expected N = " + num(N) + " ([N])");
-  }
-  std::vector<std::pair<int64_t, int64_t>> writes;
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t slot = a.state_indices[n];
-    if (slot >= slots) {
-      return out_of_range("state_indices[" + num(n) + "] = " + num(slot) + " is past the pool's " +
-                          num(slots) + " slots");
-    }
-    if (slot >= 0) writes.emplace_back(slot, n);
-  }
-  K3_RETURN_IF_ERROR(check_distinct_writes(std::move(writes)));
+  K3_ASSIGN_OR_RETURN(const auto shape, kda::check_decode_args(c, a));
+  const int64_t N = shape.num_seqs, H = c.num_heads, block = c.head_k * c.head_v;
   K3_ASSIGN_OR_RETURN(float* const ws, workspace_floats(p, workspace));
   const kda_detail::KernelTable& kt = kernels_for(p.isa);
   const int64_t per_thread = kda_detail::scratch_layout(c.head_k, c.head_v).total;
@@ -359,38 +312,8 @@ Status decode(const KdaPlan& p, const DecodeArgs& a, std::span<uint8_t> workspac
 Status verify(const KdaPlan& p, const VerifyArgs& a, std::span<uint8_t> workspace) {
   K3_RETURN_IF_ERROR(check_plan(p));
   const KdaConfig& c = p.cfg;
-  K3_ASSIGN_OR_RETURN(auto tokens, check_pool_inputs(c, a.in, a.o, "verify"));
-  K3_ASSIGN_OR_RETURN(auto slots, pool_slots(c, a.state_pool));
-  const int64_t T = a.draft_tokens;
-  if (T < 1 || tokens % T != 0) {
-    return invalid_argument("draft_tokens = " + num(T) + " must be >= 1 and divide the token count " +
-                            num(tokens));
-  }
-  const int64_t N = tokens / T, H = c.num_heads, block = c.head_k * c.head_v;
-  if (static_cast<int64_t>(a.state_indices.size()) != N * T) {
-    return invalid_argument("state_indices has " + num(static_cast<int64_t>(a.state_indices.size())) +
-                            " entries, expected N * T = " + num(N * T) + " ([N, T])");
-  }
-  if (static_cast<int64_t>(a.num_accepted.size()) != N) {
-    return invalid_argument("num_accepted has " + num(static_cast<int64_t>(a.num_accepted.size())) +
-                            " entries, expected N = " + num(N) + " ([N])");
-  }
-  std::vector<std::pair<int64_t, int64_t>> writes;
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t acc = a.num_accepted[n];
-    if (acc < 1 || acc > T) {
-      return invalid_argument("num_accepted[" + num(n) + "] = " + num(acc) + " must be in [1, T = " + num(T) + "]");
-    }
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t slot = a.state_indices[n * T + t];
-      if (slot >= slots) {
-        return out_of_range("state_indices[" + num(n) + ", " + num(t) + "] = " + num(slot) + " is past the pool's " +
-                            num(slots) + " slots");
-      }
-      if (slot >= 0) writes.emplace_back(slot, n);
-    }
-  }
-  K3_RETURN_IF_ERROR(check_distinct_writes(std::move(writes)));
+  K3_ASSIGN_OR_RETURN(const auto shape, kda::check_verify_args(c, a));
+  const int64_t T = a.draft_tokens, N = shape.num_seqs, H = c.num_heads, block = c.head_k * c.head_v;
   K3_ASSIGN_OR_RETURN(float* const ws, workspace_floats(p, workspace));
   const kda_detail::KernelTable& kt = kernels_for(p.isa);
   const int64_t per_thread = kda_detail::scratch_layout(c.head_k, c.head_v).total;

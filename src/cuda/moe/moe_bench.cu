@@ -9,41 +9,15 @@
 #include <vector>
 
 #include "cuda/common.cuh"
+#include "cuda/timing.cuh"
 #include "k3/cuda_bench.hpp"
 #include "k3/cuda_moe.hpp"
 
 namespace k3::cuda {
 namespace {
 
-// RAII CUDA events / stream for timing.
-struct Events {
-  cudaEvent_t start = nullptr, stop = nullptr;
-  ~Events() {
-    if (start) cudaEventDestroy(start);
-    if (stop) cudaEventDestroy(stop);
-  }
-};
+using detail::time_events;
 
-template <typename Fn>
-Result<DeviceTiming> time_events(Fn&& fn, int warmup, int iters) {
-  Events ev;
-  K3_CUDA_TRY(cudaEventCreate(&ev.start), "cudaEventCreate");
-  K3_CUDA_TRY(cudaEventCreate(&ev.stop), "cudaEventCreate");
-  for (int i = 0; i < warmup; ++i) K3_RETURN_IF_ERROR(fn(i));
-  K3_CUDA_TRY(cudaDeviceSynchronize(), "warm-up");
-  std::vector<double> t;
-  for (int i = 0; i < iters; ++i) {
-    K3_CUDA_TRY(cudaEventRecord(ev.start), "cudaEventRecord");
-    K3_RETURN_IF_ERROR(fn(warmup + i));
-    K3_CUDA_TRY(cudaEventRecord(ev.stop), "cudaEventRecord");
-    K3_CUDA_TRY(cudaEventSynchronize(ev.stop), "cudaEventSynchronize");
-    float ms = 0;
-    K3_CUDA_TRY(cudaEventElapsedTime(&ms, ev.start, ev.stop), "cudaEventElapsedTime");
-    t.push_back(ms * 1e-3);
-  }
-  std::sort(t.begin(), t.end());
-  return DeviceTiming{t[t.size() / 2], t.front(), t.back(), iters};
-}
 
 // cuBLAS is needed only for the BF16 baseline of `k3 bench moe --backend cuda`. Linking it would
 // load ~700 MB of libraries at every start of every k3 command (and fail on machines without
