@@ -2,6 +2,7 @@
 #include "k3/cuda.hpp"
 #include "k3/cuda_bench.hpp"
 #include "k3/cuda_kda.hpp"
+#include "k3/cuda_kda_ops.hpp"
 #include "k3/cuda_moe.hpp"
 #include "k3/cuda_routing.hpp"
 
@@ -19,6 +20,10 @@ Status kda_log_decay(const kda::KdaConfig&, int64_t, std::span<const float>, std
                      std::span<const float>, std::span<float>) {
   return not_built();
 }
+Status causal_conv1d(const kda::ConvArgs&, void*) { return not_built(); }
+Status gated_rmsnorm(const kda::GatedRmsNormArgs&, void*) { return not_built(); }
+Status causal_conv1d_host(const kda::ConvArgs&) { return not_built(); }
+Status gated_rmsnorm_host(const kda::GatedRmsNormArgs&) { return not_built(); }
 Status mx_quantize(std::span<const float>, int64_t, int64_t, MxElement, ScaleRule, std::span<uint8_t>,
                    std::span<uint8_t>) {
   return not_built();
