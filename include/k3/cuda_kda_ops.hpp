@@ -18,12 +18,15 @@ namespace k3::cuda {
 // device data: the calls enqueue kernels on `stream`, allocate nothing and never synchronize, so
 // they can be captured in a CUDA graph. A launch error (e.g. no device) is kUnavailable.
 
-// kda::causal_conv1d on the device, same contract. cu_seqlens' entries live on the device and are
-// not checked: the kernels clamp each to [0, T], so malformed values never lead to an access out of
-// bounds; a token outside every clamped sequence [cu[n], cu[n + 1]) gets y = NaN, a sequence whose
-// clamped end is below its start is empty (its conv_state row is kept). FP32 arithmetic in the CPU
-// op's order (bias, then weight[c, i] * input for i = 0..W-1, each product and sum rounded), so y
-// without SiLU and conv_state equal the CPU op's bits; SiLU uses the device expf.
+// kda::causal_conv1d on the device, same contract; y must not overlap x or conv_state.
+// cu_seqlens' entries live on the device and are not checked: the kernels clamp each to [0, T], so
+// malformed values never lead to an access out of bounds. Each token takes the sequence that a
+// binary search over the clamped starts finds (for non-decreasing entries: the one holding it) and
+// gets y = NaN when it lies outside that sequence's clamped [cu[n], cu[n + 1]); a sequence whose
+// clamped end is below its start is empty (its conv_state rows are kept). FP32 arithmetic in the
+// CPU op's order (bias, then + weight[c, i] * input for i = 0..W-1, each product and sum rounded,
+// no FMA), so y without SiLU and conv_state equal the CPU op's bits; SiLU z / (1 + e^-z) as the
+// CPU op writes it, with the device expf.
 Status causal_conv1d(const kda::ConvArgs& a, void* stream);
 
 // kda::gated_rmsnorm on the device, same contract. One warp per row; the sum of squares in a fixed
