@@ -49,6 +49,9 @@ Status gated_rmsnorm_reference(const GatedRmsNormArgs& a);
 
 namespace detail {
 Status validate_conv(const ConvArgs& a, int64_t* num_tokens, int64_t* num_seqs);
+// validate_conv without reading cu_seqlens' entries (only its size: empty or >= 2), for device
+// spans (k3/cuda_kda_ops.hpp); every other check and message is validate_conv's.
+Status validate_conv_sizes(const ConvArgs& a, int64_t* num_tokens, int64_t* num_seqs);
 Status validate_rmsnorm(const GatedRmsNormArgs& a, int64_t* rows);
 }  // namespace detail
 

@@ -2,6 +2,7 @@
 #include "k3/cuda.hpp"
 #include "k3/cuda_bench.hpp"
 #include "k3/cuda_kda.hpp"
+#include "k3/cuda_kda_ops.hpp"
 #include "k3/cuda_moe.hpp"
 #include "k3/cuda_routing.hpp"
 
@@ -28,6 +29,10 @@ Status prefill_host(const kda::KdaConfig&, const kda::KdaInputs&, const kda::Kda
 }
 Status decode_host(const kda::KdaConfig&, const kda::DecodeArgs&) { return not_built(); }
 Status verify_host(const kda::KdaConfig&, const kda::VerifyArgs&) { return not_built(); }
+Status causal_conv1d(const kda::ConvArgs&, void*) { return not_built(); }
+Status gated_rmsnorm(const kda::GatedRmsNormArgs&, void*) { return not_built(); }
+Status causal_conv1d_host(const kda::ConvArgs&) { return not_built(); }
+Status gated_rmsnorm_host(const kda::GatedRmsNormArgs&) { return not_built(); }
 Status mx_quantize(std::span<const float>, int64_t, int64_t, MxElement, ScaleRule, std::span<uint8_t>,
                    std::span<uint8_t>) {
   return not_built();
@@ -48,7 +53,7 @@ Result<DeviceCaps> device_caps(int) { return not_built(); }
 Result<DeviceTiming> time_kda_prefill(const kda::KdaConfig&, const kda::KdaInputs&, kda::Algorithm, int, int) {
   return not_built();
 }
-Result<DeviceTiming> time_kda_decode(const kda::KdaConfig&, const kda::KdaInputs&, int64_t, int, int) {
+Result<DeviceTiming> time_kda_decode(const kda::KdaConfig&, const kda::KdaInputs&, int64_t, int, int, bool) {
   return not_built();
 }
 Result<DeviceWeights> prepack(const MoePlan&, const MoeWeightsView&) { return not_built(); }

@@ -107,6 +107,34 @@ TEST(KdaConv, Errors) {
   EXPECT_NE(causal_conv1d({3, 4, true, x, w, b, {}, st, y}, -2).message().find("threads = -2"), std::string::npos);
 }
 
+TEST(KdaConv, SizesOnlyCheckReadsNoCuSeqlensEntry) {
+  // validate_conv_sizes (for device spans) checks everything validate_conv checks except the
+  // entries of cu_seqlens, with the same messages.
+  const std::vector<float> x(12), w(12), b(3);
+  std::vector<float> y(12), st(27);
+  int64_t T = 0, N = 0;
+  const std::vector<int64_t> bad = {0, 3, 2, 4};  // N = 3, entries out of order
+  const ConvArgs a{3, 4, true, x, w, b, bad, st, y};
+  EXPECT_EQ(detail::validate_conv(a, &T, &N).message(),
+            "cu_seqlens[2] = 2 is below cu_seqlens[1] = 3 (must be non-decreasing)");
+  ASSERT_TRUE(detail::validate_conv_sizes(a, &T, &N).is_ok());
+  EXPECT_EQ(T, 4);
+  EXPECT_EQ(N, 3);
+  // conv_state is sized from cu_seqlens' size: N = 3 rows of D (W - 1) = 9.
+  EXPECT_EQ(detail::validate_conv_sizes({3, 4, true, x, w, b, bad, std::span<float>(st).first(9), y}, &T, &N).message(),
+            "conv_state has 9 elements, expected 27 ([N, D, W - 1])");
+  const std::vector<int64_t> one = {0};
+  for (auto* check : {&detail::validate_conv, &detail::validate_conv_sizes}) {
+    EXPECT_EQ(check({3, 4, true, x, w, b, one, {}, y}, &T, &N).message(),
+              "cu_seqlens has 1 entries, needs at least 2 ([N + 1], N >= 1)");
+    EXPECT_EQ(check({3, 4, true, x, w, b, {}, st, y}, &T, &N).message(),
+              "conv_state has 27 elements, expected 9 ([N, D, W - 1])");
+    EXPECT_EQ(check({3, 4, true, x, w, b, {}, {}, std::span<float>(y).first(3)}, &T, &N).message(),
+              "y has 3 elements, expected 12 ([T, D])");
+    EXPECT_EQ(check({3, 1, true, x, w, b, {}, {}, y}, &T, &N).message(), "width = 1 must be in [2, 8]");
+  }
+}
+
 TEST(KdaRmsNorm, TinyCaseByHand) {
   const std::vector<float> x = {3, 4}, g = {0, 100}, w = {2, 0.5f};
   std::vector<float> y(2);

@@ -14,9 +14,10 @@ Status size_error(const char* name, int64_t actual, int64_t expected, const char
   return invalid_argument(std::string(name) + " has " + num(actual) + " elements, expected " + num(expected) + " " +
                           shape);
 }
-}  // namespace
 
-Status detail::validate_conv(const ConvArgs& a, int64_t* num_tokens, int64_t* num_seqs) {
+// The conv checks in one order; values = false leaves cu_seqlens' entries unread (only its size is
+// checked: a device span's entries cannot be read on the host).
+Status check_conv(const ConvArgs& a, bool values, int64_t* num_tokens, int64_t* num_seqs) {
   if (a.channels < 1) return invalid_argument("channels = " + num(a.channels) + " must be >= 1");
   if (a.width < 2 || a.width > kMaxConvWidth) {
     return invalid_argument("width = " + num(a.width) + " must be in [2, " + num(kMaxConvWidth) + "]");
@@ -30,7 +31,12 @@ Status detail::validate_conv(const ConvArgs& a, int64_t* num_tokens, int64_t* nu
   if (!a.bias.empty() && sz(a.bias.size()) != D) return size_error("bias", sz(a.bias.size()), D, "([D])");
   int64_t n = 1;
   if (!a.cu_seqlens.empty()) {
-    K3_RETURN_IF_ERROR(check_cu_seqlens(a.cu_seqlens, T));
+    if (values) {
+      K3_RETURN_IF_ERROR(check_cu_seqlens(a.cu_seqlens, T));
+    } else if (a.cu_seqlens.size() < 2) {  // check_cu_seqlens' first check, word for word
+      return invalid_argument("cu_seqlens has " + num(sz(a.cu_seqlens.size())) +
+                              " entries, needs at least 2 ([N + 1], N >= 1)");
+    }
     n = sz(a.cu_seqlens.size()) - 1;
   }
   if (!a.conv_state.empty() && sz(a.conv_state.size()) != n * D * (W - 1)) {
@@ -40,6 +46,15 @@ Status detail::validate_conv(const ConvArgs& a, int64_t* num_tokens, int64_t* nu
   *num_tokens = T;
   *num_seqs = n;
   return Status::ok();
+}
+}  // namespace
+
+Status detail::validate_conv(const ConvArgs& a, int64_t* num_tokens, int64_t* num_seqs) {
+  return check_conv(a, true, num_tokens, num_seqs);
+}
+
+Status detail::validate_conv_sizes(const ConvArgs& a, int64_t* num_tokens, int64_t* num_seqs) {
+  return check_conv(a, false, num_tokens, num_seqs);
 }
 
 Status detail::validate_rmsnorm(const GatedRmsNormArgs& a, int64_t* rows) {
