@@ -64,34 +64,34 @@ run_checks() {
   echo "== CUDA unit tests"
   timeout "$(step_limit 150)" "$bdir/tests/k3_cuda_tests" --gtest_brief=1 --gtest_filter='-NcclDevice.*' 2>&1 | tee "$out/cuda_tests.txt" | tail -25
   local tests_rc=${PIPESTATUS[0]}
-  summary+=("$(printf "%-34s %s" "cuda unit tests" "$([ "$tests_rc" = 0 ] && echo PASS || echo "FAIL (rc $tests_rc)")")")
+  summary+=("$(printf "%-38s %s" "cuda unit tests" "$([ "$tests_rc" = 0 ] && echo PASS || echo "FAIL (rc $tests_rc)")")")
   echo "== NCCL transport + device all-reduce, world size 1 (K3_NCCL_LIBRARY=${K3_NCCL_LIBRARY:-unset})"
   timeout "$(step_limit 40)" "$bdir/tests/k3_cuda_tests" --gtest_filter='NcclDevice.*' 2>&1 | tee "$out/nccl_tests.txt" | tail -12
   local nccl_rc=${PIPESTATUS[0]}
-  summary+=("$(printf "%-34s %s" "nccl world size 1" "$([ "$nccl_rc" = 0 ] && (grep -q SKIPPED "$out/nccl_tests.txt" && echo SKIPPED || echo PASS) || echo "FAIL (rc $nccl_rc)")")")
+  summary+=("$(printf "%-38s %s" "nccl world size 1" "$([ "$nccl_rc" = 0 ] && (grep -q SKIPPED "$out/nccl_tests.txt" && echo SKIPPED || echo PASS) || echo "FAIL (rc $nccl_rc)")")")
   echo "== k3 validate --op moe --suite all --backend cuda"
   timeout "$(step_limit 90)" "$k3" validate --op moe --suite all --backend cuda --output "$out/validate.json" >"$out/validate.txt" 2>&1
   local validate_rc=$?
   tail -15 "$out/validate.txt"
-  summary+=("$(printf "%-34s %s" "k3 validate --backend cuda" "$([ "$validate_rc" = 0 ] && echo PASS || echo "FAIL (rc $validate_rc)")")")
+  summary+=("$(printf "%-38s %s" "k3 validate --backend cuda" "$([ "$validate_rc" = 0 ] && echo PASS || echo "FAIL (rc $validate_rc)")")")
   echo "== k3 bench moe --backend cuda"
   timeout "$(step_limit 60)" "$k3" bench moe --backend cuda --m 1,8,128,2048,8192 --recipe w4a8 --routing ep_mixed \
     --output "$out/bench.json" >"$out/bench.txt" 2>&1
   local bench_rc=$?
-  summary+=("$(printf "%-34s %s" "k3 bench moe --backend cuda" "$([ "$bench_rc" = 0 ] && echo ran || echo "FAIL (rc $bench_rc)")")")
+  summary+=("$(printf "%-38s %s" "k3 bench moe --backend cuda" "$([ "$bench_rc" = 0 ] && echo ran || echo "FAIL (rc $bench_rc)")")")
   tail -20 "$out/bench.txt"
   echo "== k3 validate --op kda --backend cuda"
   timeout "$(step_limit 60)" "$k3" validate --op kda --backend cuda --output "$out/validate_kda.json" \
     >"$out/validate_kda.txt" 2>&1
   local vkda_rc=$?
   tail -15 "$out/validate_kda.txt"
-  summary+=("$(printf "%-34s %s" "k3 validate --op kda --backend cuda" "$([ "$vkda_rc" = 0 ] && echo PASS || echo "FAIL (rc $vkda_rc)")")")
+  summary+=("$(printf "%-38s %s" "k3 validate --op kda --backend cuda" "$([ "$vkda_rc" = 0 ] && echo PASS || echo "FAIL (rc $vkda_rc)")")")
   echo "== k3 bench kda --backend cuda"
   timeout "$(step_limit 60)" "$k3" bench kda --backend cuda --prefill-t 1024 8192 --decode-n 1 64 --iters 3 \
     --output "$out/bench_kda.json" >"$out/bench_kda.txt" 2>&1
   local bkda_rc=$?
   tail -14 "$out/bench_kda.txt"
-  summary+=("$(printf "%-34s %s" "k3 bench kda --backend cuda" "$([ "$bkda_rc" = 0 ] && echo ran || echo "FAIL (rc $bkda_rc)")")")
+  summary+=("$(printf "%-38s %s" "k3 bench kda --backend cuda" "$([ "$bkda_rc" = 0 ] && echo ran || echo "FAIL (rc $bkda_rc)")")")
   echo "== fla (Triton) chunk_kda / fused_recurrent_kda, same inputs as k3 kda run --backend cuda"
   local fla_dir="$out/fla_pkg" fla_rc=3
   mkdir -p "$fla_dir"
@@ -101,7 +101,7 @@ run_checks() {
   fla_rc=$?
   rm -rf "$fla_dir"
   tail -12 "$out/fla.txt"
-  summary+=("$(printf "%-34s %s" "fla side by side" "$([ "$fla_rc" = 0 ] && echo ran || echo "FAIL (rc $fla_rc)")")")
+  summary+=("$(printf "%-38s %s" "fla side by side" "$([ "$fla_rc" = 0 ] && echo ran || echo "FAIL (rc $fla_rc)")")")
   [ "$tests_rc" = 0 ] && [ "$nccl_rc" = 0 ] && [ "$validate_rc" = 0 ] && [ "$bench_rc" = 0 ] &&
     [ "$vkda_rc" = 0 ] && [ "$bkda_rc" = 0 ] || rc=1
   return $rc

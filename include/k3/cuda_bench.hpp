@@ -36,10 +36,10 @@ Result<DeviceTiming> time_cublas_baseline(const MoeProblem& p, std::span<const i
 // KDA (k3/cuda_kda.hpp) on device 0, inputs uploaded once, CUDA events around the device call:
 // a prefill of `in` with `algorithm`; a decode of the N tokens of `in` (no cu_seqlens) that
 // rotates over pool_slots / N groups of N slots, so that no step finds its states in L2 (the
-// state bytes read + written per step are 2 N H K V 4).
+// state bytes read + written per step are 2 N H K V x 4, or x 2 with bf16_state).
 Result<DeviceTiming> time_kda_prefill(const kda::KdaConfig& cfg, const kda::KdaInputs& in, kda::Algorithm algorithm,
                                       int warmup, int iters);
 Result<DeviceTiming> time_kda_decode(const kda::KdaConfig& cfg, const kda::KdaInputs& in, int64_t pool_slots,
-                                     int warmup, int iters);
+                                     int warmup, int iters, bool bf16_state = false);
 
 }  // namespace k3::cuda

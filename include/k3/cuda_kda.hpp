@@ -26,6 +26,9 @@
 // NaN final state. Duplicate written slots are refused for every sequence that writes the slot.
 // The host conveniences (`*_host`) check every value on the host first, with the CPU backend's
 // messages, so they never see a status bit.
+//
+// Decode and verify accept BF16 state storage (DecodeArgs / VerifyArgs::state_pool_bf16 instead
+// of state_pool): loads widen exactly, the math is FP32, stores round to nearest even.
 #pragma once
 
 #include <cstdint>

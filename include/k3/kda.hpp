@@ -161,6 +161,9 @@ struct DecodeArgs {
   std::span<float> state_pool;             // [slots, H, K, V] or [slots, H, V, K] FP32
   std::span<const int32_t> state_indices;  // [N] distinct slots; < 0: padding row (skipped, o row = 0)
   std::span<float> o;                      // [N, H, V]
+  // BF16 state storage (FP32 math), instead of state_pool: an option of the cuda backend (the cpu
+  // backend refuses it). States are widened exactly on load and rounded to nearest-even on store.
+  std::span<uint16_t> state_pool_bf16 = {};  // [slots, H, K, V] or [slots, H, V, K] BF16
 };
 // Speculative verify: T draft tokens per sequence (sequence n owns tokens [n T, (n + 1) T)).
 // Reads the state of slot state_indices[n, num_accepted[n] - 1], runs the T tokens and writes
@@ -174,11 +177,19 @@ struct VerifyArgs {
   std::span<const int32_t> state_indices;  // [N, T]
   std::span<const int32_t> num_accepted;   // [N], each in [1, T]
   std::span<float> o;                      // [N * T, H, V]
+  std::span<uint16_t> state_pool_bf16 = {};  // BF16 state storage instead of state_pool (as DecodeArgs)
 };
 
 // Decode / verify argument checks every backend's host entry runs (sizes, then the values:
 // state_indices within the pool's slots, written slots distinct over the batch, num_accepted in
-// [1, T]). Returns num_tokens = the token count and num_seqs = N.
-Result<PrefillShape> check_decode_args(const KdaConfig& cfg, const DecodeArgs& args);
-Result<PrefillShape> check_verify_args(const KdaConfig& cfg, const VerifyArgs& args);
+// [1, T]). Exactly one of state_pool / state_pool_bf16; the BF16 pool only where bf16_pool_ok (the
+// cuda backend). Returns num_tokens = the token count and num_seqs = N.
+Result<PrefillShape> check_decode_args(const KdaConfig& cfg, const DecodeArgs& args, bool bf16_pool_ok = false);
+Result<PrefillShape> check_verify_args(const KdaConfig& cfg, const VerifyArgs& args, bool bf16_pool_ok = false);
+// The pool's slot count from its element count: a positive multiple of H * K * V; names `what`.
+Result<int64_t> pool_slot_count(const KdaConfig& cfg, int64_t elements, const char* what);
+// Which pool a decode / verify call uses: exactly one of the FP32 and the BF16 pool, the BF16 one
+// only where bf16_ok. Returns its slot count.
+Result<int64_t> check_pool_choice(const KdaConfig& cfg, std::span<const float> f32, std::span<const uint16_t> bf16,
+                                  bool bf16_ok);
 }  // namespace k3::kda

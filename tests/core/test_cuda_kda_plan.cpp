@@ -186,6 +186,15 @@ TEST(CudaKdaPlan, DecodeAndVerifySizeChecksReadNoDeviceValue) {
   a.state_indices = dev<const int32_t>(12);
   a.state_pool = dev<float>(40 * per_slot + 1);
   EXPECT_TRUE(has(cuda::check_decode_sizes(*p, a), "state_pool has"));
+  a.state_pool = {};
+  a.state_pool_bf16 = dev<uint16_t>(40 * per_slot);  // BF16 state storage: a cuda option
+  EXPECT_TRUE(cuda::check_decode_sizes(*p, a).is_ok());
+  a.state_pool = dev<float>(40 * per_slot);
+  EXPECT_TRUE(has(cuda::check_decode_sizes(*p, a), "state_pool and state_pool_bf16 are both given"));
+  a.state_pool_bf16 = dev<uint16_t>(40 * per_slot - 2);
+  a.state_pool = {};
+  EXPECT_TRUE(has(cuda::check_decode_sizes(*p, a), "state_pool_bf16 has"));
+  a.state_pool_bf16 = {};
   a.state_pool = dev<float>(40 * per_slot);
   a.in.cu_seqlens = dev<const int64_t>(2);
   EXPECT_TRUE(has(cuda::check_decode_sizes(*p, a), "decode: cu_seqlens and initial_state must be empty"));

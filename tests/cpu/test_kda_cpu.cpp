@@ -355,7 +355,7 @@ TEST(KdaCpu, PoolErrorsNameTheProblem) {
   EXPECT_NE(dec({0, 1, 2, 5}, pool.states).find("state_indices[3] = 5 is past the pool's 5 slots"), std::string::npos);
   EXPECT_NE(dec({0, 1, 1, 3}, pool.states).find("state slot 1 is written twice"), std::string::npos);
   EXPECT_NE(dec({0, 1, 2}, pool.states).find("state_indices has 3 entries, expected N = 4"), std::string::npos);
-  EXPECT_NE(dec({0, 1, 2, 3}, std::span<float>(pool.states).first(100)).find("state_pool has 100 floats"),
+  EXPECT_NE(dec({0, 1, 2, 3}, std::span<float>(pool.states).first(100)).find("state_pool has 100 elements"),
             std::string::npos);
   KdaInputs bad = c.inputs();
   const std::vector<int64_t> cu = {0, 4};
@@ -375,6 +375,26 @@ TEST(KdaCpu, PoolErrorsNameTheProblem) {
   EXPECT_NE(ver({0, 1, 2}, {1, 1}, 2).find("state_indices has 3 entries, expected N * T = 4"), std::string::npos);
   EXPECT_NE(ver({0, 1, 9, 3}, {1, 1}, 2).find("state_indices[1, 0] = 9 is past"), std::string::npos);
   EXPECT_NE(ver({0, 1, 1, 3}, {1, 1}, 2).find("state slot 1 is written twice"), std::string::npos);
+
+  // BF16 state storage is a cuda-backend option: refused by name, nothing touched.
+  std::vector<uint16_t> pool16(pool.states.size(), 0x3f80);
+  const std::vector<uint16_t> pool16_before = pool16;
+  const std::vector<float> o_before = o;
+  DecodeArgs d16{c.inputs(), {}, idx4, o};
+  d16.state_pool_bf16 = pool16;
+  Status st = cpu::decode(k, d16);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st.message().find("state_pool_bf16: BF16 state storage is an option of the cuda backend"), std::string::npos)
+      << st.message();
+  const std::vector<int32_t> acc = {1, 1};
+  VerifyArgs v16{c.inputs(), 2, {}, idx4, acc, o};
+  v16.state_pool_bf16 = pool16;
+  EXPECT_EQ(cpu::verify(k, v16).code(), StatusCode::kUnsupported);
+  EXPECT_EQ(pool16, pool16_before);
+  EXPECT_EQ(o, o_before);
+  d16.state_pool = pool.states;  // both pools
+  EXPECT_EQ(kda::check_decode_args(k, d16, /*bf16_pool_ok=*/true).status().message(),
+            "state_pool and state_pool_bf16 are both given: pass exactly one");
 }
 
 TEST(KdaCpu, PlanAndWorkspaceErrors) {

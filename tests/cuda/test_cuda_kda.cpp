@@ -18,6 +18,7 @@
 #include "k3/cpu_kda.hpp"
 #include "k3/cuda.hpp"
 #include "k3/cuda_kda.hpp"
+#include "k3/formats.hpp"
 
 namespace k3::kda {
 namespace {
@@ -185,6 +186,60 @@ TEST_F(CudaKda, VerifyWritesEveryPrefixStateLikeTheCpu) {
         EXPECT_LT(compare(g, cc).err_ratio, 1e-5) << "slot " << slot;
       }
     }
+  }
+}
+
+// BF16 state storage (FP32 math): against the CPU on the widened FP32 pool, within the BF16
+// rounding of the stored state; unnamed slots keep their bits.
+TEST_F(CudaKda, DecodeAndVerifyWithBf16StateStorage) {
+  const KdaConfig k = cfg(3, 128, 128, GateMode::kSafe);
+  CaseSpec s;
+  s.cfg = k;
+  s.seqlens = {6};
+  s.initial_state = false;
+  const KdaCase c = make_case(s);
+  const std::vector<float> pool0 = pool_of(k, 9, 4);
+  std::vector<uint16_t> pool16(pool0.size());
+  std::vector<float> widened(pool0.size());
+  for (size_t i = 0; i < pool0.size(); ++i) {
+    pool16[i] = bf16_from_f32(pool0[i]);
+    widened[i] = bf16_to_f32(pool16[i]);
+  }
+  const std::vector<uint16_t> before16 = pool16;
+  const int64_t block = 3 * 128 * 128;
+  {
+    const std::vector<int32_t> idx = {8, 0, -1, 5, 2, 6};
+    std::vector<float> pool_cpu = widened, o_cpu(c.o_size()), o_gpu(c.o_size());
+    ASSERT_TRUE(cpu::decode(k, {c.inputs(), pool_cpu, idx, o_cpu}).is_ok());
+    DecodeArgs a{c.inputs(), {}, idx, o_gpu};
+    a.state_pool_bf16 = pool16;
+    const Status st = cuda::decode_host(k, a);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    EXPECT_LT(compare(o_gpu, o_cpu).err_ratio, kTolBf16State);
+    for (int64_t slot = 0; slot < 9; ++slot) {
+      const bool named = slot == 8 || slot == 0 || slot == 5 || slot == 2 || slot == 6;
+      std::vector<float> got(block), want(pool_cpu.begin() + slot * block, pool_cpu.begin() + (slot + 1) * block);
+      for (int64_t i = 0; i < block; ++i) got[i] = bf16_to_f32(pool16[slot * block + i]);
+      if (named) {
+        EXPECT_LT(compare(got, want).err_ratio, kTolBf16State) << "slot " << slot;
+      } else {
+        EXPECT_TRUE(std::equal(pool16.begin() + slot * block, pool16.begin() + (slot + 1) * block,
+                               before16.begin() + slot * block))
+            << "slot " << slot << " was not named";
+      }
+    }
+  }
+  {
+    pool16 = before16;
+    const std::vector<int32_t> idx = {0, 1, 2, 3, 4, 5};  // 2 sequences x 3 draft tokens
+    const std::vector<int32_t> acc = {2, 1};
+    std::vector<float> pool_cpu = widened, o_cpu(c.o_size()), o_gpu(c.o_size());
+    ASSERT_TRUE(cpu::verify(k, {c.inputs(), 3, pool_cpu, idx, acc, o_cpu}).is_ok());
+    VerifyArgs a{c.inputs(), 3, {}, idx, acc, o_gpu};
+    a.state_pool_bf16 = pool16;
+    const Status st = cuda::verify_host(k, a);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    EXPECT_LT(compare(o_gpu, o_cpu).err_ratio, kTolBf16State);
   }
 }
 

@@ -105,26 +105,31 @@ Status run_cuda(const Args& a) {
     std::printf("%7lld | %s | %s\n", static_cast<long long>(T), cols[0].c_str(), cols[1].c_str());
     records.push_back(rec);
   }
-  std::printf("\ndecode H=%lld K=V=%lld, FP32 state, one token per sequence (state read + written once per step)\n",
+  std::printf("\ndecode H=%lld K=V=%lld, one token per sequence (state read + written once per step)\n",
               static_cast<long long>(cfg.num_heads), static_cast<long long>(cfg.head_k));
-  std::printf("%5s | %28s %12s %9s %12s\n", "N", "step ms", "state MB", "GB/s", "of copy bw");
-  const double slot_bytes = static_cast<double>(cfg.num_heads * cfg.head_k * cfg.head_v) * 4;
+  std::printf("%5s %6s | %28s %12s %9s %12s\n", "N", "state", "step ms", "state MB", "GB/s", "of copy bw");
   for (const int64_t N : a.decode_n) {
     kda::CaseSpec spec;
     spec.cfg = cfg;
     spec.seqlens = {N};
     spec.initial_state = false;
     const kda::KdaCase c = kda::make_case(spec);
-    // At least 4x the 50 MB L2 of an H100 / H200 rotated over, and at least 4 groups.
-    const int64_t groups = std::max<int64_t>(4, static_cast<int64_t>(200e6 / (slot_bytes * static_cast<double>(N))) + 1);
-    auto t = cuda::time_kda_decode(cfg, c.inputs(), groups * N, 2, std::max<int>(a.iters * 4, 20));
-    if (!t.is_ok()) return Status(t.status().code(), "decode N=" + std::to_string(N) + ": " + t.status().message());
-    const double bytes = 2.0 * slot_bytes * static_cast<double>(N), rate = bytes / t->median_s;
-    std::printf("%5lld | %9.3f [%7.3f, %7.3f] %12.1f %9.1f %11.1f%%\n", static_cast<long long>(N), t->median_s * 1e3,
-                t->min_s * 1e3, t->max_s * 1e3, bytes / 1e6, rate / 1e9, 100 * rate / copy_bw);
-    records.push_back({{"kind", "decode"}, {"backend", "cuda"}, {"N", N}, {"H", cfg.num_heads}, {"K", cfg.head_k},
-                       {"V", cfg.head_v}, {"state_bytes_read_written", bytes}, {"pool_slots", groups * N},
-                       {"timing", timing_json(t.value())}, {"fraction_of_copy_bw", rate / copy_bw}});
+    for (const bool bf16_state : {false, true}) {
+      const double slot_bytes = static_cast<double>(cfg.num_heads * cfg.head_k * cfg.head_v) * (bf16_state ? 2 : 4);
+      // At least 4x the 50 MB L2 of an H100 / H200 rotated over, and at least 4 groups.
+      const int64_t groups =
+          std::max<int64_t>(4, static_cast<int64_t>(200e6 / (slot_bytes * static_cast<double>(N))) + 1);
+      auto t = cuda::time_kda_decode(cfg, c.inputs(), groups * N, 2, std::max<int>(a.iters * 4, 20), bf16_state);
+      if (!t.is_ok()) return Status(t.status().code(), "decode N=" + std::to_string(N) + ": " + t.status().message());
+      const double bytes = 2.0 * slot_bytes * static_cast<double>(N), rate = bytes / t->median_s;
+      std::printf("%5lld %6s | %9.3f [%7.3f, %7.3f] %12.1f %9.1f %11.1f%%\n", static_cast<long long>(N),
+                  bf16_state ? "bf16" : "fp32", t->median_s * 1e3, t->min_s * 1e3, t->max_s * 1e3, bytes / 1e6,
+                  rate / 1e9, 100 * rate / copy_bw);
+      records.push_back({{"kind", "decode"}, {"backend", "cuda"}, {"state_dtype", bf16_state ? "bf16" : "fp32"},
+                         {"N", N}, {"H", cfg.num_heads}, {"K", cfg.head_k}, {"V", cfg.head_v},
+                         {"state_bytes_read_written", bytes}, {"pool_slots", groups * N},
+                         {"timing", timing_json(t.value())}, {"fraction_of_copy_bw", rate / copy_bw}});
+    }
   }
   if (!a.output.empty()) {
     const nlohmann::json j = {{"device", device},

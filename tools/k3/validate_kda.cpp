@@ -3,8 +3,8 @@
 // / 8192, varlen with a 15-token sequence, the K3 shape H = 96, K = V = 128; decode and verify on
 // a state pool (untouched slots bit-identical); thread-count determinism. Every such row runs
 // through the chosen backend's registry entries (k3/backend.hpp; default: default_kda_backend()).
-// The CPU backend's own variants (chunked vs recurrent, every SIMD level) and the CPU small ops
-// run only when the chosen backend is "cpu". A backend that is unusable here is a FAIL row with
+// The CPU backend's own variants (chunked vs recurrent, every SIMD level) run only when the
+// chosen backend is "cpu"; the small ops (conv1d + SiLU, gated RMSNorm) run on "cpu" and "cuda". A backend that is unusable here is a FAIL row with
 // the registry's reason; an entry a backend lacks (the reference has no decode) is a SKIP row.
 #include <chrono>
 #include <cmath>
@@ -16,6 +16,8 @@
 #include "backend_options.hpp"
 #include "core/kda/kda_case.hpp"
 #include "k3/backend.hpp"
+#include "k3/formats.hpp"
+#include "k3/cuda_kda_ops.hpp"
 #include "k3/digest.hpp"
 #include "k3/kda.hpp"
 #include "k3/kda_ops.hpp"
@@ -277,6 +279,35 @@ void pool_rows(const Target& tgt, int64_t heads, uint64_t seed, std::vector<Vali
                                         : "an unnamed slot changed"));
     }
   }
+  if (bn == "cuda") {  // decode from / to a BF16 state pool (a cuda option): its own tolerance
+    std::vector<uint16_t> pool16(pool0.size());
+    for (size_t i = 0; i < pool0.size(); ++i) pool16[i] = bf16_from_f32(pool0[i]);
+    std::vector<float> widened(pool0.size()), o(4 * hv);
+    for (size_t i = 0; i < pool0.size(); ++i) widened[i] = bf16_to_f32(pool16[i]);
+    const std::vector<int32_t> idx = {3, 9, 20, 39};
+    kda::KdaInputs in = c.inputs();
+    in.q.bf16 = in.q.bf16.first(4 * cfg.num_heads * cfg.head_k);
+    in.k.bf16 = in.k.bf16.first(4 * cfg.num_heads * cfg.head_k);
+    in.v.bf16 = in.v.bf16.first(4 * hv);
+    in.g = in.g.first(4 * cfg.num_heads * cfg.head_k);
+    in.beta = in.beta.first(4 * cfg.num_heads);
+    kda::DecodeArgs a{in, {}, idx, o};
+    a.state_pool_bf16 = pool16;
+    const Status st = run_kda_decode(tgt.b, cfg, a, tgt.opt);
+    if (!st.is_ok()) {
+      rows.push_back(flag_row("decode/bf16-state " + hs + " N=4", bn, false, st.to_string()));
+    } else {
+      kda::ErrorStats e;
+      for (int64_t n = 0; n < 4; ++n) {
+        std::vector<float> ro, rf, got(block);
+        ref_steps(n, 1, widened.data() + idx[n] * block, ro, rf);
+        for (int64_t i = 0; i < block; ++i) got[i] = bf16_to_f32(pool16[idx[n] * block + i]);
+        e = worst(e, worst(kda::compare(std::span<const float>(o).subspan(n * hv, hv), ro), kda::compare(got, rf)));
+      }
+      rows.push_back(make_row("decode/bf16-state " + hs + " K=V=128 N=4", bn, e, kda::kTolBf16State,
+                              "BF16 pool, FP32 math; vs the FP32 reference from the same slots"));
+    }
+  }
   {  // verify: 3 sequences x 8 draft tokens
     const int64_t T = 8;
     std::vector<float> pool = pool0, o(3 * T * hv);
@@ -372,9 +403,18 @@ void isa_rows(const Target& t, uint64_t seed, std::vector<ValidateRow>& rows) {
   }
 }
 
-// The CPU small ops (k3/kda_ops.hpp) against their FP64 references: not registry entries.
+// The small ops against their FP64 references (not registry entries): the CPU ops
+// (k3/kda_ops.hpp) with --backend cpu, the device ops (k3/cuda_kda_ops.hpp, host conveniences)
+// with --backend cuda.
 void ops_rows(const Target& t, uint64_t seed, std::vector<ValidateRow>& rows) {
   const int threads = t.opt.threads;
+  const bool on_cuda = t.b.name == "cuda";
+  auto conv = [&](const kda::ConvArgs& a) {
+    return on_cuda ? cuda::causal_conv1d_host(a) : kda::causal_conv1d(a, threads);
+  };
+  auto norm = [&](const kda::GatedRmsNormArgs& a) {
+    return on_cuda ? cuda::gated_rmsnorm_host(a) : kda::gated_rmsnorm(a, threads);
+  };
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   auto randv = [&](size_t n) {
@@ -388,9 +428,9 @@ void ops_rows(const Target& t, uint64_t seed, std::vector<ValidateRow>& rows) {
     const auto x = randv(80 * D), w = randv(D * W), b = randv(D);
     const auto st0 = randv(3 * D * (W - 1));
     std::vector<float> y(80 * D), yr(80 * D), s = st0, sr = st0;
-    const bool ok = kda::causal_conv1d({D, W, true, x, w, b, cu, s, y}, threads).is_ok() &&
+    const bool ok = conv({D, W, true, x, w, b, cu, s, y}).is_ok() &&
                     kda::causal_conv1d_reference({D, W, true, x, w, b, cu, sr, yr}).is_ok();
-    auto r = make_row("conv1d+silu/fp64 W=4 D=12288 varlen", "cpu", kda::compare(y, yr), kda::kTolFp32,
+    auto r = make_row("conv1d+silu/fp64 W=4 D=12288 varlen", t.b.name, kda::compare(y, yr), kda::kTolFp32,
                       s == sr ? "T 15/1/64; rolling state exact" : "rolling state differs");
     r.pass = r.pass && ok && s == sr;
     r.digest = sha256_hex_of<float>(y);
@@ -400,9 +440,9 @@ void ops_rows(const Target& t, uint64_t seed, std::vector<ValidateRow>& rows) {
     const int64_t D = 128, R = 64 * 96;
     const auto x = randv(R * D), g = randv(R * D), w = randv(D);
     std::vector<float> y(R * D), yr(R * D);
-    const bool ok = kda::gated_rmsnorm({D, 1e-5f, x, g, w, y}, threads).is_ok() &&
+    const bool ok = norm({D, 1e-5f, x, g, w, y}).is_ok() &&
                     kda::gated_rmsnorm_reference({D, 1e-5f, x, g, w, yr}).is_ok();
-    auto r = make_row("gated rmsnorm/fp64 T=64 H=96 V=128", "cpu", kda::compare(y, yr), kda::kTolFp32, "");
+    auto r = make_row("gated rmsnorm/fp64 T=64 H=96 V=128", t.b.name, kda::compare(y, yr), kda::kTolFp32, "");
     r.pass = r.pass && ok;
     r.digest = sha256_hex_of<float>(y);
     rows.push_back(r);
@@ -456,10 +496,8 @@ std::vector<ValidateRow> run_kda(const ValidateOptions& opt) {
   for (const auto& k : cases) prefill_rows(t, k, rows);
   pool_rows(t, smoke ? 8 : 96, s + 8, rows);
   determinism_rows(t, s, rows);
-  if (t.is_cpu()) {
-    isa_rows(t, s, rows);
-    ops_rows(t, s + 9, rows);
-  }
+  if (t.is_cpu()) isa_rows(t, s, rows);
+  if (t.is_cpu() || t.b.name == "cuda") ops_rows(t, s + 9, rows);
   return rows;
 }
 

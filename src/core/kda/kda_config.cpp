@@ -241,15 +241,6 @@ Result<int64_t> check_pool_inputs(const KdaConfig& c, const KdaInputs& in, std::
   return s.num_tokens;
 }
 
-Result<int64_t> pool_slots(const KdaConfig& c, std::span<float> pool) {
-  const int64_t per_slot = c.num_heads * c.head_k * c.head_v;
-  if (pool.empty() || static_cast<int64_t>(pool.size()) % per_slot != 0) {
-    return invalid_argument("state_pool has " + num(static_cast<int64_t>(pool.size())) +
-                            " floats, expected a positive multiple of H * K * V = " + num(per_slot) +
-                            " ([slots, H, K, V] or [slots, H, V, K])");
-  }
-  return static_cast<int64_t>(pool.size()) / per_slot;
-}
 
 // (slot, owner) pairs of the written slots must be distinct. (A sequence's read slot is one of
 // its own write slots, so no other sequence can write it.)
@@ -266,9 +257,30 @@ Status check_distinct_writes(std::vector<std::pair<int64_t, int64_t>> writes) {
 
 }  // namespace
 
-Result<PrefillShape> check_decode_args(const KdaConfig& c, const DecodeArgs& a) {
+Result<int64_t> pool_slot_count(const KdaConfig& c, int64_t elements, const char* what) {
+  const int64_t per_slot = c.num_heads * c.head_k * c.head_v;
+  if (elements <= 0 || elements % per_slot != 0) {
+    return invalid_argument(std::string(what) + " has " + num(elements) +
+                            " elements, expected a positive multiple of H * K * V = " + num(per_slot) +
+                            " ([slots, H, K, V] or [slots, H, V, K])");
+  }
+  return elements / per_slot;
+}
+
+Result<int64_t> check_pool_choice(const KdaConfig& c, std::span<const float> f32, std::span<const uint16_t> bf16,
+                                  bool bf16_ok) {
+  if (bf16.empty()) return pool_slot_count(c, static_cast<int64_t>(f32.size()), "state_pool");
+  if (!bf16_ok) {
+    return unsupported("state_pool_bf16: BF16 state storage is an option of the cuda backend; this backend keeps "
+                       "FP32 states (pass state_pool)");
+  }
+  if (!f32.empty()) return invalid_argument("state_pool and state_pool_bf16 are both given: pass exactly one");
+  return pool_slot_count(c, static_cast<int64_t>(bf16.size()), "state_pool_bf16");
+}
+
+Result<PrefillShape> check_decode_args(const KdaConfig& c, const DecodeArgs& a, bool bf16_pool_ok) {
   K3_ASSIGN_OR_RETURN(auto tokens, check_pool_inputs(c, a.in, a.o, "decode"));
-  K3_ASSIGN_OR_RETURN(auto slots, pool_slots(c, a.state_pool));
+  K3_ASSIGN_OR_RETURN(auto slots, check_pool_choice(c, a.state_pool, a.state_pool_bf16, bf16_pool_ok));
   const int64_t N = tokens;
   if (static_cast<int64_t>(a.state_indices.size()) != N) {
     return invalid_argument("state_indices has " + num(static_cast<int64_t>(a.state_indices.size())) +
@@ -290,9 +302,9 @@ Result<PrefillShape> check_decode_args(const KdaConfig& c, const DecodeArgs& a) 
   return shape;
 }
 
-Result<PrefillShape> check_verify_args(const KdaConfig& c, const VerifyArgs& a) {
+Result<PrefillShape> check_verify_args(const KdaConfig& c, const VerifyArgs& a, bool bf16_pool_ok) {
   K3_ASSIGN_OR_RETURN(auto tokens, check_pool_inputs(c, a.in, a.o, "verify"));
-  K3_ASSIGN_OR_RETURN(auto slots, pool_slots(c, a.state_pool));
+  K3_ASSIGN_OR_RETURN(auto slots, check_pool_choice(c, a.state_pool, a.state_pool_bf16, bf16_pool_ok));
   const int64_t T = a.draft_tokens;
   if (T < 1 || tokens % T != 0) {
     return invalid_argument("draft_tokens = " + num(T) + " must be >= 1 and divide the token count " +

@@ -37,16 +37,12 @@ Result<int64_t> check_pool_tokens(const KdaPlan& p, const kda::KdaInputs& in, st
   return s.num_tokens;
 }
 
-Status check_pool(const KdaPlan& p, std::span<float> pool) {
-  const int64_t per_slot = p.cfg.num_heads * p.cfg.head_k * p.cfg.head_v;
-  if (pool.empty() || sz(pool.size()) % per_slot != 0) {
-    return invalid_argument("state_pool has " + num(sz(pool.size())) +
-                            " floats, expected a positive multiple of H * K * V = " + num(per_slot) +
-                            " ([slots, H, K, V] or [slots, H, V, K])");
-  }
-  if (sz(pool.size()) / per_slot > INT32_MAX) {
-    return out_of_range("state_pool has " + num(sz(pool.size()) / per_slot) + " slots, more than the " +
-                        num(INT32_MAX) + " an int32 state index can name");
+// The FP32 or the BF16 pool (exactly one), whose slots an int32 index can name.
+Status check_pool(const KdaPlan& p, std::span<const float> pool, std::span<const uint16_t> pool16) {
+  K3_ASSIGN_OR_RETURN(const int64_t slots, kda::check_pool_choice(p.cfg, pool, pool16, /*bf16_ok=*/true));
+  if (slots > INT32_MAX) {
+    return out_of_range("the state pool has " + num(slots) + " slots, more than the " + num(INT32_MAX) +
+                        " an int32 state index can name");
   }
   return Status::ok();
 }
@@ -139,7 +135,7 @@ Status check_prefill_sizes(const KdaPlan& p, const kda::KdaInputs& in, const kda
 Status check_decode_sizes(const KdaPlan& p, const kda::DecodeArgs& a) {
   K3_RETURN_IF_ERROR(check_plan(p));
   K3_ASSIGN_OR_RETURN(const int64_t n, check_pool_tokens(p, a.in, a.o, "decode"));
-  K3_RETURN_IF_ERROR(check_pool(p, a.state_pool));
+  K3_RETURN_IF_ERROR(check_pool(p, a.state_pool, a.state_pool_bf16));
   if (sz(a.state_indices.size()) != n) {
     return invalid_argument("state_indices has " + num(sz(a.state_indices.size())) + " entries, expected N = " +
                             num(n) + " ([N])");
@@ -150,7 +146,7 @@ Status check_decode_sizes(const KdaPlan& p, const kda::DecodeArgs& a) {
 Status check_verify_sizes(const KdaPlan& p, const kda::VerifyArgs& a) {
   K3_RETURN_IF_ERROR(check_plan(p));
   K3_ASSIGN_OR_RETURN(const int64_t tokens, check_pool_tokens(p, a.in, a.o, "verify"));
-  K3_RETURN_IF_ERROR(check_pool(p, a.state_pool));
+  K3_RETURN_IF_ERROR(check_pool(p, a.state_pool, a.state_pool_bf16));
   const int64_t t = a.draft_tokens;
   if (t < 1 || t > kKdaMaxDraftTokens || tokens % t != 0) {
     return invalid_argument("draft_tokens = " + num(t) + " must be in [1, " + num(kKdaMaxDraftTokens) +

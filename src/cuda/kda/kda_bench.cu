@@ -50,7 +50,7 @@ Result<DeviceTiming> time_kda_prefill(const kda::KdaConfig& cfg, const kda::KdaI
 }
 
 Result<DeviceTiming> time_kda_decode(const kda::KdaConfig& cfg, const kda::KdaInputs& in, int64_t pool_slots,
-                                     int warmup, int iters) {
+                                     int warmup, int iters, bool bf16_state) {
   const int64_t n = in.q.size() / (cfg.num_heads * cfg.head_k);
   const int64_t state = cfg.num_heads * cfg.head_k * cfg.head_v;
   if (n < 1 || pool_slots < n) {
@@ -65,15 +65,20 @@ Result<DeviceTiming> time_kda_decode(const kda::KdaConfig& cfg, const kda::KdaIn
   K3_RETURN_IF_ERROR(tok.upload(in));
   kda_detail::DeviceCopy<int32_t> didx;
   K3_RETURN_IF_ERROR(didx.upload(idx, "copy state_indices"));
-  detail::DeviceBuffer<float> pool, o;
-  detail::DeviceBuffer<uint8_t> ws;
-  K3_RETURN_IF_ERROR(pool.allocate(static_cast<size_t>(groups * n * state)));
+  detail::DeviceBuffer<float> o;
+  detail::DeviceBuffer<uint8_t> ws, pool;
+  const size_t pool_elems = static_cast<size_t>(groups * n * state), elem = bf16_state ? 2 : 4;
+  K3_RETURN_IF_ERROR(pool.allocate(pool_elems * elem));
   K3_RETURN_IF_ERROR(o.allocate(static_cast<size_t>(n * cfg.num_heads * cfg.head_v)));
   K3_RETURN_IF_ERROR(ws.allocate(static_cast<size_t>(p.workspace_bytes)));
-  K3_CUDA_TRY(cudaMemset(pool.get(), 0, static_cast<size_t>(groups * n * state) * sizeof(float)), "clear the pool");
+  K3_CUDA_TRY(cudaMemset(pool.get(), 0, pool_elems * elem), "clear the pool");
   kda::DecodeArgs a;
   a.in = tok.view();
-  a.state_pool = {pool.get(), static_cast<size_t>(groups * n * state)};
+  if (bf16_state) {
+    a.state_pool_bf16 = {reinterpret_cast<uint16_t*>(pool.get()), pool_elems};
+  } else {
+    a.state_pool = {reinterpret_cast<float*>(pool.get()), pool_elems};
+  }
   a.o = {o.get(), static_cast<size_t>(n * cfg.num_heads * cfg.head_v)};
   auto r = detail::time_events(
       [&](int i) {

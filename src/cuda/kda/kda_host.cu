@@ -48,13 +48,16 @@ Status prefill_host(const kda::KdaConfig& cfg, const kda::KdaInputs& in, const k
 }
 
 Status decode_host(const kda::KdaConfig& cfg, const kda::DecodeArgs& a) {
-  K3_ASSIGN_OR_RETURN(const auto shape, kda::check_decode_args(cfg, a));
+  K3_ASSIGN_OR_RETURN(const auto shape, kda::check_decode_args(cfg, a, /*bf16_pool_ok=*/true));
   K3_ASSIGN_OR_RETURN(const KdaPlan p, host_plan(cfg, shape.num_seqs, kda::Algorithm::kAuto));
   DeviceTokens tok;
   K3_RETURN_IF_ERROR(tok.upload(a.in));
   DeviceCopy<float> pool, o;
+  DeviceCopy<uint16_t> pool16;
   DeviceCopy<int32_t> idx;
   K3_RETURN_IF_ERROR(pool.upload(std::span<const float>(a.state_pool.data(), a.state_pool.size()), "copy state_pool"));
+  K3_RETURN_IF_ERROR(pool16.upload(std::span<const uint16_t>(a.state_pool_bf16.data(), a.state_pool_bf16.size()),
+                                   "copy state_pool_bf16"));
   K3_RETURN_IF_ERROR(o.upload(std::span<const float>(a.o.data(), a.o.size()), "copy o"));
   K3_RETURN_IF_ERROR(idx.upload(a.state_indices, "copy state_indices"));
   detail::DeviceBuffer<uint8_t> ws;
@@ -62,22 +65,27 @@ Status decode_host(const kda::KdaConfig& cfg, const kda::DecodeArgs& a) {
   kda::DecodeArgs d;
   d.in = tok.view();
   d.state_pool = pool.span();
+  d.state_pool_bf16 = pool16.span();
   d.state_indices = idx.cspan();
   d.o = o.span();
   K3_RETURN_IF_ERROR(decode(p, d, ws.get(), nullptr));
   K3_RETURN_IF_ERROR(kda_status(p, ws.get(), nullptr));
   K3_RETURN_IF_ERROR(o.download(a.o, "copy o back"));
+  K3_RETURN_IF_ERROR(pool16.download(a.state_pool_bf16, "copy state_pool_bf16 back"));
   return pool.download(a.state_pool, "copy state_pool back");
 }
 
 Status verify_host(const kda::KdaConfig& cfg, const kda::VerifyArgs& a) {
-  K3_ASSIGN_OR_RETURN(const auto shape, kda::check_verify_args(cfg, a));
+  K3_ASSIGN_OR_RETURN(const auto shape, kda::check_verify_args(cfg, a, /*bf16_pool_ok=*/true));
   K3_ASSIGN_OR_RETURN(const KdaPlan p, host_plan(cfg, shape.num_seqs, kda::Algorithm::kAuto));
   DeviceTokens tok;
   K3_RETURN_IF_ERROR(tok.upload(a.in));
   DeviceCopy<float> pool, o;
+  DeviceCopy<uint16_t> pool16;
   DeviceCopy<int32_t> idx, acc;
   K3_RETURN_IF_ERROR(pool.upload(std::span<const float>(a.state_pool.data(), a.state_pool.size()), "copy state_pool"));
+  K3_RETURN_IF_ERROR(pool16.upload(std::span<const uint16_t>(a.state_pool_bf16.data(), a.state_pool_bf16.size()),
+                                   "copy state_pool_bf16"));
   K3_RETURN_IF_ERROR(o.upload(std::span<const float>(a.o.data(), a.o.size()), "copy o"));
   K3_RETURN_IF_ERROR(idx.upload(a.state_indices, "copy state_indices"));
   K3_RETURN_IF_ERROR(acc.upload(a.num_accepted, "copy num_accepted"));
@@ -87,12 +95,14 @@ Status verify_host(const kda::KdaConfig& cfg, const kda::VerifyArgs& a) {
   d.in = tok.view();
   d.draft_tokens = a.draft_tokens;
   d.state_pool = pool.span();
+  d.state_pool_bf16 = pool16.span();
   d.state_indices = idx.cspan();
   d.num_accepted = acc.cspan();
   d.o = o.span();
   K3_RETURN_IF_ERROR(verify(p, d, ws.get(), nullptr));
   K3_RETURN_IF_ERROR(kda_status(p, ws.get(), nullptr));
   K3_RETURN_IF_ERROR(o.download(a.o, "copy o back"));
+  K3_RETURN_IF_ERROR(pool16.download(a.state_pool_bf16, "copy state_pool_bf16 back"));
   return pool.download(a.state_pool, "copy state_pool back");
 }
 

@@ -30,7 +30,8 @@ struct Launch {
   const int64_t* cu_seqlens = nullptr;  // prefill, [N + 1] or null (one sequence)
   const float* initial_state = nullptr; // prefill, or null (zeros)
   float* final_state = nullptr;         // prefill, or null (not returned)
-  float* pool = nullptr;                // decode / verify
+  float* pool = nullptr;                // decode / verify: FP32 state storage, or
+  uint16_t* pool16 = nullptr;           // BF16 state storage (FP32 math; RNE on store)
   int64_t pool_slots = 0;
   const int32_t* state_indices = nullptr;  // [N] (decode) or [N, draft] (verify)
   const int32_t* num_accepted = nullptr;   // [N] (verify)
@@ -41,6 +42,18 @@ struct Launch {
 
 __device__ __forceinline__ float load_act(const void* p, bool bf16, int64_t i) {
   return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+// A pool entry widened to FP32, and stored back (BF16: round to nearest even, NaN kept).
+__device__ __forceinline__ float load_pool(const Launch& L, int64_t i) {
+  return L.pool16 != nullptr ? bf16_to_f32(L.pool16[i]) : L.pool[i];
+}
+__device__ __forceinline__ void store_pool(const Launch& L, int64_t i, float x) {
+  if (L.pool16 != nullptr) {
+    L.pool16[i] = bf16_from_f32(x);
+  } else {
+    L.pool[i] = x;
+  }
 }
 
 __device__ __forceinline__ float warp_sum(float x) {

@@ -99,7 +99,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) kda_recurrent_kernel(const Lau
 
   // The sequence's tokens [t0, t1), where its state comes from, and whether it runs at all.
   int64_t t0 = 0, t1 = 0;
-  const float* src = nullptr;
+  const float* src = nullptr;  // prefill: the initial state of this head
+  int64_t src_slot = -1;       // decode / verify: the pool slot read
   bool skip_nan = false, skip_zero = false;
   if constexpr (M == Mode::kPrefill) {
     if (L.cu_seqlens != nullptr) {
@@ -122,7 +123,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) kda_recurrent_kernel(const Lau
     } else if (slot < 0) {
       skip_zero = true;
     } else {
-      src = L.pool + (static_cast<int64_t>(slot) * H + h) * head_elems;
+      src_slot = slot;
     }
   } else {
     t0 = n * L.draft;
@@ -134,7 +135,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) kda_recurrent_kernel(const Lau
       if (read < 0) {
         skip_zero = true;
       } else {
-        src = L.pool + (static_cast<int64_t>(read) * H + h) * head_elems;
+        src_slot = read;
       }
     }
   }
@@ -158,9 +159,18 @@ __global__ void __launch_bounds__(kMaxThreads, 1) kda_recurrent_kernel(const Lau
   }
 
   float s[kMaxRows];
+  const int64_t slot_base = (src_slot * H + h) * head_elems + sbase;
 #pragma unroll
   for (int i = 0; i < kMaxRows; ++i) {
-    s[i] = (src != nullptr && i < nrows && col_ok) ? src[sbase + i * sstride] : 0.0f;
+    float x = 0.0f;
+    if (i < nrows && col_ok) {
+      if (src != nullptr) {
+        x = src[sbase + i * sstride];
+      } else if (src_slot >= 0) {
+        x = kda_detail::load_pool(L, slot_base + i * sstride);
+      }
+    }
+    s[i] = x;
   }
 
   const bool gated = L.gate != kda::GateMode::kLogDecay;
@@ -269,10 +279,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) kda_recurrent_kernel(const Lau
     if constexpr (M == Mode::kVerify) {  // every prefix state to its own slot (< 0: not stored)
       const int32_t slot = L.state_indices[t];
       if (slot >= 0 && col_ok) {
-        float* dst = L.pool + (static_cast<int64_t>(slot) * H + h) * head_elems + sbase;
+        const int64_t dst = (static_cast<int64_t>(slot) * H + h) * head_elems + sbase;
 #pragma unroll
         for (int i = 0; i < kMaxRows; ++i) {
-          if (i < nrows) dst[i * sstride] = s[i];
+          if (i < nrows) kda_detail::store_pool(L, dst + i * sstride, s[i]);
         }
       }
     }
@@ -286,17 +296,20 @@ __global__ void __launch_bounds__(kMaxThreads, 1) kda_recurrent_kernel(const Lau
     }
   }
 
-  float* dst = nullptr;
   if constexpr (M == Mode::kPrefill) {
-    if (L.final_state != nullptr) dst = L.final_state + (n * H + h) * head_elems;
-  } else if constexpr (M == Mode::kDecode) {
-    dst = L.pool + (static_cast<int64_t>(L.state_indices[n]) * H + h) * head_elems;
-  }
-  if (dst != nullptr && col_ok) {
-    dst += sbase;
+    if (L.final_state != nullptr && col_ok) {
+      float* dst = L.final_state + (n * H + h) * head_elems + sbase;
 #pragma unroll
-    for (int i = 0; i < kMaxRows; ++i) {
-      if (i < nrows) dst[i * sstride] = s[i];
+      for (int i = 0; i < kMaxRows; ++i) {
+        if (i < nrows) dst[i * sstride] = s[i];
+      }
+    }
+  } else if constexpr (M == Mode::kDecode) {
+    if (col_ok) {  // the slot read is the slot written
+#pragma unroll
+      for (int i = 0; i < kMaxRows; ++i) {
+        if (i < nrows) kda_detail::store_pool(L, slot_base + i * sstride, s[i]);
+      }
     }
   }
 }
@@ -385,8 +398,10 @@ Status decode(const KdaPlan& p, const kda::DecodeArgs& a, void* workspace, void*
   auto s = static_cast<cudaStream_t>(stream);
   Launch L = make_launch(p, a.in, a.o.data(), workspace);
   L.num_seqs = L.num_tokens;
-  L.pool = a.state_pool.data();
-  L.pool_slots = static_cast<int64_t>(a.state_pool.size()) / (p.cfg.num_heads * p.cfg.head_k * p.cfg.head_v);
+  L.pool = a.state_pool.empty() ? nullptr : a.state_pool.data();
+  L.pool16 = a.state_pool_bf16.empty() ? nullptr : a.state_pool_bf16.data();
+  L.pool_slots = static_cast<int64_t>(a.state_pool.size() + a.state_pool_bf16.size()) /
+                 (p.cfg.num_heads * p.cfg.head_k * p.cfg.head_v);
   L.state_indices = a.state_indices.data();
   L.draft = 1;
   K3_RETURN_IF_ERROR(reset_status(p, workspace, L.num_seqs, s));
@@ -405,8 +420,10 @@ Status verify(const KdaPlan& p, const kda::VerifyArgs& a, void* workspace, void*
   Launch L = make_launch(p, a.in, a.o.data(), workspace);
   L.draft = a.draft_tokens;
   L.num_seqs = L.num_tokens / L.draft;
-  L.pool = a.state_pool.data();
-  L.pool_slots = static_cast<int64_t>(a.state_pool.size()) / (p.cfg.num_heads * p.cfg.head_k * p.cfg.head_v);
+  L.pool = a.state_pool.empty() ? nullptr : a.state_pool.data();
+  L.pool16 = a.state_pool_bf16.empty() ? nullptr : a.state_pool_bf16.data();
+  L.pool_slots = static_cast<int64_t>(a.state_pool.size() + a.state_pool_bf16.size()) /
+                 (p.cfg.num_heads * p.cfg.head_k * p.cfg.head_v);
   L.state_indices = a.state_indices.data();
   L.num_accepted = a.num_accepted.data();
   K3_RETURN_IF_ERROR(reset_status(p, workspace, L.num_seqs, s));
