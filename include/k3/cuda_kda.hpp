@@ -52,8 +52,9 @@ struct KdaOptions {
   // (tests, cross-planning). Required: an empty one is an error.
   DeviceCaps device;
   int64_t max_seqs = 1024;       // the largest N of a call (prefill sequences, decode / verify batch)
-  // kAuto and kRecurrent run the token-recurrent kernel (the only one built so far); kChunked is
-  // refused until the tensor-core chunked kernel exists.
+  // Prefill: kAuto and kRecurrent run the token-recurrent kernel; kChunked the tensor-core chunked
+  // kernel (chunks of 16 tokens, NOT YET RUN ON A GPU, so kAuto does not choose it yet). Decode
+  // and verify are token-recurrent whatever this says.
   kda::Algorithm algorithm = kda::Algorithm::kAuto;
 };
 
@@ -68,6 +69,13 @@ struct KdaPlan {
   int warps = 0;
   int rows_per_thread = 0;
   int64_t smem_bytes = 0;  // static shared memory per block
+  // Chunked prefill kernel (algorithm == kChunked; zero otherwise): one block of chunk_warps warps
+  // per (chunk_v_tile columns, head, sequence), chunks of chunk_size tokens, the state slice and
+  // the chunk's rows in chunk_smem_bytes of dynamic shared memory (<= device.smem_per_block_optin).
+  int chunk_size = 0;
+  int chunk_v_tile = 0;
+  int chunk_warps = 0;
+  int64_t chunk_smem_bytes = 0;
   // Workspace (one caller-owned device buffer; offsets 256-byte aligned).
   int64_t ws_status = 0;     // [1] uint32: KdaStatusBit of the last call
   int64_t ws_seq_flags = 0;  // [max_seqs] int32: per-sequence status of the last decode / verify

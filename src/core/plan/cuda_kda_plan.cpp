@@ -4,6 +4,7 @@
 #include <sstream>
 #include <string>
 
+#include "core/kda/kda_chunk_math.hpp"
 #include "core/kda/kda_math.hpp"
 #include "k3/cuda_kda.hpp"
 
@@ -80,7 +81,15 @@ std::string KdaPlan::describe() const {
   os << "cuda kda plan: H " << cfg.num_heads << ", K " << cfg.head_k << ", V " << cfg.head_v << ", "
      << kda::state_layout_name(cfg.layout) << ", gate " << kda::gate_mode_name(cfg.gate) << ", device " << device.name
      << " (sm_" << device.cc_major << device.cc_minor << "), UNVERIFIED (never run on a GPU)\n"
-     << "  prefill " << kda::algorithm_name(algorithm) << "; decode / verify recurrent: block = " << v_tiles
+     << "  prefill " << kda::algorithm_name(algorithm);
+  if (algorithm == kda::Algorithm::kChunked) {
+    os << " (tensor cores, 3xTF32, NEVER RUN ON A GPU): block = " << v_tiles << " V tile(s) of " << chunk_v_tile
+       << " columns x H x N, " << chunk_warps << " warps, chunks of " << chunk_size
+       << " tokens, state slice in shared memory, dynamic smem " << chunk_smem_bytes << " B";
+  } else {
+    os << " (auto and recurrent run the token-recurrent kernel; chunked is opt-in while unverified)";
+  }
+  os << "\n  decode / verify recurrent: block = " << v_tiles
      << " V tile(s) of " << kKdaVTile << " columns x H x N, " << warps << " warp(s) x " << rows_per_thread
      << " state rows per thread in registers, smem " << smem_bytes << " B\n"
      << "  max_seqs " << max_seqs << ", workspace " << workspace_bytes << " B";
@@ -104,15 +113,24 @@ Result<KdaPlan> plan(const kda::KdaConfig& cfg, const KdaOptions& options) {
                        " only; rebuild with -DK3_CUDA_ARCHS including " + std::to_string(arch) +
                        "a, or run KDA with --backend cpu");
   }
-  if (options.algorithm == kda::Algorithm::kChunked) {
-    return unsupported("algorithm = chunked: the CUDA KDA backend has no chunked prefill kernel yet; use "
-                       "recurrent (or auto), or the cpu backend");
-  }
   KdaPlan p;
   p.cfg = cfg;
   p.device = caps;
   p.max_seqs = options.max_seqs;
-  p.algorithm = kda::Algorithm::kRecurrent;
+  // kAuto stays recurrent while the chunked kernel has never run on a GPU.
+  p.algorithm = options.algorithm == kda::Algorithm::kChunked ? kda::Algorithm::kChunked : kda::Algorithm::kRecurrent;
+  if (p.algorithm == kda::Algorithm::kChunked) {
+    p.chunk_size = kda::chunk::kC;
+    p.chunk_v_tile = kda::chunk::kVt;
+    p.chunk_warps = kda::chunk::kWarps;
+    p.chunk_smem_bytes = kda::chunk::smem_bytes(static_cast<int>(cfg.head_k));
+    if (p.chunk_smem_bytes > caps.smem_per_block_optin) {
+      return unsupported("algorithm = chunked: the chunked prefill kernel needs " + num(p.chunk_smem_bytes) +
+                         " B of shared memory per block for K = " + num(cfg.head_k) + ", above the " +
+                         num(caps.smem_per_block_optin) + " B of device '" + caps.name +
+                         "' (smem_per_block_optin); use algorithm = recurrent");
+    }
+  }
   const int64_t k = cfg.head_k;
   p.v_tiles = static_cast<int>((cfg.head_v + kKdaVTile - 1) / kKdaVTile);
   p.warps = static_cast<int>((k + 31) / 32);                              // <= 16 (K <= 512)

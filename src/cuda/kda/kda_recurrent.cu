@@ -389,6 +389,7 @@ Status prefill(const KdaPlan& p, const kda::KdaInputs& in, const kda::KdaOutputs
                                                                                   L.num_tokens, L.status);
     K3_CUDA_TRY(cudaGetLastError(), "kda check_seqlens_kernel launch");
   }
+  if (p.algorithm == kda::Algorithm::kChunked) return kda_detail::launch_chunked_prefill(p, L, s);
   return launch_main<Mode::kPrefill>(p, L, s);
 }
 
