@@ -7,6 +7,7 @@
 #include <span>
 #include <string>
 
+#include "core/kda/kda_chunk_math.hpp"
 #include "k3/cuda_kda.hpp"
 
 namespace k3 {
@@ -101,14 +102,64 @@ TEST(CudaKdaPlan, RefusalsNameTheProblem) {
     st = cuda::plan(kimi(), opts(bad)).status();
     EXPECT_TRUE(has(st, "max_seqs = " + std::to_string(bad))) << st.to_string();
   }
+  // Chunked: the kernel's shared memory must fit the device's opt-in limit (K = 512 needs ~348 KB).
   o = opts();
   o.algorithm = kda::Algorithm::kChunked;
-  st = cuda::plan(kimi(), o).status();
+  kda::KdaConfig big = kimi();
+  big.head_k = 512;
+  st = cuda::plan(big, o).status();
   EXPECT_EQ(st.code(), StatusCode::kUnsupported);
   EXPECT_TRUE(has(st, "chunked")) << st.to_string();
+  EXPECT_TRUE(has(st, std::to_string(kda::chunk::smem_bytes(512)) + " B")) << st.to_string();
+  EXPECT_TRUE(has(st, "K = 512")) << st.to_string();
+  EXPECT_TRUE(has(st, "232448")) << st.to_string();
+  EXPECT_TRUE(has(st, "recurrent")) << st.to_string();
   kda::KdaConfig c = kimi();
   c.head_k = 513;
   EXPECT_TRUE(has(cuda::plan(c, opts()).status(), "head_k = 513"));
+}
+
+TEST(CudaKdaPlan, ChunkedPlanHasItsGeometry) {
+  cuda::KdaOptions o = opts();
+  o.algorithm = kda::Algorithm::kChunked;
+  auto p = cuda::plan(kimi(), o);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_EQ(p->algorithm, kda::Algorithm::kChunked);
+  EXPECT_EQ(p->chunk_size, 16);
+  EXPECT_EQ(p->chunk_size, kda::kChunk);
+  EXPECT_EQ(p->chunk_v_tile, 32);
+  EXPECT_EQ(p->chunk_warps, 4);
+  EXPECT_EQ(p->v_tiles, 4);
+  EXPECT_EQ(p->chunk_smem_bytes, kda::chunk::smem_bytes(128));
+  // K = 128 fits the 99 KB opt-in of sm_120 parts as well as the H200's 227 KB.
+  EXPECT_GT(p->chunk_smem_bytes, 48 * 1024);
+  EXPECT_LE(p->chunk_smem_bytes, 101376);
+  EXPECT_GT(p->workspace_bytes, 0);
+  const std::string d = p->describe();
+  const std::string smem = "dynamic smem " + std::to_string(p->chunk_smem_bytes) + " B";
+  for (const std::string& s : {std::string("prefill chunked"), std::string("NEVER RUN ON A GPU"), std::string("3xTF32"),
+                              std::string("chunks of 16 tokens"), std::string("4 warps"),
+                              std::string("V tile(s) of 32"), smem}) {
+    EXPECT_NE(d.find(s), std::string::npos) << s << " not in: " << d;
+  }
+  // The smem grows with K; at K = 256 it fits the H200 but not a 99 KB part.
+  kda::KdaConfig c = kimi();
+  c.head_k = 256;
+  auto q = cuda::plan(c, o);
+  ASSERT_TRUE(q.is_ok()) << q.status().to_string();
+  EXPECT_GT(q->chunk_smem_bytes, p->chunk_smem_bytes);
+  o.device.smem_per_block_optin = 101376;
+  EXPECT_EQ(cuda::plan(c, o).status().code(), StatusCode::kUnsupported);
+  // Auto and recurrent leave the chunked fields empty, and auto stays recurrent while unverified.
+  for (kda::Algorithm a : {kda::Algorithm::kAuto, kda::Algorithm::kRecurrent}) {
+    o = opts();
+    o.algorithm = a;
+    auto r = cuda::plan(kimi(), o);
+    ASSERT_TRUE(r.is_ok());
+    EXPECT_EQ(r->algorithm, kda::Algorithm::kRecurrent);
+    EXPECT_EQ(r->chunk_smem_bytes, 0);
+    EXPECT_EQ(r->chunk_size, 0);
+  }
 }
 
 struct DevPrefill {
