@@ -22,6 +22,14 @@ TEST(Cli, InfoJsonHasTheFacts) {
   EXPECT_TRUE(j["cpu"]["features"].contains("avx2"));
   EXPECT_GE(j["threads"].get<int>(), 1);
   EXPECT_TRUE(j["cuda"].contains("devices"));
+  // A build with CUDA says, per op, that its kernels have never run on a GPU.
+  if (j["cuda"]["compiled"].get<bool>()) {
+    for (const char* op : {"moe_status", "kda_status"}) {
+      EXPECT_NE(j["cuda"][op].get<std::string>().find("never run on a GPU"), std::string::npos) << op;
+    }
+  } else {
+    EXPECT_FALSE(j["cuda"].contains("kda_status"));
+  }
   // Transports of the multi-rank ops: each ok or the reason it is missing.
   const std::string mpi = j["transports"]["mpi"].get<std::string>();
 #ifdef K3_WITH_MPI

@@ -27,6 +27,9 @@ nlohmann::json info_json() {
   j["cuda"]["archs"] = cuda::compiled_archs();
   if (cuda::compiled()) {
     j["cuda"]["moe_status"] = "compiled, never run on a GPU: unverified until scripts/device-check.sh passes";
+    j["cuda"]["kda_status"] =
+        "compiled, never run on a GPU (recurrent prefill / decode / verify, opt-in chunked prefill, conv1d, "
+        "RMSNorm): unverified until scripts/device-check.sh passes";
   }
   j["cpu"]["model"] = cpu.model;
   j["cpu"]["logical_cpus"] = cpu.logical_cpus;
@@ -69,6 +72,7 @@ void print_text(const nlohmann::json& j) {
                                                                            : "(not compiled)");
   if (j["cuda"].contains("moe_status")) {
     std::printf("cuda moe:      %s\n", j["cuda"]["moe_status"].get<std::string>().c_str());
+    std::printf("cuda kda:      %s\n", j["cuda"]["kda_status"].get<std::string>().c_str());
   }
   std::printf("cpu:           %s, %d logical CPUs\n", j["cpu"]["model"].get<std::string>().c_str(),
               j["cpu"]["logical_cpus"].get<int>());
