@@ -3,8 +3,8 @@
 // / 8192, varlen with a 15-token sequence, the K3 shape H = 96, K = V = 128; decode and verify on
 // a state pool (untouched slots bit-identical); thread-count determinism. Every such row runs
 // through the chosen backend's registry entries (k3/backend.hpp; default: default_kda_backend()).
-// The CPU backend's own variants (chunked vs recurrent, every SIMD level) run only when the
-// chosen backend is "cpu"; the small ops (conv1d + SiLU, gated RMSNorm) run on "cpu" and "cuda". A backend that is unusable here is a FAIL row with
+// The CPU backend's SIMD levels run only when the chosen backend is "cpu"; each prefill algorithm
+// (chunked, recurrent) and the small ops (conv1d + SiLU, gated RMSNorm) on "cpu" and "cuda". A backend that is unusable here is a FAIL row with
 // the registry's reason; an entry a backend lacks (the reference has no decode) is a SKIP row.
 #include <chrono>
 #include <cmath>
@@ -82,6 +82,8 @@ struct Target {
   const KdaBackend& b;
   BackendOptions opt;
   bool is_cpu() const { return b.name == "cpu"; }  // its algorithm / ISA variants and the small ops
+  // Backends with two prefill algorithms, each checked on its own (cuda: chunked is opt-in).
+  bool has_algorithms() const { return b.name == "cpu" || b.name == "cuda"; }
 };
 
 // Prefill through the registry; `algo`, `threads`, `isa` override the tool's options.
@@ -152,14 +154,14 @@ void prefill_rows(const Target& t, const Case& k, std::vector<ValidateRow>& rows
   const auto& cfg = c.spec.cfg;
   const int64_t H = cfg.num_heads, K = cfg.head_k, V = cfg.head_v;
   const std::string& bn = t.b.name;
-  // The backend as called (algorithm auto); on the CPU backend also each algorithm.
+  // The backend as called (algorithm auto); on the cpu and cuda backends also each algorithm.
   const Out run = run_prefill(t, c);
   if (!run.st.is_ok()) {
     rows.push_back(flag_row("prefill " + k.name, bn, false, run.st.to_string()));
     return;
   }
   Out chk, rec;
-  if (t.is_cpu()) {
+  if (t.has_algorithms()) {
     chk = run_prefill(t, c, Algorithm::kChunked);
     rec = run_prefill(t, c, Algorithm::kRecurrent);
     if (!chk.st.is_ok() || !rec.st.is_ok()) {
@@ -187,7 +189,7 @@ void prefill_rows(const Target& t, const Case& k, std::vector<ValidateRow>& rows
     rows.push_back(r);
   };
   vs_fp32(run, "prefill");
-  if (t.is_cpu()) {
+  if (t.has_algorithms()) {
     vs_fp32(chk, "chunked");
     vs_fp32(rec, "recurrent");
   }
@@ -206,7 +208,7 @@ void prefill_rows(const Target& t, const Case& k, std::vector<ValidateRow>& rows
     const auto e_ref = worst(kda::compare(heads_of(ro, hs, h64, V), o64), kda::compare(heads_of(rf, hs, h64, K * V), f64));
     rows.push_back(make_row("fp32/fp64 " + k.name, "reference", e_ref, kda::kTolFp32, sub64));
   }
-  if (t.is_cpu()) {
+  if (t.has_algorithms()) {
     const auto eq = worst(kda::compare(rec.o, chk.o), kda::compare(rec.f, chk.f));
     rows.push_back(make_row("recurrent/chunked " + k.name, bn, eq, kda::kTolFp32, "o and final state"));
   }
@@ -352,12 +354,13 @@ void pool_rows(const Target& tgt, int64_t heads, uint64_t seed, std::vector<Vali
 }
 
 // The same bytes for 1, 2 and 3 threads, twice each: the backend as called (algorithm auto); on
-// the CPU backend each algorithm instead.
+// the cpu and cuda backends each algorithm instead (cuda: the thread count is not used, the runs
+// check run-to-run determinism).
 void determinism_rows(const Target& t, uint64_t seed, std::vector<ValidateRow>& rows) {
   const kda::KdaCase c = kda::make_case(
       spec_of(12, 128, GateMode::kSafe, StateLayout::kVFirst, true, {15, 200, 77}, {100}, seed + 5));
   const std::vector<Algorithm> algos =
-      t.is_cpu() ? std::vector<Algorithm>{Algorithm::kChunked, Algorithm::kRecurrent} : std::vector<Algorithm>{Algorithm::kAuto};
+      t.has_algorithms() ? std::vector<Algorithm>{Algorithm::kChunked, Algorithm::kRecurrent} : std::vector<Algorithm>{Algorithm::kAuto};
   for (Algorithm algo : algos) {
     std::string d1;
     bool same = true, ok = true;
