@@ -445,6 +445,85 @@ TEST_F(CudaKda, BadSeqlensOnTheDeviceAreReportedNotFollowed) {
   }
 }
 
+// The grid does not depend on the token split: a prefill captured with one cu_seqlens replays
+// with other values written into the same device buffer (same N, same buffers), and gives the
+// bits of an eager call with those values. Both algorithms.
+TEST_F(CudaKda, PrefillGraphReplaysWithNewSeqlensValues) {
+  CaseSpec s;
+  s.cfg = cfg(4, 128, 128, GateMode::kSafe);
+  s.seqlens = {40, 1, 23};  // T = 64
+  s.bf16 = false;
+  const KdaCase c = make_case(s);
+  const std::vector<int64_t> cu_a = {0, 40, 41, 64}, cu_b = {0, 7, 7, 64};
+  for (Algorithm algo : {Algorithm::kRecurrent, Algorithm::kChunked}) {
+    SCOPED_TRACE(algorithm_name(algo));
+    cuda::KdaOptions opt;
+    opt.device = cuda::device_caps(0).value();
+    opt.max_seqs = 3;
+    opt.algorithm = algo;
+    auto p = cuda::plan(s.cfg, opt);
+    ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+    std::vector<void*> owned;
+    auto up = [&](const void* src, size_t bytes) {
+      void* ptr = nullptr;
+      EXPECT_EQ(cudaMalloc(&ptr, bytes), cudaSuccess);
+      if (src != nullptr) cudaMemcpy(ptr, src, bytes, cudaMemcpyHostToDevice);
+      owned.push_back(ptr);
+      return ptr;
+    };
+    KdaInputs in;
+    in.q = ActSpan::of(std::span<const float>(static_cast<const float*>(up(c.q32.data(), c.q32.size() * 4)), c.q32.size()));
+    in.k = ActSpan::of(std::span<const float>(static_cast<const float*>(up(c.k32.data(), c.k32.size() * 4)), c.k32.size()));
+    in.v = ActSpan::of(std::span<const float>(static_cast<const float*>(up(c.v32.data(), c.v32.size() * 4)), c.v32.size()));
+    in.g = {static_cast<const float*>(up(c.g.data(), c.g.size() * 4)), c.g.size()};
+    in.beta = {static_cast<const float*>(up(c.beta.data(), c.beta.size() * 4)), c.beta.size()};
+    in.a_log = {static_cast<const float*>(up(c.a_log.data(), c.a_log.size() * 4)), c.a_log.size()};
+    in.initial_state = {static_cast<const float*>(up(c.initial_state.data(), c.initial_state.size() * 4)),
+                        c.initial_state.size()};
+    auto* dcu = static_cast<int64_t*>(up(cu_a.data(), 4 * 8));
+    in.cu_seqlens = {dcu, 4};
+    auto* o = static_cast<float*>(up(nullptr, static_cast<size_t>(c.o_size()) * 4));
+    auto* f = static_cast<float*>(up(nullptr, static_cast<size_t>(c.state_size()) * 4));
+    void* ws = up(nullptr, static_cast<size_t>(p->workspace_bytes));
+    const KdaOutputs out{{o, static_cast<size_t>(c.o_size())}, {f, static_cast<size_t>(c.state_size())}};
+    auto read = [&]() {
+      std::vector<float> r(static_cast<size_t>(c.o_size() + c.state_size()));
+      cudaMemcpy(r.data(), o, static_cast<size_t>(c.o_size()) * 4, cudaMemcpyDeviceToHost);
+      cudaMemcpy(r.data() + c.o_size(), f, static_cast<size_t>(c.state_size()) * 4, cudaMemcpyDeviceToHost);
+      return r;
+    };
+    cudaMemcpy(dcu, cu_b.data(), 4 * 8, cudaMemcpyHostToDevice);
+    ASSERT_TRUE(cuda::prefill(*p, in, out, ws, nullptr).is_ok());
+    ASSERT_TRUE(cuda::kda_status(*p, ws, nullptr).is_ok());
+    const std::vector<float> eager_b = read();
+    cudaMemcpy(dcu, cu_a.data(), 4 * 8, cudaMemcpyHostToDevice);
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    cudaGraph_t graph;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+    const Status cap = cuda::prefill(*p, in, out, ws, stream);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_TRUE(cap.is_ok()) << cap.to_string();
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    cudaMemcpy(dcu, cu_b.data(), 4 * 8, cudaMemcpyHostToDevice);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_TRUE(same_bits(read(), eager_b));
+    // And the values the graph was captured with still give the reference's result.
+    cudaMemcpy(dcu, cu_a.data(), 4 * 8, cudaMemcpyHostToDevice);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const std::vector<float> got = read();
+    const Out ref = run_ref(c);
+    EXPECT_LT(compare(std::vector<float>(got.begin(), got.begin() + c.o_size()), ref.o).err_ratio, kTolFp32);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+    for (void* ptr : owned) cudaFree(ptr);
+  }
+}
+
 // Through the registry, as `k3 validate --op kda --backend cuda` and the bindings call it.
 TEST_F(CudaKda, RegistryEntriesRunTheBackend) {
   const KdaBackend& b = *find_kda_backend("cuda").value();
