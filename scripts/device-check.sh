@@ -2,15 +2,19 @@
 # GPU check of k3's CUDA backend, sized to finish within 8 minutes on one H200.
 #
 #   scripts/device-check.sh build   # on the build machine: configure + build build-device/ (CUDA,
-#                                   # sm_90a only, Release) — the folder is carried to the GPU machine
+#                                   # sm_90a only, Release) and gather what the run needs in
+#                                   # build-device/carry/ (k3, k3_cuda_tests, the fla-core wheel)
 #   scripts/device-check.sh run     # on the GPU machine: CUDA tests, k3 validate --backend cuda (moe,
 #                                   # kda), k3 bench moe / kda --backend cuda with their baselines,
 #                                   # fla's Triton KDA on the same inputs; a table last
 #   scripts/device-check.sh         # both, on a machine that has a GPU and the build dependencies
 #
 # With the device tool: run `build` here, then run
-#   `bash scripts/device-check.sh run` with carry=["build-device"].
-# Logs and JSON go to $OUT (or build-device/out when $OUT is unset). The run phase has one deadline
+#   `bash scripts/device-check.sh run` with carry=["build-device/carry"]
+# (the whole build folder is far above the tool's 64 MiB carry limit; carry/ is ~25 MB).
+# Logs go to a scratch folder; at exit the summary, the JSON of each step and one archive of all
+# logs are copied to $OUT (or build-device/out when $OUT is unset): 7 files, within the tool's
+# limit of 8 files coming back. The run phase has one deadline
 # (K3_CHECK_BUDGET_S, default 400 s): each step gets its own limit or what is left, whichever is
 # smaller, so the whole check fits an 8-minute device window with the machine's start-up.
 set -uo pipefail
@@ -27,7 +31,17 @@ build() {
   mkdir -p "$bdir/wheels"
   python3 -m pip download --no-deps -q -d "$bdir/wheels" "fla-core==0.6.0" ||
     echo "fla-core wheel not downloaded: the fla step will report it"
-  du -sh "$bdir/k3" "$bdir/tests/k3_cuda_tests" "$bdir/wheels"
+  # What the GPU machine needs, and nothing else (the tool carries at most 64 MiB in all).
+  rm -rf "$bdir/carry"
+  mkdir -p "$bdir/carry/tests" "$bdir/carry/wheels"
+  cp "$bdir/k3" "$bdir/carry/k3"
+  cp "$bdir/tests/k3_cuda_tests" "$bdir/carry/tests/k3_cuda_tests"
+  strip --strip-debug "$bdir/carry/k3" "$bdir/carry/tests/k3_cuda_tests" 2>/dev/null || true
+  cp "$bdir"/wheels/*.whl "$bdir/carry/wheels/" 2>/dev/null || true
+  du -sh "$bdir/carry/k3" "$bdir/carry/tests/k3_cuda_tests" "$bdir/carry/wheels" "$bdir/carry"
+  local kb
+  kb=$(du -sk "$bdir/carry" | cut -f1)
+  [ "$kb" -lt 49152 ] || echo "WARNING: build-device/carry is ${kb} KiB; with the working tree it may exceed the 64 MiB carry limit"
 }
 
 deadline=0
@@ -39,18 +53,33 @@ step_limit() {
 }
 
 summary=()
-print_summary() {
+final_out=""
+out=""
+# At exit (also after a step ran out of time): the table, then at most 8 files into $OUT.
+finish() {
   echo
   echo "== summary"
   for line in "${summary[@]}"; do echo "$line"; done
+  [ -n "$out" ] && [ -d "$out" ] || return
+  printf "%s\n" "${summary[@]}" >"$out/summary.txt"
+  mkdir -p "$final_out"
+  cp "$out/summary.txt" "$final_out/" 2>/dev/null
+  for j in validate.json bench.json validate_kda.json bench_kda.json fla_kda.json; do
+    [ -f "$out/$j" ] && cp "$out/$j" "$final_out/"
+  done
+  tar czf "$final_out/device-check-logs.tgz" -C "$out" --exclude='*.safetensors' --exclude='fla_pkg' . 2>/dev/null
+  echo "results in $final_out: $(ls "$final_out" | tr '\n' ' ')"
 }
 
 run_checks() {
-  local out="${OUT:-$bdir/out}"
-  mkdir -p "$out"
-  local k3="$bdir/k3" rc=0
+  final_out="${OUT:-$bdir/out}"
+  out="$(mktemp -d "${TMPDIR:-/tmp}/k3-device-check.XXXXXX")"
+  # The carried folder (device tool) or the build folder (scripts/device-check.sh on a GPU machine).
+  local cdir="$bdir/carry"
+  [ -x "$cdir/k3" ] || cdir="$bdir"
+  local k3="$cdir/k3" tests="$cdir/tests/k3_cuda_tests" rc=0
   deadline=$(( $(date +%s) + ${K3_CHECK_BUDGET_S:-400} ))
-  trap print_summary EXIT
+  trap finish EXIT
   # NCCL for the world-size-1 transport tests: the pip wheel's library when torch's image has it.
   if [ -z "${K3_NCCL_LIBRARY:-}" ]; then
     local nccl
@@ -62,11 +91,11 @@ run_checks() {
   ldd "$k3" | grep -E "not found" && echo "missing shared libraries (see above)"
   "$k3" info | tee "$out/info.txt"
   echo "== CUDA unit tests"
-  timeout "$(step_limit 150)" "$bdir/tests/k3_cuda_tests" --gtest_brief=1 --gtest_filter='-NcclDevice.*' 2>&1 | tee "$out/cuda_tests.txt" | tail -25
+  timeout "$(step_limit 150)" "$tests" --gtest_brief=1 --gtest_filter='-NcclDevice.*' 2>&1 | tee "$out/cuda_tests.txt" | tail -25
   local tests_rc=${PIPESTATUS[0]}
   summary+=("$(printf "%-38s %s" "cuda unit tests" "$([ "$tests_rc" = 0 ] && echo PASS || echo "FAIL (rc $tests_rc)")")")
   echo "== NCCL transport + device all-reduce, world size 1 (K3_NCCL_LIBRARY=${K3_NCCL_LIBRARY:-unset})"
-  timeout "$(step_limit 40)" "$bdir/tests/k3_cuda_tests" --gtest_filter='NcclDevice.*' 2>&1 | tee "$out/nccl_tests.txt" | tail -12
+  timeout "$(step_limit 40)" "$tests" --gtest_filter='NcclDevice.*' 2>&1 | tee "$out/nccl_tests.txt" | tail -12
   local nccl_rc=${PIPESTATUS[0]}
   summary+=("$(printf "%-38s %s" "nccl world size 1" "$([ "$nccl_rc" = 0 ] && (grep -q SKIPPED "$out/nccl_tests.txt" && echo SKIPPED || echo PASS) || echo "FAIL (rc $nccl_rc)")")")
   echo "== k3 validate --op moe --suite all --backend cuda"
@@ -95,7 +124,7 @@ run_checks() {
   echo "== fla (Triton) chunk_kda / fused_recurrent_kda, same inputs as k3 kda run --backend cuda"
   local fla_dir="$out/fla_pkg" fla_rc=3
   mkdir -p "$fla_dir"
-  for w in "$bdir"/wheels/*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" "$fla_dir"; done
+  for w in "$cdir"/wheels/*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" "$fla_dir"; done
   PYTHONPATH="$fla_dir${PYTHONPATH:+:$PYTHONPATH}" timeout "$(step_limit 120)" \
     python3 "$root/scripts/fla_kda_compare.py" --k3 "$k3" --out "$out" >"$out/fla.txt" 2>&1
   fla_rc=$?
