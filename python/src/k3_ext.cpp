@@ -826,6 +826,7 @@ NB_MODULE(_k3, m) {
 
   // ---- CUDA (compiled only; NEVER RUN ON A GPU). Present in every build; without CUDA they raise.
   m.def("cuda_compiled", &cuda_compiled, "True when this build contains the CUDA backend.");
+  m.def("cuda_require", &require_cuda, "Raises RuntimeError (how to build with CUDA) in a build without it.");
   m.def("cuda_device_caps", &device_caps_dict, "device"_a, "What CUDA device `device` offers, for planning.");
   nb::class_<CudaKda>(m, "CudaKdaPlan")
       .def_prop_ro("describe", [](const CudaKda& c) { return c.plan.describe(); })
