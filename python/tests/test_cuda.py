@@ -126,7 +126,7 @@ def test_moe_without_a_device_fails_cleanly_after_checking_the_weights():
     w = [np.full(s, 127, np.uint8) for s in [(8, 192, 32), (8, 192, 2), (8, 64, 48), (8, 64, 3)]]
     with pytest.raises(ValueError, match="fc2_scale has shape"):
         k3.moe.CudaMoe(p, *w[:3], np.zeros((8, 64, 4), np.uint8), caps=H100)
-    with pytest.raises(RuntimeError, match="CUDA device|copy"):
+    with pytest.raises(RuntimeError, match="cudaMalloc"):
         k3.moe.CudaMoe(p, *w, caps=H100)  # plans for the described device, then cannot upload
 
 
