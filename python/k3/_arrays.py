@@ -50,3 +50,69 @@ def out_or_new(name, out, shape, dtype):
     if out is None:
         return np.empty(shape, dtype=dtype)
     return need(name, out, shape, dtype)
+
+
+# ---- CUDA arrays (the CUDA entry points; NEVER RUN ON A GPU) ---------------------------------
+_KDLCUDA = 2  # DLPack's device type of CUDA memory
+
+
+def cuda_device_of(name, a):
+    """The CUDA ordinal of a DLPack array (torch / CuPy / JAX on the GPU); a ValueError naming the
+    argument and where it lives otherwise (host arrays are never copied to the device for you)."""
+    dev = getattr(a, "__dlpack_device__", None)
+    if dev is None:
+        raise ValueError(f"{name} must be a CUDA array (torch / CuPy, DLPack), got {type(a).__name__}")
+    kind, ordinal = dev()
+    if int(kind) != _KDLCUDA:
+        where = "the host" if int(kind) == 1 else f"DLPack device type {int(kind)}"
+        raise ValueError(f"{name} must be a CUDA array, got one on {where} ({type(a).__name__})")
+    return int(ordinal)
+
+
+def need_cuda(name, a, device, shape=None, dtype=None):
+    """need() for a CUDA array on `device`; BF16 / FP16 tensors are seen as their uint16 bits."""
+    if a is None:
+        return None
+    d = cuda_device_of(name, a)
+    if d != device:
+        raise ValueError(f"{name} is on cuda:{d}, the plan is for cuda:{device}")
+    return need(name, bits16(a), shape, dtype)
+
+
+def bits16(a):
+    """A torch bfloat16 / float16 tensor as its uint16 bit patterns (a view, no copy); else unchanged."""
+    if str(getattr(a, "dtype", "")) in ("torch.bfloat16", "torch.float16"):
+        import torch
+        return a.view(torch.uint16)
+    return a
+
+
+def stream_int(stream):
+    """A cudaStream_t as an integer: an int, a torch.cuda.Stream (.cuda_stream) or a CuPy stream (.ptr)."""
+    if stream is None:
+        return 0
+    for attr in ("cuda_stream", "ptr"):
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    if isinstance(stream, int) and stream >= 0:
+        return stream
+    raise ValueError(f"stream = {stream!r} must be a cudaStream_t as a non-negative int, a torch.cuda.Stream "
+                     "or a CuPy stream")
+
+
+def cuda_empty(shape, dtype, device):
+    """A new CUDA array (torch when installed, else CuPy): for allocations made once, outside the hot path."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        tdt = {"uint8": torch.uint8, "uint16": torch.uint16, "int32": torch.int32, "float32": torch.float32,
+               "int64": torch.int64}[np.dtype(dtype).name]
+        return torch.empty(shape, dtype=tdt, device=f"cuda:{device}")
+    try:
+        import cupy
+    except ImportError:
+        raise RuntimeError("allocating CUDA arrays needs torch or CuPy; pass your own device arrays instead") from None
+    with cupy.cuda.Device(device):
+        return cupy.empty(shape, dtype=dtype)

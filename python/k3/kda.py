@@ -10,7 +10,7 @@ Returns (o [T, H, V] float32, final_state or None)."""
 import numpy as np
 
 from . import _k3
-from ._arrays import need, out_or_new
+from ._arrays import cuda_empty, need, need_cuda, out_or_new, stream_int
 
 
 def prefill(q, k, v, g, beta, a_log=None, dt_bias=None, cu_seqlens=None, initial_state=None, gate="safe",
@@ -86,3 +86,118 @@ def verify(q, k, v, g, beta, state_pool, state_indices, num_accepted, a_log=None
     _k3.kda_verify(cfg, q, k, v, g, beta, a_log, dt_bias, t, state_pool, state_indices, num_accepted, backend or "",
                    threads, isa, o)
     return o
+
+
+class CudaKda:
+    """The CUDA backend's serving form (NEVER RUN ON A GPU: compiled, not verified on hardware).
+
+    The plan is made once for one configuration and CUDA device; ``prefill`` / ``decode`` /
+    ``verify`` take CUDA arrays (torch / CuPy, through DLPack, used in place), the outputs, a
+    workspace of ``workspace_bytes`` (uint8, on the device; ``new_workspace()`` allocates one once)
+    and a stream (an int cudaStream_t, a torch.cuda.Stream or a CuPy stream; 0 = the default
+    stream). They only enqueue kernels: no allocation, no copy, no synchronization, so they can be
+    captured in a CUDA graph. Arrays and dtypes are those of :func:`decode` / :func:`verify` /
+    :func:`prefill`; the state pool may also be BF16 (bfloat16, or its bits as uint16).
+
+    Values the host cannot see without a synchronization (state_indices, num_accepted, cu_seqlens,
+    a_log) are checked on the device: an offending sequence is skipped (NaN outputs) and
+    ``status(workspace)`` — which synchronizes the stream — raises naming the problem.
+
+    ``caps``: plan for a device described by hand (keys of ``k3._k3.cuda_device_caps``) instead of
+    reading ``device``: sizes the workspace without a GPU. Raises RuntimeError when the package
+    was built without CUDA."""
+
+    def __init__(self, heads, head_k, head_v, gate="safe", gate_lower_bound=-5.0, beta_logits=True, l2norm_qk=True,
+                 scale=0.0, layout="k_first", max_seqs=1024, algorithm="auto", device=0, caps=None):
+        self.device = int(device)
+        self.layout = layout
+        _k3.cuda_require()
+        self._cfg = _k3.kda_config(heads, head_k, head_v, gate, gate_lower_bound, beta_logits, l2norm_qk, scale,
+                                   layout)
+        self._native = _k3.cuda_kda_plan(self._cfg, self.device, max_seqs, algorithm, caps)
+
+    @property
+    def plan(self):
+        """The plan in one line: kernel, geometry, workspace."""
+        return self._native.describe
+
+    @property
+    def workspace_bytes(self):
+        return self._native.workspace_bytes
+
+    def new_workspace(self):
+        """A uint8 device buffer of workspace_bytes (torch, else CuPy): allocate once, reuse per call."""
+        return cuda_empty((self.workspace_bytes,), np.uint8, self.device)
+
+    def _common(self, q, k, v, g, beta, a_log, dt_bias, rows):
+        dev = self.device
+        h, hk, hv = self._cfg.num_heads, self._cfg.head_k, self._cfg.head_v
+        q = need_cuda("q", q, dev)
+        if len(q.shape) != 3 or (rows is not None and q.shape[0] != rows):
+            want = f"[{rows if rows is not None else 'T'}, {h}, {hk}]"
+            raise ValueError(f"q has shape {tuple(q.shape)}, expected {want}")
+        t = q.shape[0]
+        dtype = np.uint16 if str(q.dtype).endswith("uint16") else np.float32
+        q = need_cuda("q", q, dev, (t, h, hk), dtype)
+        k = need_cuda("k", k, dev, (t, h, hk), dtype)
+        v = need_cuda("v", v, dev, (t, h, hv), dtype)
+        g = need_cuda("g", g, dev, (t, h, hk), np.float32)
+        beta = need_cuda("beta", beta, dev, (t, h), np.float32)
+        a_log = need_cuda("a_log", a_log, dev, dtype=np.float32)
+        dt_bias = need_cuda("dt_bias", dt_bias, dev, dtype=np.float32)
+        return t, q, k, v, g, beta, a_log, dt_bias
+
+    def _pool(self, state_pool):
+        pool = need_cuda("state_pool", state_pool, self.device)
+        if str(pool.dtype).split(".")[-1] not in ("float32", "uint16"):
+            raise ValueError(f"state_pool has dtype {state_pool.dtype}, expected float32 or BF16 (bfloat16 / uint16)")
+        return pool
+
+    def prefill(self, q, k, v, g, beta, o, workspace, stream=0, a_log=None, dt_bias=None, cu_seqlens=None,
+                initial_state=None, final_state=None):
+        """Writes o [T, H, V] float32 (and final_state [N, H, K, V] / [N, H, V, K] when given)."""
+        t, q, k, v, g, beta, a_log, dt_bias = self._common(q, k, v, g, beta, a_log, dt_bias, None)
+        h, hv = self._cfg.num_heads, self._cfg.head_v
+        o = need_cuda("o", o, self.device, (t, h, hv), np.float32)
+        cu_seqlens = need_cuda("cu_seqlens", cu_seqlens, self.device, dtype=np.int64)
+        initial_state = need_cuda("initial_state", initial_state, self.device, dtype=np.float32)
+        final_state = need_cuda("final_state", final_state, self.device, dtype=np.float32)
+        self._native.prefill(q, k, v, g, beta, a_log, dt_bias, cu_seqlens, initial_state, o, final_state,
+                             need_cuda("workspace", workspace, self.device, dtype=np.uint8), stream_int(stream))
+        return o
+
+    def decode(self, q, k, v, g, beta, state_pool, state_indices, o, workspace, stream=0, a_log=None, dt_bias=None):
+        """One token per sequence; state_pool [slots, H, K, V] (or V, K) float32 or BF16, updated in
+        place at ``state_indices`` (int32 [N], < 0 = padding row). Writes o [N, H, V] float32."""
+        n = state_indices.shape[0] if hasattr(state_indices, "shape") and len(state_indices.shape) == 1 else None
+        if n is None:
+            raise ValueError(f"state_indices must be a 1-D int32 CUDA array [N], got {type(state_indices).__name__} "
+                             f"of shape {tuple(getattr(state_indices, 'shape', ()))}")
+        _, q, k, v, g, beta, a_log, dt_bias = self._common(q, k, v, g, beta, a_log, dt_bias, n)
+        idx = need_cuda("state_indices", state_indices, self.device, (n,), np.int32)
+        o = need_cuda("o", o, self.device, (n, self._cfg.num_heads, self._cfg.head_v), np.float32)
+        self._native.decode(q, k, v, g, beta, a_log, dt_bias, self._pool(state_pool), idx, o,
+                            need_cuda("workspace", workspace, self.device, dtype=np.uint8), stream_int(stream))
+        return o
+
+    def verify(self, q, k, v, g, beta, state_pool, state_indices, num_accepted, o, workspace, stream=0, a_log=None,
+               dt_bias=None):
+        """Speculative verify as :func:`verify` (state_indices int32 [N, T], num_accepted int32 [N]).
+        Writes o [N T, H, V] float32."""
+        shape = tuple(getattr(state_indices, "shape", ()))
+        if len(shape) != 2:
+            raise ValueError(f"state_indices must be [N, T] int32, got shape {shape}")
+        n, t = shape
+        _, q, k, v, g, beta, a_log, dt_bias = self._common(q, k, v, g, beta, a_log, dt_bias, n * t)
+        idx = need_cuda("state_indices", state_indices, self.device, (n, t), np.int32)
+        acc = need_cuda("num_accepted", num_accepted, self.device, (n,), np.int32)
+        o = need_cuda("o", o, self.device, (n * t, self._cfg.num_heads, self._cfg.head_v), np.float32)
+        self._native.verify(q, k, v, g, beta, a_log, dt_bias, t, self._pool(state_pool), idx, acc, o,
+                            need_cuda("workspace", workspace, self.device, dtype=np.uint8), stream_int(stream))
+        return o
+
+    def status(self, workspace, stream=0):
+        """Synchronizes the stream (not inside a graph capture) and raises when the last call on
+        ``workspace`` found a bad value on the device (bad cu_seqlens, slot out of range, duplicate
+        slot, num_accepted out of range, a_log out of range)."""
+        self._native.status(need_cuda("workspace", workspace, self.device, dtype=np.uint8), stream_int(stream))

@@ -11,7 +11,7 @@ patterns, "fp32" as float32.
 import numpy as np
 
 from . import _k3
-from ._arrays import host_view, need, out_or_new
+from ._arrays import cuda_empty, host_view, need, need_cuda, out_or_new, stream_int
 
 _OUT = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.float32}
 
@@ -93,3 +93,80 @@ class CpuMoe:
         m, o = _check_inputs(self.problem, x, topk_ids, topk_weights, None if out is None else host_view(out))
         self._native.run(x, topk_ids, topk_weights, m, o)
         return o if given is None else given
+
+
+class CudaMoe:
+    """The CUDA backend's serving form (NEVER RUN ON A GPU: compiled, not verified on hardware).
+
+    The plan is made for ``device`` (at most ``max_tokens`` rows per call) and the host weights
+    (checkpoint layout, as for :class:`CpuMoe`) are uploaded once to that device. ``run`` takes
+    CUDA arrays (torch / CuPy through DLPack, used in place): x [R, K] BF16 (bfloat16 or uint16
+    bits), topk_ids [R, top_k] int32, topk_weights [R, top_k] float32, out [R, K] in the output
+    dtype, ``m_device`` (int32 [1] on the device: the real token count, <= R, read by the kernels
+    so that a captured graph replays with another M), a workspace of ``workspace_bytes`` (uint8,
+    256-byte aligned; ``new_workspace()`` allocates one once) and a stream (int cudaStream_t,
+    torch.cuda.Stream or CuPy stream; 0 = default). It only enqueues kernels: no allocation, no
+    copy, no synchronization, so it can be captured in a CUDA graph. One workspace serves one
+    stream at a time. Raises RuntimeError when the package was built without CUDA."""
+
+    def __init__(self, p, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=8192, device=0, sm120_native_w4a8=False,
+                 caps=None):
+        self.problem = p
+        self.device = int(device)
+        _k3.cuda_require()  # the build-without-CUDA message before anything else
+        w = [host_view(a) for a in (fc1_q, fc1_scale, fc2_q, fc2_scale)]
+        _check_weights(p, *w)
+        self._native = _prepare_on(self.device, lambda: _k3.cuda_moe_prepare(
+            p.native, max_tokens, self.device, sm120_native_w4a8, caps, *w))
+
+    @property
+    def plan(self):
+        """The plan in one line: path, tiles, workspace."""
+        return self._native.describe
+
+    @property
+    def workspace_bytes(self):
+        return self._native.workspace_bytes
+
+    @property
+    def max_tokens(self):
+        return self._native.max_tokens
+
+    def new_workspace(self):
+        """A uint8 device buffer of workspace_bytes (torch, else CuPy): allocate once, reuse per call."""
+        return cuda_empty((self.workspace_bytes,), np.uint8, self.device)
+
+    def run(self, x, topk_ids, topk_weights, out, m_device, workspace, stream=0):
+        p, dev = self.problem, self.device
+        x = need_cuda("x", x, dev, dtype=np.uint16)
+        if len(x.shape) != 2 or x.shape[1] != p.hidden:
+            raise ValueError(f"x has shape {tuple(x.shape)}, expected [M, {p.hidden}] (BF16)")
+        rows = x.shape[0]
+        ids = need_cuda("topk_ids", topk_ids, dev, (rows, p.top_k), np.int32)
+        wts = need_cuda("topk_weights", topk_weights, dev, (rows, p.top_k), np.float32)
+        o = need_cuda("out", out, dev, (rows, p.hidden), p.out_type)
+        m = need_cuda("m_device", m_device, dev, (1,), np.int32)
+        self._native.run(x, ids, wts, o, m, need_cuda("workspace", workspace, dev, dtype=np.uint8),
+                         stream_int(stream))
+        return out
+
+
+def _prepare_on(device, fn):
+    """Runs fn with `device` as the current CUDA device (prepack uploads to the current one)."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        with torch.cuda.device(device):
+            return fn()
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    if cupy is not None:
+        with cupy.cuda.Device(device):
+            return fn()
+    if device != 0:
+        raise RuntimeError(f"device = {device}: selecting a CUDA device other than 0 needs torch or CuPy")
+    return fn()

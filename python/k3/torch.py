@@ -13,8 +13,11 @@ Both mutate only their ``!`` outputs and return nothing, so they work under
 ``torch.compile(fullgraph=True)`` (fake implementations describe them to the compiler) and in
 CUDA-graph-style static-buffer loops; tensors cross to the library through DLPack without a copy
 (BF16 tensors are viewed as uint16 bit patterns, never converted). The extension does not link
-against torch. Kernels are registered for CPU tensors only: this build of k3's Python package has
-no CUDA kernels, and a CUDA tensor gets torch's "no kernel for CUDA" error.
+against torch. Kernels are registered for CPU and CUDA tensors. The CUDA kernels (NEVER RUN ON
+A GPU: compiled, not verified on hardware) enqueue on ``torch.cuda.current_stream()`` and never
+synchronize or copy, so they can be captured in torch CUDA graphs; in a package built without
+CUDA they raise RuntimeError saying how to build with it. A layer is prepared for one device
+(``prepare_moe(..., device=...)`` / ``FusedMoE(..., device=...)``): the CPU (default) or a GPU.
 """
 
 import atexit
@@ -23,7 +26,9 @@ import threading
 
 import torch
 
+from . import _k3
 from . import moe as _moe
+from ._arrays import need
 from .routing import route as _route
 
 __all__ = ["FusedMoE", "prepare_moe", "release_moe"]
@@ -54,10 +59,39 @@ def _np(t):
     return t.detach().numpy()
 
 
-def prepare_moe(problem, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=8192, threads=0, isa=""):
-    """Plans and prepacks one layer's experts (k3.moe.CpuMoe) and returns its integer handle for
-    ``torch.ops.k3.moe_run``. Weights: uint8 tensors or arrays in the checkpoint layout."""
-    layer = _moe.CpuMoe(problem, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=max_tokens, threads=threads, isa=isa)
+class _CudaLayer:
+    """A k3.moe.CudaMoe with its workspace and its device token count, allocated once."""
+
+    def __init__(self, moe, device):
+        self.moe, self.device = moe, device
+        self.workspace = torch.empty(moe.workspace_bytes, dtype=torch.uint8, device=device)
+        self.m_device = torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _host(a):
+    """Weights for prepacking: a CUDA tensor is copied to the host once (construction, not the hot path)."""
+    if isinstance(a, torch.Tensor) and a.device.type != "cpu":
+        return a.detach().cpu()
+    return a
+
+
+def prepare_moe(problem, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=8192, threads=0, isa="", device=None):
+    """Plans and prepacks one layer's experts and returns its integer handle for
+    ``torch.ops.k3.moe_run``. Weights: uint8 tensors or arrays in the checkpoint layout.
+    ``device``: None / "cpu" (k3.moe.CpuMoe) or a CUDA device (k3.moe.CudaMoe, the weights
+    uploaded to it, one workspace allocated; the CUDA backend has never run on a GPU)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cpu":
+        layer = _moe.CpuMoe(problem, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=max_tokens, threads=threads,
+                            isa=isa)
+    elif dev.type == "cuda":
+        _k3.cuda_require()
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        w = [_host(a) for a in (fc1_q, fc1_scale, fc2_q, fc2_scale)]
+        layer = _CudaLayer(_moe.CudaMoe(problem, *w, max_tokens=max_tokens, device=dev.index), dev)
+    else:
+        raise ValueError(f"device = {device!r} must be None, 'cpu' or a CUDA device")
     with _lock:
         handle = next(_next_id)
         _layers[handle] = layer
@@ -93,12 +127,49 @@ def _route_cpu(logits, bias, top_k, n_group, topk_group, renormalize, routed_sca
 
 def _moe_run_cpu(layer, x, topk_ids, topk_weights, out):
     lay = _layer(layer)
+    if isinstance(lay, _CudaLayer):
+        raise ValueError(f"layer = {layer} was prepared for {lay.device}, but x is on the CPU")
     o = out if out.dtype == torch.float32 else _bits(out, "out")
     lay.run(_np(_bits(x, "x")), _np(topk_ids), _np(topk_weights), out=_np(o))
 
 
+def _stream(device):
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# The CUDA kernels: enqueued on the current stream; no synchronization, no host copy, so they are
+# captured by torch.cuda.graph like any torch op. NEVER RUN ON A GPU.
+def _route_cuda(logits, bias, top_k, n_group, topk_group, renormalize, routed_scaling_factor, topk_ids, topk_weights):
+    _k3.cuda_require()
+    need("logits", logits, dtype="float32")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [M, E], got shape {tuple(logits.shape)}")
+    m, e = logits.shape
+    need("bias", bias, (e,) if bias.numel() > 0 else None, "float32")
+    need("topk_ids", topk_ids, (m, top_k), "int32")
+    need("topk_weights", topk_weights, (m, top_k), "float32")
+    m_device = torch.full((1,), m, dtype=torch.int32, device=logits.device)  # a fill kernel (graph-safe)
+    _k3.cuda_route(logits, bias if bias.numel() > 0 else None, m_device, e, top_k, n_group, topk_group, renormalize,
+                   routed_scaling_factor, topk_ids, topk_weights, _stream(logits.device))
+
+
+def _moe_run_cuda(layer, x, topk_ids, topk_weights, out):
+    _k3.cuda_require()
+    lay = _layer(layer)
+    if not isinstance(lay, _CudaLayer):
+        raise ValueError(f"layer = {layer} was prepared for the CPU, but x is on {x.device} "
+                         "(prepare_moe / FusedMoE with device=...)")
+    if x.device != lay.device:
+        raise ValueError(f"layer = {layer} was prepared for {lay.device}, but x is on {x.device}")
+    lay.m_device.fill_(x.shape[0])  # the token count on the device: a fill kernel, no copy
+    o = out if out.dtype == torch.float32 else _bits(out, "out")
+    lay.moe.run(_bits(x, "x"), topk_ids, topk_weights, o, lay.m_device, lay.workspace, _stream(x.device))
+
+
 _lib.impl("route", _route_cpu, "CPU")
 _lib.impl("moe_run", _moe_run_cpu, "CPU")
+_lib.impl("route", _route_cuda, "CUDA")
+_lib.impl("moe_run", _moe_run_cuda, "CUDA")
 
 
 @torch.library.register_fake("k3::route", lib=_lib)
@@ -119,20 +190,24 @@ class FusedMoE(torch.nn.Module):
     experts are this EP rank's (``problem.ep_size`` / ``ep_rank``; slots of other ranks contribute
     zero). The weights are prepacked once at construction. ``out=`` in ``forward`` writes into the
     caller's tensor (static buffers for graph capture); otherwise a new tensor is returned.
+    ``device``: None (the CPU) or a CUDA device: the experts are uploaded there once and forward
+    takes CUDA tensors on it (CUDA-graph capturable; NEVER RUN ON A GPU, see docs/python.md).
 
     From a checkpoint: ``layer = k3.load_checkpoint_layer(dir, 1, ep_size, ep_rank)`` then
     ``FusedMoE(layer.problem(), **layer.weights, router_bias=layer.router_bias, **layer.routing())``.
     """
 
     def __init__(self, problem, fc1_q, fc1_scale, fc2_q, fc2_scale, router_bias=None, top_k=None, n_group=1,
-                 topk_group=1, renormalize=True, routed_scaling_factor=1.0, max_tokens=8192, threads=0, isa=""):
+                 topk_group=1, renormalize=True, routed_scaling_factor=1.0, max_tokens=8192, threads=0, isa="",
+                 device=None):
         super().__init__()
         if top_k is not None and top_k != problem.top_k:
             raise ValueError(f"top_k = {top_k} differs from the problem's top_k = {problem.top_k}")
         self.problem = problem
-        self.handle = prepare_moe(problem, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens, threads, isa)
+        self.handle = prepare_moe(problem, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens, threads, isa, device)
         bias = torch.empty(0, dtype=torch.float32) if router_bias is None else torch.as_tensor(router_bias)
-        self.register_buffer("router_bias", bias.to(torch.float32).contiguous(), persistent=False)
+        dev = _layer(self.handle).device if device is not None and torch.device(device).type == "cuda" else "cpu"
+        self.register_buffer("router_bias", bias.to(device=dev, dtype=torch.float32).contiguous(), persistent=False)
         self.route_args = (problem.top_k, n_group, topk_group, renormalize, float(routed_scaling_factor))
         self.out_dtype = _DTYPES[problem.out_dtype_name]
 

@@ -21,6 +21,10 @@
 #include "k3/backend.hpp"
 #include "k3/checkpoint.hpp"
 #include "k3/cpu_moe.hpp"
+#include "k3/cuda.hpp"
+#include "k3/cuda_kda.hpp"
+#include "k3/cuda_moe.hpp"
+#include "k3/cuda_routing.hpp"
 #include "k3/kda.hpp"
 #include "k3/moe.hpp"
 #include "k3/mx.hpp"
@@ -93,6 +97,26 @@ nb::dict info() {
   for (const auto& b : k3::kda_backends()) kda.append(entry(b.name, b.priority, b.available()));
   d["moe_backends"] = moe;
   d["kda_backends"] = kda;
+  // The CUDA part of this build: compiled in or not, and the devices (or why there are none).
+  nb::dict c;
+  c["compiled"] = k3::cuda::compiled();
+  c["archs"] = k3::cuda::compiled_archs();
+  nb::list devs;
+  if (auto ds = k3::cuda::devices(); ds.is_ok()) {
+    for (const auto& dv : *ds) {
+      nb::dict e;
+      e["index"] = dv.index;
+      e["name"] = dv.name;
+      e["cc"] = std::to_string(dv.cc_major) + "." + std::to_string(dv.cc_minor);
+      e["runnable"] = dv.runnable;
+      devs.append(e);
+    }
+    c["reason"] = "";
+  } else {
+    c["reason"] = ds.status().message();
+  }
+  c["devices"] = devs;
+  d["cuda"] = c;
   return d;
 }
 
@@ -289,13 +313,13 @@ nb::dict load_checkpoint_layer(const std::string& dir, int layer, int ep_size, i
   // The router's keyword arguments, decided by the library (k3::routing_from_config), or the
   // reason this checkpoint cannot be routed by k3 (raised by MoeLayer.routing()).
   if (auto rc = k3::routing_from_config(c); rc.is_ok()) {
-    nb::dict r;
-    r["top_k"] = rc->top_k;
-    r["n_group"] = rc->n_group;
-    r["topk_group"] = rc->topk_group;
-    r["renormalize"] = rc->renormalize;
-    r["routed_scaling_factor"] = rc->routed_scaling_factor;
-    d["routing"] = r;
+    nb::dict rd;
+    rd["top_k"] = rc->top_k;
+    rd["n_group"] = rc->n_group;
+    rd["topk_group"] = rc->topk_group;
+    rd["renormalize"] = rc->renormalize;
+    rd["routed_scaling_factor"] = rc->routed_scaling_factor;
+    d["routing"] = rd;
   } else {
     d["routing_error"] = rc.status().message();
   }
@@ -393,6 +417,352 @@ void kda_verify(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v, In<flo
   check(k3::run_kda_verify(*b, cfg, args, opt));
 }
 
+
+// ---- CUDA (device arrays; NEVER RUN ON A GPU) ---------------------------------------------
+// Arrays are CUDA DLPack tensors (torch / CuPy / JAX on the GPU), used in place: no copy, no
+// allocation, no synchronization, so every call below can be captured in a CUDA graph. `stream`
+// is a cudaStream_t as an integer (torch.cuda.current_stream().cuda_stream; 0 = the default
+// stream). The caller owns the workspace (a uint8 device buffer of workspace_bytes, 256-byte
+// aligned, e.g. from torch.empty / cupy.empty). Without CUDA in the build every entry raises.
+template <typename T>
+using DIn = nb::ndarray<const T, nb::c_contig, nb::device::cuda>;
+template <typename T>
+using DOut = nb::ndarray<T, nb::c_contig, nb::device::cuda>;
+using DAny = nb::ndarray<nb::c_contig, nb::device::cuda>;
+
+constexpr const char* kNoCuda =
+    "k3 was built without CUDA (the default wheel is CPU-only): reinstall it with the CUDA backend, "
+    "CMAKE_ARGS=\"-DK3_CUDA=ON\" pip install --no-build-isolation <k3 source directory> (needs nvcc)";
+
+bool cuda_compiled() {
+#ifdef K3_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+void require_cuda() {
+  if (!cuda_compiled()) throw std::runtime_error(kNoCuda);
+}
+
+void* stream_of(uint64_t s) { return reinterpret_cast<void*>(static_cast<uintptr_t>(s)); }
+
+template <typename A>
+void on_device(const char* name, const A& a, int device) {
+  if (a.device_id() != device) {
+    throw nb::value_error((std::string(name) + " is on cuda:" + std::to_string(a.device_id()) +
+                           ", the plan is for cuda:" + std::to_string(device))
+                              .c_str());
+  }
+}
+template <typename A>
+void on_device(const char* name, const std::optional<A>& a, int device) {
+  if (a) on_device(name, *a, device);
+}
+
+template <typename T, typename... P>
+std::span<T> dspan(const nb::ndarray<T, P...>& a) {
+  return {a.data(), a.size()};
+}
+template <typename T, typename... P>
+std::span<T> dspan(const std::optional<nb::ndarray<T, P...>>& a) {
+  return a ? std::span<T>(a->data(), a->size()) : std::span<T>();
+}
+
+void* workspace_of(const DOut<uint8_t>& ws, int64_t need, int device) {
+  on_device("workspace", ws, device);
+  if (static_cast<int64_t>(ws.nbytes()) < need) {
+    throw nb::value_error(("workspace has " + std::to_string(ws.nbytes()) + " bytes, the plan needs " +
+                           std::to_string(need) + " (workspace_bytes)")
+                              .c_str());
+  }
+  return ws.data();
+}
+
+bool is_dtype(const DAny& a, nb::dlpack::dtype_code code, int bits) {
+  const nb::dlpack::dtype t = a.dtype();
+  return t.code == static_cast<uint8_t>(code) && t.bits == bits && t.lanes == 1;
+}
+bool is_f32(const DAny& a) { return is_dtype(a, nb::dlpack::dtype_code::Float, 32); }
+// BF16 / FP16 storage: the bit patterns as uint16, or the framework's own 16-bit float type.
+bool is_16bit(const DAny& a, nb::dlpack::dtype_code code) {
+  return is_dtype(a, nb::dlpack::dtype_code::UInt, 16) || is_dtype(a, code, 16);
+}
+
+k3::cuda::DeviceCaps caps_of(int device, const std::optional<nb::dict>& caps) {
+  if (!caps) return value(k3::cuda::device_caps(device));
+  k3::cuda::DeviceCaps c;
+  const nb::dict& d = *caps;
+  for (auto [key, val] : d) {
+    const std::string k = nb::cast<std::string>(key);
+    if (k == "name") c.name = nb::cast<std::string>(val);
+    else if (k == "cc_major") c.cc_major = nb::cast<int>(val);
+    else if (k == "cc_minor") c.cc_minor = nb::cast<int>(val);
+    else if (k == "sm_count") c.sm_count = nb::cast<int>(val);
+    else if (k == "smem_per_block_optin") c.smem_per_block_optin = nb::cast<int64_t>(val);
+    else if (k == "compiled_archs") c.compiled_archs = nb::cast<std::vector<int>>(val);
+    else
+      throw nb::value_error(("caps has key '" + k + "'; the keys are name, cc_major, cc_minor, sm_count, "
+                             "smem_per_block_optin, compiled_archs")
+                                .c_str());
+  }
+  return c;
+}
+
+nb::dict device_caps_dict(int device) {
+  require_cuda();
+  const k3::cuda::DeviceCaps c = value(k3::cuda::device_caps(device));
+  nb::dict d;
+  d["name"] = c.name;
+  d["cc_major"] = c.cc_major;
+  d["cc_minor"] = c.cc_minor;
+  d["sm_count"] = c.sm_count;
+  d["smem_per_block_optin"] = c.smem_per_block_optin;
+  d["compiled_archs"] = c.compiled_archs;
+  return d;
+}
+
+// -- KDA --
+struct CudaKda {
+  k3::cuda::KdaPlan plan;
+  int device = 0;
+};
+
+CudaKda* cuda_kda_plan(const k3::kda::KdaConfig& cfg, int device, int64_t max_seqs, const std::string& algorithm,
+                       std::optional<nb::dict> caps) {
+  require_cuda();
+  k3::cuda::KdaOptions o;
+  o.device = caps_of(device, caps);
+  o.max_seqs = max_seqs;
+  o.algorithm = value(k3::kda::parse_algorithm(algorithm));
+  return new CudaKda{value(k3::cuda::plan(cfg, o)), device};
+}
+
+template <typename A>
+k3::kda::KdaInputs device_inputs(const CudaKda& c, const DIn<A>& q, const DIn<A>& k, const DIn<A>& v,
+                                 const DIn<float>& g, const DIn<float>& beta, const std::optional<DIn<float>>& a_log,
+                                 const std::optional<DIn<float>>& dt_bias) {
+  on_device("q", q, c.device);
+  on_device("k", k, c.device);
+  on_device("v", v, c.device);
+  on_device("g", g, c.device);
+  on_device("beta", beta, c.device);
+  on_device("a_log", a_log, c.device);
+  on_device("dt_bias", dt_bias, c.device);
+  k3::kda::KdaInputs in;
+  in.q = k3::kda::ActSpan::of(dspan(q));
+  in.k = k3::kda::ActSpan::of(dspan(k));
+  in.v = k3::kda::ActSpan::of(dspan(v));
+  in.g = dspan(g);
+  in.beta = dspan(beta);
+  in.a_log = dspan(a_log);
+  in.dt_bias = dspan(dt_bias);
+  return in;
+}
+
+template <typename A>
+void cuda_kda_prefill(const CudaKda& c, DIn<A> q, DIn<A> k, DIn<A> v, DIn<float> g, DIn<float> beta,
+                      std::optional<DIn<float>> a_log, std::optional<DIn<float>> dt_bias,
+                      std::optional<DIn<int64_t>> cu, std::optional<DIn<float>> initial_state, DOut<float> o,
+                      std::optional<DOut<float>> final_state, DOut<uint8_t> workspace, uint64_t stream) {
+  require_cuda();
+  k3::kda::KdaInputs in = device_inputs(c, q, k, v, g, beta, a_log, dt_bias);
+  on_device("cu_seqlens", cu, c.device);
+  on_device("initial_state", initial_state, c.device);
+  on_device("o", o, c.device);
+  on_device("final_state", final_state, c.device);
+  in.cu_seqlens = dspan(cu);
+  in.initial_state = dspan(initial_state);
+  const k3::kda::KdaOutputs out{dspan(o), dspan(final_state)};
+  void* ws = workspace_of(workspace, c.plan.workspace_bytes, c.device);
+  nb::gil_scoped_release release;
+  check(k3::cuda::prefill(c.plan, in, out, ws, stream_of(stream)));
+}
+
+// The state pool: float32, or BF16 storage (uint16 bits or the framework's bfloat16).
+void set_pool(const DAny& pool, std::span<float>& f32, std::span<uint16_t>& bf16) {
+  if (is_f32(pool)) {
+    f32 = {static_cast<float*>(pool.data()), pool.size()};
+  } else if (is_16bit(pool, nb::dlpack::dtype_code::Bfloat)) {
+    bf16 = {static_cast<uint16_t*>(pool.data()), pool.size()};
+  } else {
+    throw nb::value_error("state_pool must be float32 or BF16 (bfloat16, or its bits as uint16)");
+  }
+}
+
+template <typename A>
+void cuda_kda_decode(const CudaKda& c, DIn<A> q, DIn<A> k, DIn<A> v, DIn<float> g, DIn<float> beta,
+                     std::optional<DIn<float>> a_log, std::optional<DIn<float>> dt_bias, DAny state_pool,
+                     DIn<int32_t> state_indices, DOut<float> o, DOut<uint8_t> workspace, uint64_t stream) {
+  require_cuda();
+  k3::kda::DecodeArgs args;
+  args.in = device_inputs(c, q, k, v, g, beta, a_log, dt_bias);
+  on_device("state_pool", state_pool, c.device);
+  on_device("state_indices", state_indices, c.device);
+  on_device("o", o, c.device);
+  set_pool(state_pool, args.state_pool, args.state_pool_bf16);
+  args.state_indices = dspan(state_indices);
+  args.o = dspan(o);
+  void* ws = workspace_of(workspace, c.plan.workspace_bytes, c.device);
+  nb::gil_scoped_release release;
+  check(k3::cuda::decode(c.plan, args, ws, stream_of(stream)));
+}
+
+template <typename A>
+void cuda_kda_verify(const CudaKda& c, DIn<A> q, DIn<A> k, DIn<A> v, DIn<float> g, DIn<float> beta,
+                     std::optional<DIn<float>> a_log, std::optional<DIn<float>> dt_bias, int64_t draft_tokens,
+                     DAny state_pool, DIn<int32_t> state_indices, DIn<int32_t> num_accepted, DOut<float> o,
+                     DOut<uint8_t> workspace, uint64_t stream) {
+  require_cuda();
+  k3::kda::VerifyArgs args;
+  args.in = device_inputs(c, q, k, v, g, beta, a_log, dt_bias);
+  on_device("state_pool", state_pool, c.device);
+  on_device("state_indices", state_indices, c.device);
+  on_device("num_accepted", num_accepted, c.device);
+  on_device("o", o, c.device);
+  args.draft_tokens = draft_tokens;
+  set_pool(state_pool, args.state_pool, args.state_pool_bf16);
+  args.state_indices = dspan(state_indices);
+  args.num_accepted = dspan(num_accepted);
+  args.o = dspan(o);
+  void* ws = workspace_of(workspace, c.plan.workspace_bytes, c.device);
+  nb::gil_scoped_release release;
+  check(k3::cuda::verify(c.plan, args, ws, stream_of(stream)));
+}
+
+// Synchronizes the stream (not for graph capture): raises when the last call on `workspace` set a
+// status bit (bad cu_seqlens, slot out of range, duplicate slot, ...).
+void cuda_kda_status(const CudaKda& c, DOut<uint8_t> workspace, uint64_t stream) {
+  require_cuda();
+  void* ws = workspace_of(workspace, c.plan.workspace_bytes, c.device);
+  nb::gil_scoped_release release;
+  check(k3::cuda::kda_status(c.plan, ws, stream_of(stream)));
+}
+
+// -- fused MoE --
+struct CudaMoe {
+  k3::cuda::MoePlan plan;
+  k3::cuda::DeviceWeights weights;
+  int device = 0;
+};
+
+// Plans for `device` and uploads the host weights (checkpoint layout) to the CURRENT CUDA device:
+// the Python layer makes `device` current first. Synchronous (copies), not for graph capture.
+CudaMoe* cuda_moe_prepare(const k3::MoeProblem& p, int64_t max_tokens, int device, bool sm120_native,
+                          std::optional<nb::dict> caps, In<uint8_t> fc1_q, In<uint8_t> fc1_scale, In<uint8_t> fc2_q,
+                          In<uint8_t> fc2_scale) {
+  require_cuda();
+  k3::cuda::MoeOptions o;
+  o.max_tokens = max_tokens;
+  o.device = caps_of(device, caps);
+  o.sm120_native_w4a8 = sm120_native;
+  auto plan = value(k3::cuda::plan(p, o));
+  const MoeWeights w{fc1_q, fc1_scale, fc2_q, fc2_scale};
+  std::optional<k3::Result<k3::cuda::DeviceWeights>> packed;
+  {
+    nb::gil_scoped_release release;
+    packed.emplace(k3::cuda::prepack(plan, w.view()));
+  }
+  return new CudaMoe{std::move(plan), value(std::move(*packed)), device};
+}
+
+int64_t rows_of(const char* name, size_t elements, int64_t row) {
+  if (row <= 0 || static_cast<int64_t>(elements) % row != 0) {
+    throw nb::value_error((std::string(name) + " has " + std::to_string(elements) +
+                           " elements, not a whole number of rows of " + std::to_string(row))
+                              .c_str());
+  }
+  return static_cast<int64_t>(elements) / row;
+}
+
+// x [R, K] BF16 bits, topk_ids / topk_weights [R, top_k], out [R, K] (out dtype), m_device [1]
+// int32 on the device: the kernels run min(m_device, max_tokens) rows, so the caller keeps
+// m_device <= R (the host cannot read it without a synchronization).
+void cuda_moe_run(const CudaMoe& c, DIn<uint16_t> x, DIn<int32_t> ids, DIn<float> weights, DAny out,
+                  DIn<int32_t> m_device, DOut<uint8_t> workspace, uint64_t stream) {
+  require_cuda();
+  const auto& p = c.plan.problem;
+  on_device("x", x, c.device);
+  on_device("topk_ids", ids, c.device);
+  on_device("topk_weights", weights, c.device);
+  on_device("out", out, c.device);
+  on_device("m_device", m_device, c.device);
+  const int64_t rows = rows_of("x", x.size(), p.shape.hidden);
+  if (rows > c.plan.max_tokens) {
+    throw nb::value_error(("x has " + std::to_string(rows) + " rows, more than the plan's max_tokens = " +
+                           std::to_string(c.plan.max_tokens))
+                              .c_str());
+  }
+  const int64_t slots = rows * p.shape.top_k;
+  if (static_cast<int64_t>(ids.size()) != slots) {
+    throw nb::value_error(("topk_ids has " + std::to_string(ids.size()) + " elements, expected " +
+                           std::to_string(slots) + " (rows of x * top_k)")
+                              .c_str());
+  }
+  if (static_cast<int64_t>(weights.size()) != slots) {
+    throw nb::value_error(("topk_weights has " + std::to_string(weights.size()) + " elements, expected " +
+                           std::to_string(slots) + " (rows of x * top_k)")
+                              .c_str());
+  }
+  const int64_t ob = k3::out_dtype_size(p.out_dtype);
+  const bool dtype_ok = ob == 4 ? is_f32(out)
+                                : is_16bit(out, p.out_dtype == k3::OutDType::kBF16 ? nb::dlpack::dtype_code::Bfloat
+                                                                                   : nb::dlpack::dtype_code::Float);
+  if (!dtype_ok || static_cast<int64_t>(out.nbytes()) != rows * p.shape.hidden * ob) {
+    throw nb::value_error(("out has " + std::to_string(out.nbytes()) + " bytes of " + std::to_string(out.itemsize()) +
+                           "-byte elements, expected [" + std::to_string(rows) + ", " +
+                           std::to_string(p.shape.hidden) + "] of " + k3::out_dtype_name(p.out_dtype))
+                              .c_str());
+  }
+  if (m_device.size() != 1) throw nb::value_error("m_device must hold one int32 (the token count)");
+  k3::cuda::DeviceInputs in;
+  in.m_device = m_device.data();
+  in.x = x.data();
+  in.topk_ids = ids.data();
+  in.topk_weights = weights.data();
+  in.out = out.data();
+  void* ws = workspace_of(workspace, c.plan.workspace_bytes, c.device);
+  nb::gil_scoped_release release;
+  check(k3::cuda::run(c.plan, c.weights, in, ws, stream_of(stream)));
+}
+
+// -- routing --
+// logits [R, E] float32, bias [E] or None, ids / weights [R, top_k]; m_device [1] int32 (<= R).
+void cuda_route(DIn<float> logits, std::optional<DIn<float>> bias, DIn<int32_t> m_device, int num_experts, int top_k,
+                int n_group, int topk_group, bool renormalize, float scaling, DOut<int32_t> ids, DOut<float> weights,
+                uint64_t stream) {
+  require_cuda();
+  const int device = logits.device_id();
+  on_device("bias", bias, device);
+  on_device("m_device", m_device, device);
+  on_device("topk_ids", ids, device);
+  on_device("topk_weights", weights, device);
+  k3::RoutingConfig cfg;
+  cfg.num_experts = num_experts;
+  cfg.top_k = top_k;
+  cfg.n_group = n_group;
+  cfg.topk_group = topk_group;
+  cfg.renormalize = renormalize;
+  cfg.routed_scaling_factor = scaling;
+  const int64_t rows = rows_of("logits", logits.size(), num_experts);
+  if (static_cast<int64_t>(ids.size()) != rows * top_k || static_cast<int64_t>(weights.size()) != rows * top_k) {
+    throw nb::value_error(("topk_ids / topk_weights have " + std::to_string(ids.size()) + " / " +
+                           std::to_string(weights.size()) + " elements, expected " + std::to_string(rows * top_k) +
+                           " (rows of logits * top_k)")
+                              .c_str());
+  }
+  if (bias && static_cast<int64_t>(bias->size()) != num_experts) {
+    throw nb::value_error(("bias has " + std::to_string(bias->size()) + " elements, expected num_experts = " +
+                           std::to_string(num_experts))
+                              .c_str());
+  }
+  if (m_device.size() != 1) throw nb::value_error("m_device must hold one int32 (the token count)");
+  nb::gil_scoped_release release;
+  check(k3::cuda::route_device(cfg, m_device.data(), rows, logits.data(), bias ? bias->data() : nullptr, ids.data(),
+                               weights.data(), stream_of(stream)));
+}
+
 }  // namespace
 
 NB_MODULE(_k3, m) {
@@ -453,4 +823,45 @@ NB_MODULE(_k3, m) {
   m.def("kda_prefill", &kda_prefill<uint16_t>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
         "dt_bias"_a.none(), "cu_seqlens"_a.none(), "initial_state"_a.none(), "backend"_a, "threads"_a, "isa"_a,
         "o"_a, "final_state"_a.none());
+
+  // ---- CUDA (compiled only; NEVER RUN ON A GPU). Present in every build; without CUDA they raise.
+  m.def("cuda_compiled", &cuda_compiled, "True when this build contains the CUDA backend.");
+  m.def("cuda_require", &require_cuda, "Raises RuntimeError (how to build with CUDA) in a build without it.");
+  m.def("cuda_device_caps", &device_caps_dict, "device"_a, "What CUDA device `device` offers, for planning.");
+  nb::class_<CudaKda>(m, "CudaKdaPlan")
+      .def_prop_ro("describe", [](const CudaKda& c) { return c.plan.describe(); })
+      .def_prop_ro("workspace_bytes", [](const CudaKda& c) { return c.plan.workspace_bytes; })
+      .def_prop_ro("max_seqs", [](const CudaKda& c) { return c.plan.max_seqs; })
+      .def_prop_ro("device", [](const CudaKda& c) { return c.device; })
+      .def("prefill", &cuda_kda_prefill<float>, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
+           "dt_bias"_a.none(), "cu_seqlens"_a.none(), "initial_state"_a.none(), "o"_a, "final_state"_a.none(),
+           "workspace"_a, "stream"_a)
+      .def("prefill", &cuda_kda_prefill<uint16_t>, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
+           "dt_bias"_a.none(), "cu_seqlens"_a.none(), "initial_state"_a.none(), "o"_a, "final_state"_a.none(),
+           "workspace"_a, "stream"_a)
+      .def("decode", &cuda_kda_decode<float>, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
+           "dt_bias"_a.none(), "state_pool"_a, "state_indices"_a, "o"_a, "workspace"_a, "stream"_a)
+      .def("decode", &cuda_kda_decode<uint16_t>, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
+           "dt_bias"_a.none(), "state_pool"_a, "state_indices"_a, "o"_a, "workspace"_a, "stream"_a)
+      .def("verify", &cuda_kda_verify<float>, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
+           "dt_bias"_a.none(), "draft_tokens"_a, "state_pool"_a, "state_indices"_a, "num_accepted"_a, "o"_a,
+           "workspace"_a, "stream"_a)
+      .def("verify", &cuda_kda_verify<uint16_t>, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
+           "dt_bias"_a.none(), "draft_tokens"_a, "state_pool"_a, "state_indices"_a, "num_accepted"_a, "o"_a,
+           "workspace"_a, "stream"_a)
+      .def("status", &cuda_kda_status, "workspace"_a, "stream"_a);
+  m.def("cuda_kda_plan", &cuda_kda_plan, nb::rv_policy::take_ownership, "cfg"_a, "device"_a, "max_seqs"_a,
+        "algorithm"_a, "caps"_a.none());
+  nb::class_<CudaMoe>(m, "CudaMoe")
+      .def_prop_ro("describe", [](const CudaMoe& c) { return c.plan.describe(); })
+      .def_prop_ro("workspace_bytes", [](const CudaMoe& c) { return c.plan.workspace_bytes; })
+      .def_prop_ro("max_tokens", [](const CudaMoe& c) { return c.plan.max_tokens; })
+      .def_prop_ro("device", [](const CudaMoe& c) { return c.device; })
+      .def("run", &cuda_moe_run, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "m_device"_a, "workspace"_a,
+           "stream"_a);
+  m.def("cuda_moe_prepare", &cuda_moe_prepare, nb::rv_policy::take_ownership, "problem"_a, "max_tokens"_a,
+        "device"_a, "sm120_native_w4a8"_a, "caps"_a.none(), "fc1_q"_a, "fc1_scale"_a, "fc2_q"_a, "fc2_scale"_a);
+  m.def("cuda_route", &cuda_route, "logits"_a, "bias"_a.none(), "m_device"_a, "num_experts"_a, "top_k"_a,
+        "n_group"_a, "topk_group"_a, "renormalize"_a, "routed_scaling_factor"_a, "topk_ids"_a, "topk_weights"_a,
+        "stream"_a);
 }

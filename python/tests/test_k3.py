@@ -167,7 +167,7 @@ def test_kda_prefill_cpu_matches_the_reference_for_fp32_and_bf16():
     bf = [(a.view(np.uint32) >> 16).astype(np.uint16) for a in (q, k, v)]
     ob, _ = k3.kda.prefill(*bf, g, beta, cu_seqlens=cu, gate="log_decay")
     assert np.sqrt(((ob - ref) ** 2).sum() / (ref ** 2).sum()) < 2e-2
-    with pytest.raises(RuntimeError, match="no CUDA backend"):
+    with pytest.raises(RuntimeError, match="no CUDA backend|built without CUDA|CUDA device"):
         k3.kda.prefill(q, k, v, g, beta, cu_seqlens=cu, gate="log_decay", backend="cuda")
 
 

@@ -102,3 +102,53 @@ def test_fused_moe_from_a_checkpoint_layer(tmp_path):
     want = k3.moe.run(layer.problem(), **layer.weights, x=x.view(torch.uint16).numpy(), topk_ids=ids,
                       topk_weights=wts, backend="cpu")
     np.testing.assert_array_equal(out.view(torch.uint16).numpy(), want)
+
+
+# ---- the CUDA kernels of the ops (the CUDA backend has NEVER RUN ON A GPU) ---------------------
+
+def test_fused_moe_on_cuda_in_a_build_without_cuda_says_how_to_build_with_it():
+    if k3._k3.cuda_compiled():
+        pytest.skip("this package was built with CUDA")
+    p, w, _, _, bias = kimi_like()
+    with pytest.raises(RuntimeError, match=r"built without CUDA.*-DK3_CUDA=ON"):
+        k3t.FusedMoE(p, **w, router_bias=bias, device="cuda")
+
+
+def _no_gpu():
+    if not k3._k3.cuda_compiled():
+        return "this package was built without CUDA"
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
+@pytest.mark.skipif(_no_gpu() is not None, reason=f"GPU test: {_no_gpu()}")
+@pytest.mark.parametrize("out_dtype", ["bf16", "fp32"])
+def test_fused_moe_on_cuda_matches_the_cpu_and_replays_in_a_cuda_graph(out_dtype):
+    p, w, x, logits, bias = kimi_like(out_dtype=out_dtype)
+    want = k3t.FusedMoE(p, **w, router_bias=bias)(x, logits)
+    dev = torch.device("cuda", 0)
+    moe = k3t.FusedMoE(p, **w, router_bias=bias, max_tokens=16, device=dev)
+    dx, dl = x.to(dev), logits.to(dev)
+    out = torch.empty_like(want, device=dev)
+    ptr = out.data_ptr()
+    moe(dx, dl, out=out)
+    torch.cuda.synchronize()
+    assert out.data_ptr() == ptr
+    got = out.cpu().float().numpy()
+    ref = want.float().numpy()
+    # routing is bit-identical on both backends; the experts agree within 2e-5 relative RMS
+    assert np.sqrt(((got - ref) ** 2).sum() / max((ref ** 2).sum(), 1e-30)) < (2e-5 if out_dtype == "fp32" else 1e-2)
+    eager = out.clone()
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        moe(dx, dl, out=out)
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    with pytest.raises(ValueError, match="was prepared for cuda:0, but x is on the CPU"):
+        torch.ops.k3.moe_run(moe.handle, x, torch.zeros((x.shape[0], p.top_k), dtype=torch.int32),
+                             torch.zeros((x.shape[0], p.top_k)), torch.empty_like(want))
