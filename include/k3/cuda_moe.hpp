@@ -110,6 +110,37 @@ struct DeviceInputs {
 // launches a fixed grid derived from the plan, never synchronizes the host.
 Status run(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, void* workspace, void* stream);
 
+// ---- the expert-parallel seam (docs/distributed.md): run() = run_experts() + finalize() -------
+// Mirrors cpu::run_experts / cpu::finalize (k3/cpu_moe.hpp). NOT YET RUN ON A GPU.
+//
+// The FP32 expert outputs stay where FC2 writes them: the permuted, expert-grouped rows of the
+// workspace, with the (token, slot) -> row map the sort made. They are not compacted into a
+// caller buffer in (token, slot) order because finalize reads rows through a slot -> row map in
+// any case: run() then stays the same kernels on the same buffers (same bits, still capturable),
+// and the expert-parallel combine gathers exactly the rows it sends (k3/cuda_ep.hpp) and, at the
+// source, finalizes the received rows with its own slot -> row map.
+struct ExpertRows {
+  const float* y = nullptr;          // [rows, K] FP32 device rows (workspace + plan.ws_y)
+  const int32_t* slot_row = nullptr; // [max_tokens, top_k] row of y of each (token, slot); -1: masked,
+                                     // not local, or past the real M (workspace + plan.ws_slot_row)
+};
+// The workspace addresses of the rows run_experts writes (pointer arithmetic only, no device access).
+ExpertRows expert_rows(const MoePlan& plan, void* workspace);
+
+// The expert outputs of every local slot of in.x / in.topk_ids (in.m_device tokens), before the
+// routing weights. in.topk_weights and in.out are not used (may be null). Enqueued on `stream`;
+// the rows are valid until the next call on the same workspace. After it, ws_status holds the
+// kernels' error bits (as after run()).
+Result<ExpertRows> run_experts(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, void* workspace,
+                               void* stream);
+
+// run()'s last step: out[t] = sum over slots k in order, skipping rows.slot_row[t * top_k + k] < 0,
+// of topk_weights[t, k] * rows.y[row], as FP32 FMAs from +0, rounded once to the plan's output
+// dtype; a token with no slot is exact zeros. For t < *m_device (clamped to [0, max_tokens]).
+// Any y / slot_row pair works (the EP combine passes the rows it received and its own map).
+Status finalize(const MoePlan& plan, const int32_t* m_device, const ExpertRows& rows, const float* topk_weights,
+                void* out, void* stream);
+
 // Convenience for tools and tests: plan + prepack + copies + run + copy back, on device 0.
 Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out);
 

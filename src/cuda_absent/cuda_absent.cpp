@@ -58,6 +58,15 @@ Result<DeviceTiming> time_kda_decode(const kda::KdaConfig&, const kda::KdaInputs
 }
 Result<DeviceWeights> prepack(const MoePlan&, const MoeWeightsView&) { return not_built(); }
 Status run(const MoePlan&, const DeviceWeights&, const DeviceInputs&, void*, void*) { return not_built(); }
+ExpertRows expert_rows(const MoePlan& plan, void* workspace) {
+  if (workspace == nullptr) return {};
+  auto* base = static_cast<char*>(workspace);
+  return {reinterpret_cast<const float*>(base + plan.ws_y), reinterpret_cast<const int32_t*>(base + plan.ws_slot_row)};
+}
+Result<ExpertRows> run_experts(const MoePlan&, const DeviceWeights&, const DeviceInputs&, void*, void*) {
+  return not_built();
+}
+Status finalize(const MoePlan&, const int32_t*, const ExpertRows&, const float*, void*, void*) { return not_built(); }
 Status run_host(const MoeProblem&, const MoeWeightsView&, const MoeInputsView&, std::span<uint8_t>) {
   return not_built();
 }

@@ -107,14 +107,19 @@ T* at(void* ws, int64_t offset) {
 
 }  // namespace
 
-Status run(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, void* workspace, void* stream) {
-  if (w.impl() == nullptr) return invalid_argument("run: weights were not prepacked");
-  if (workspace == nullptr || in.m_device == nullptr || in.x == nullptr || in.topk_ids == nullptr ||
-      in.topk_weights == nullptr || in.out == nullptr) {
-    return invalid_argument("run: workspace, m_device, x, topk_ids, topk_weights and out must all be device pointers");
+ExpertRows expert_rows(const MoePlan& plan, void* workspace) {
+  if (workspace == nullptr) return {};
+  return {at<float>(workspace, plan.ws_y), at<int32_t>(workspace, plan.ws_slot_row)};
+}
+
+Result<ExpertRows> run_experts(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, void* workspace,
+                               void* stream) {
+  if (w.impl() == nullptr) return invalid_argument("run_experts: weights were not prepacked");
+  if (workspace == nullptr || in.m_device == nullptr || in.x == nullptr || in.topk_ids == nullptr) {
+    return invalid_argument("run_experts: workspace, m_device, x and topk_ids must all be device pointers (null given)");
   }
   if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0) {
-    return invalid_argument("run: workspace = " + std::to_string(reinterpret_cast<uintptr_t>(workspace)) +
+    return invalid_argument("run_experts: workspace = " + std::to_string(reinterpret_cast<uintptr_t>(workspace)) +
                             " must be 256-byte aligned (cudaMalloc gives that; the plan lays out its buffers from it)");
   }
   auto s = static_cast<cudaStream_t>(stream);
@@ -145,15 +150,40 @@ Status run(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, 
                                  wi->fc1_q.get(), wi->fc1_scale.get(), act_codes, act_scales, s);
     moe_detail::launch_fc2_sm120(d, plan.block_n, act_codes, act_scales, tile_expert, wi->fc2_q.get(),
                                  wi->fc2_scale.get(), y, s);
-    moe_detail::launch_finalize(d, p.out_dtype, in.m_device, slot_row, in.topk_weights, y, in.out, s);
-    return detail::from_cuda(cudaGetLastError(), "moe kernel launch (sm_120 native)");
+    K3_RETURN_IF_ERROR(detail::from_cuda(cudaGetLastError(), "moe kernel launch (sm_120 native)"));
+    return expert_rows(plan, workspace);
   }
   moe_detail::launch_prep_x(d, p.recipe, in.m_device, in.x, x_bf16, status, s);
   moe_detail::launch_fc1(d, plan.block_n, p.recipe, act_params, x_bf16, row_token, tile_expert, wi->fc1_q.get(),
                          wi->fc1_scale.get(), act, status, s);
   moe_detail::launch_fc2(d, plan.block_n, act, tile_expert, wi->fc2_q.get(), wi->fc2_scale.get(), y, s);
-  moe_detail::launch_finalize(d, p.out_dtype, in.m_device, slot_row, in.topk_weights, y, in.out, s);
-  return detail::from_cuda(cudaGetLastError(), "moe kernel launch");
+  K3_RETURN_IF_ERROR(detail::from_cuda(cudaGetLastError(), "moe kernel launch"));
+  return expert_rows(plan, workspace);
+}
+
+Status finalize(const MoePlan& plan, const int32_t* m_device, const ExpertRows& rows, const float* topk_weights,
+                void* out, void* stream) {
+  if (m_device == nullptr || rows.y == nullptr || rows.slot_row == nullptr || topk_weights == nullptr ||
+      out == nullptr) {
+    return invalid_argument("finalize: m_device, rows.y, rows.slot_row, topk_weights and out must all be device "
+                            "pointers (null given)");
+  }
+  const auto d = moe_detail::dims_of(plan);
+  moe_detail::launch_finalize(d, plan.problem.out_dtype, m_device, rows.slot_row, topk_weights, rows.y, out,
+                              static_cast<cudaStream_t>(stream));
+  return detail::from_cuda(cudaGetLastError(), "moe finalize launch");
+}
+
+// run() is exactly run_experts() + finalize(): the same launches, in the same order, on the same
+// buffers as before the seam existed (sort, prep, FC1, FC2, finalize).
+Status run(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, void* workspace, void* stream) {
+  if (w.impl() == nullptr) return invalid_argument("run: weights were not prepacked");
+  if (workspace == nullptr || in.m_device == nullptr || in.x == nullptr || in.topk_ids == nullptr ||
+      in.topk_weights == nullptr || in.out == nullptr) {
+    return invalid_argument("run: workspace, m_device, x, topk_ids, topk_weights and out must all be device pointers");
+  }
+  K3_ASSIGN_OR_RETURN(ExpertRows rows, run_experts(plan, w, in, workspace, stream));
+  return finalize(plan, in.m_device, rows, in.topk_weights, in.out, stream);
 }
 
 Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out) {
