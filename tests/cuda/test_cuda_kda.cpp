@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/kda/kda_case.hpp"
+#include "cuda/kda_test_util.hpp"
 #include "k3/backend.hpp"
 #include "k3/cpu_kda.hpp"
 #include "k3/cuda.hpp"
@@ -23,45 +24,13 @@
 namespace k3::kda {
 namespace {
 
-class CudaKda : public ::testing::Test {
- protected:
-  void SetUp() override {
-    auto devs = cuda::devices();
-    if (!devs.is_ok()) GTEST_SKIP() << "no CUDA device: " << devs.status().message();
-    if (!devs.value()[0].runnable) GTEST_SKIP() << "device 0 is not among the compiled architectures " << cuda::compiled_archs();
-  }
-};
+using test::cfg;
+using test::Out;
+using test::run_gpu;
+using test::run_ref;
+using test::same_bits;
 
-KdaConfig cfg(int64_t h, int64_t k, int64_t v, GateMode gate, StateLayout layout = StateLayout::kKFirst) {
-  KdaConfig c;
-  c.num_heads = h;
-  c.head_k = k;
-  c.head_v = v;
-  c.gate = gate;
-  c.layout = layout;
-  return c;
-}
-
-struct Out {
-  std::vector<float> o, f;
-};
-
-Out run_gpu(const KdaCase& c) {
-  Out r{std::vector<float>(c.o_size(), 7.0f), std::vector<float>(c.state_size())};
-  const Status st = cuda::prefill_host(c.spec.cfg, c.inputs(), {r.o, r.f});
-  EXPECT_TRUE(st.is_ok()) << st.to_string();
-  return r;
-}
-
-Out run_ref(const KdaCase& c) {
-  Out r{std::vector<float>(c.o_size()), std::vector<float>(c.state_size())};
-  EXPECT_TRUE(reference_fp32(c.spec.cfg, c.inputs(), {r.o, r.f}).is_ok());
-  return r;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+class CudaKda : public test::CudaDeviceTest {};
 
 std::vector<float> pool_of(const KdaConfig& c, int64_t slots, uint64_t seed) {
   CaseSpec s;

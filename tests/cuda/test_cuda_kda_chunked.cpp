@@ -16,6 +16,7 @@
 
 #include "core/kda/kda_case.hpp"
 #include "core/kda/kda_chunk_math.hpp"
+#include "cuda/kda_test_util.hpp"
 #include "k3/cpu_kda.hpp"
 #include "k3/cuda.hpp"
 #include "k3/cuda_kda.hpp"
@@ -23,41 +24,12 @@
 namespace k3::kda {
 namespace {
 
-class CudaKdaChunked : public ::testing::Test {
- protected:
-  void SetUp() override {
-    auto devs = cuda::devices();
-    if (!devs.is_ok()) GTEST_SKIP() << "no CUDA device: " << devs.status().message();
-    if (!devs.value()[0].runnable) GTEST_SKIP() << "device 0 is not among the compiled architectures " << cuda::compiled_archs();
-  }
-};
+using test::cfg;
+using test::Out;
+using test::run_gpu;
+using test::run_ref;
 
-KdaConfig cfg(int64_t h, int64_t k, int64_t v, GateMode gate, StateLayout layout = StateLayout::kKFirst) {
-  KdaConfig c;
-  c.num_heads = h;
-  c.head_k = k;
-  c.head_v = v;
-  c.gate = gate;
-  c.layout = layout;
-  return c;
-}
-
-struct Out {
-  std::vector<float> o, f;
-};
-
-Out run_gpu(const KdaCase& c, Algorithm algo) {
-  Out r{std::vector<float>(c.o_size(), 7.0f), std::vector<float>(c.state_size(), 7.0f)};
-  const Status st = cuda::prefill_host(c.spec.cfg, c.inputs(), {r.o, r.f}, algo);
-  EXPECT_TRUE(st.is_ok()) << st.to_string();
-  return r;
-}
-
-Out run_ref(const KdaCase& c) {
-  Out r{std::vector<float>(c.o_size()), std::vector<float>(c.state_size())};
-  EXPECT_TRUE(reference_fp32(c.spec.cfg, c.inputs(), {r.o, r.f}).is_ok());
-  return r;
-}
+class CudaKdaChunked : public test::CudaDeviceTest {};
 
 double tol(bool bf16) { return bf16 ? kTolBf16VsFp32 : kTolFp32; }
 
