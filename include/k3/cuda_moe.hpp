@@ -28,10 +28,16 @@ enum class MoePath : uint8_t {
 };
 const char* moe_path_name(MoePath p);
 
+// The plan runs the decode path while the expected rows per local expert are at most this.
+inline constexpr double kDecodeMaxRowsPerExpert = 16.0;
+
 struct MoePlan {
   MoeProblem problem;
   int64_t max_tokens = 0; // the largest M a run may use (graph capture size)
   MoePath path = MoePath::kDecode;
+  // max_tokens * top_k / num_experts: the rows each local expert receives under uniform routing
+  // (EP-aware: a rank gets only its experts' slots). The path is decode up to kDecodeMaxRowsPerExpert.
+  double expected_rows_per_local_expert = 0;
   int block_m = 16;       // token rows per GEMM tile (expert segments are padded to it)
   int block_n = 32;       // output columns per tile: 32 or 64 (must divide N for FC1 and K for FC2)
   int block_k = 32;       // one MX block per k step

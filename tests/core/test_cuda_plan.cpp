@@ -1,6 +1,8 @@
 // Planning of the CUDA fused-MoE backend: pure host logic, tested without a GPU.
 #include <gtest/gtest.h>
 
+#include <tuple>
+
 #include "k3/cuda_moe.hpp"
 
 namespace k3::cuda {
@@ -39,6 +41,25 @@ TEST(CudaMoePlan, KimiDecodeAndPrefillPaths) {
   EXPECT_EQ(p->block_m, 64);
   EXPECT_NE(p->describe().find("path prefill"), std::string::npos) << p->describe();
   EXPECT_NE(p->describe().find("max_tokens 2048"), std::string::npos) << p->describe();
+}
+
+// The path follows the rows each LOCAL expert can expect (max_tokens * top_k / E under uniform
+// routing), not max_tokens * top_k / E_local: at EP 32 a rank sees 1/32 of the slots.
+TEST(CudaMoePlan, PathFollowsTheExpectedRowsPerLocalExpert) {
+  for (const auto& [ep, max_tokens, want] : {std::tuple{32, 512, MoePath::kDecode},   // 512 * 16 / 896 = 9.1
+                                             std::tuple{32, 896, MoePath::kDecode},   // 16.0
+                                             std::tuple{32, 1024, MoePath::kPrefill}, // 18.3
+                                             std::tuple{1, 512, MoePath::kDecode},
+                                             std::tuple{1, 2048, MoePath::kPrefill}}) {
+    MoeProblem pr;
+    pr.shape.ep_size = ep;
+    pr.shape.ep_rank = ep - 1;
+    auto p = cuda::plan(pr, {.max_tokens = max_tokens, .device = h200()});
+    ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+    EXPECT_EQ(p->path, want) << "ep " << ep << " max_tokens " << max_tokens;
+    EXPECT_DOUBLE_EQ(p->expected_rows_per_local_expert, max_tokens * 16.0 / 896.0);
+    EXPECT_NE(p->describe().find("rows per local expert"), std::string::npos) << p->describe();
+  }
 }
 
 TEST(CudaMoePlan, WorkspaceRegionsAreDisjointAndAligned) {

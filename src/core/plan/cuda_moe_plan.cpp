@@ -29,7 +29,10 @@ std::string MoePlan::describe() const {
      << out_dtype_name(problem.out_dtype) << ", K " << problem.shape.hidden << ", N " << problem.shape.intermediate
      << ", E_local " << problem.shape.local_experts() << " of " << problem.shape.num_experts << ", top-"
      << problem.shape.top_k << "\n"
-     << "  path " << moe_path_name(path) << (sm120_native ? " (sm_120 native block-scaled MMA, UNVERIFIED)" : "") << ": tile " << block_m << "x" << block_n << "x" << block_k << ", max_tokens "
+     << "  path " << moe_path_name(path) << (sm120_native ? " (sm_120 native block-scaled MMA, UNVERIFIED)" : "")
+     << " (expected " << expected_rows_per_local_expert << " rows per local expert = max_tokens x top-"
+     << problem.shape.top_k << " / " << problem.shape.num_experts << " experts, uniform routing; decode up to "
+     << kDecodeMaxRowsPerExpert << ")" << ": tile " << block_m << "x" << block_n << "x" << block_k << ", max_tokens "
      << max_tokens << ", max_slots " << max_slots << ", max_tiles " << max_tiles << ", smem " << smem_bytes << " B\n"
      << "  workspace " << workspace_bytes << " B (act " << (ws_y - ws_act) << " B, y "
      << (ws_status - ws_y) << " B)";
@@ -70,10 +73,13 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
   plan.problem = problem;
   plan.max_tokens = max_m;
   plan.max_slots = max_m * problem.shape.top_k;
-  // Average rows per local expert when every slot is local: the decode path wins while tiles of
-  // 64 rows would mostly hold padding.
-  const int64_t rows_per_expert = (plan.max_slots + e_local - 1) / e_local;
-  plan.path = rows_per_expert <= 16 ? MoePath::kDecode : MoePath::kPrefill;
+  // Expected rows per LOCAL expert under uniform routing: a rank receives the slots of its own
+  // experts only, max_tokens * top_k / E of them per expert (E = all experts, not E_local: at EP 32
+  // a rank holds 28 of 896 experts and sees 1/32 of the slots). The decode path (tiles of 16
+  // rows) wins while tiles of 64 rows would mostly hold padding.
+  plan.expected_rows_per_local_expert =
+      static_cast<double>(plan.max_slots) / static_cast<double>(problem.shape.num_experts);
+  plan.path = plan.expected_rows_per_local_expert <= kDecodeMaxRowsPerExpert ? MoePath::kDecode : MoePath::kPrefill;
   plan.block_m = plan.path == MoePath::kDecode ? 16 : 64;
   // block_n must divide N (FC1 output columns per half) and K (FC2 output columns).
   plan.block_n = (n % 64 == 0 && k % 64 == 0) ? 64 : 32;
