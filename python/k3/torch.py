@@ -8,6 +8,9 @@ Importing ``k3.torch`` registers, in the ``k3`` op namespace:
 - ``torch.ops.k3.moe_run(layer, x, topk_ids, topk_weights, out!)``: the fused MoE of a prepared
   layer (``layer`` is the integer handle of a :class:`FusedMoE` / :func:`prepare_moe`), ``x`` BF16
   ``[M, K]``, ``out`` ``[M, K]`` in the layer's output dtype (bfloat16, float16 or float32).
+- ``torch.ops.k3.kda_prefill / kda_decode / kda_verify``: Kimi Delta Attention (k3.kda's
+  prefill / decode / verify; the configuration as scalar arguments, absent optional tensors as
+  empty ones), writing ``o!`` (and ``final_state!`` / the state pool ``state_pool!`` in place).
 
 Both mutate only their ``!`` outputs and return nothing, so they work under
 ``torch.compile(fullgraph=True)`` (fake implementations describe them to the compiler) and in
@@ -27,6 +30,7 @@ import threading
 import torch
 
 from . import _k3
+from . import kda as _kda
 from . import moe as _moe
 from ._arrays import need
 from .routing import route as _route
@@ -118,6 +122,16 @@ _lib = torch.library.Library("k3", "DEF")
 _lib.define("route(Tensor logits, Tensor bias, int top_k, int n_group, int topk_group, bool renormalize, "
             "float routed_scaling_factor, Tensor(a!) topk_ids, Tensor(b!) topk_weights) -> ()")
 _lib.define("moe_run(int layer, Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor(a!) out) -> ()")
+# KDA: the configuration as scalars (gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout);
+# a_log, dt_bias, cu_seqlens, initial_state and final_state may be empty tensors (absent).
+_KDA_CFG = "str gate, float gate_lower_bound, bool beta_logits, bool l2norm_qk, float scale, str layout"
+_lib.define("kda_prefill(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor a_log, Tensor dt_bias, "
+            "Tensor cu_seqlens, Tensor initial_state, " + _KDA_CFG + ", Tensor(a!) o, Tensor(b!) final_state) -> ()")
+_lib.define("kda_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor a_log, Tensor dt_bias, "
+            "Tensor(a!) state_pool, Tensor state_indices, " + _KDA_CFG + ", Tensor(b!) o) -> ()")
+_lib.define("kda_verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor a_log, Tensor dt_bias, "
+            "Tensor(a!) state_pool, Tensor state_indices, Tensor num_accepted, " + _KDA_CFG +
+            ", Tensor(b!) o) -> ()")
 
 
 def _route_cpu(logits, bias, top_k, n_group, topk_group, renormalize, routed_scaling_factor, topk_ids, topk_weights):
@@ -164,6 +178,116 @@ def _moe_run_cuda(layer, x, topk_ids, topk_weights, out):
     lay.m_device.fill_(x.shape[0])  # the token count on the device: a fill kernel, no copy
     o = out if out.dtype == torch.float32 else _bits(out, "out")
     lay.moe.run(_bits(x, "x"), topk_ids, topk_weights, o, lay.m_device, lay.workspace, _stream(x.device))
+
+
+def _act(t, name):
+    """q / k / v: float32 as is, bfloat16 as its uint16 bits (a view)."""
+    return t if t.dtype == torch.float32 else _bits(t, name)
+
+
+def _opt_np(t):
+    return _np(t) if t.numel() > 0 else None
+
+
+def _kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout):
+    return dict(gate=gate, gate_lower_bound=gate_lower_bound, beta_logits=beta_logits, l2norm_qk=l2norm_qk,
+                scale=scale, layout=layout)
+
+
+def _kda_prefill_cpu(q, k, v, g, beta, a_log, dt_bias, cu_seqlens, initial_state, gate, gate_lower_bound,
+                     beta_logits, l2norm_qk, scale, layout, o, final_state):
+    _kda.prefill(_np(_act(q, "q")), _np(_act(k, "k")), _np(_act(v, "v")), _np(g), _np(beta), a_log=_opt_np(a_log),
+                 dt_bias=_opt_np(dt_bias), cu_seqlens=_opt_np(cu_seqlens), initial_state=_opt_np(initial_state),
+                 o=_np(o), final_state=_opt_np(final_state), backend="cpu",
+                 **_kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
+
+
+def _kda_decode_cpu(q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices, gate, gate_lower_bound, beta_logits,
+                    l2norm_qk, scale, layout, o):
+    _kda.decode(_np(_act(q, "q")), _np(_act(k, "k")), _np(_act(v, "v")), _np(g), _np(beta), _np(state_pool),
+                _np(state_indices), a_log=_opt_np(a_log), dt_bias=_opt_np(dt_bias), o=_np(o), backend="cpu",
+                **_kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
+
+
+def _kda_verify_cpu(q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices, num_accepted, gate,
+                    gate_lower_bound, beta_logits, l2norm_qk, scale, layout, o):
+    _kda.verify(_np(_act(q, "q")), _np(_act(k, "k")), _np(_act(v, "v")), _np(g), _np(beta), _np(state_pool),
+                _np(state_indices), _np(num_accepted), a_log=_opt_np(a_log), dt_bias=_opt_np(dt_bias), o=_np(o),
+                backend="cpu", **_kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
+
+
+# One k3.kda.CudaKda (plan + workspace) per configuration, device and batch-size bound, made on
+# first use (make it once outside a CUDA-graph capture: the plan reads the device's properties).
+_cuda_kda = {}
+
+
+def _cuda_kda_for(q, v, seqs, cfg):
+    key = (q.device.index, q.shape[1], q.shape[2], v.shape[2], tuple(sorted(cfg.items())))
+    with _lock:
+        entry = _cuda_kda.get(key)
+        if entry is None or entry[0].max_seqs < seqs:
+            max_seqs = max(1024, seqs)
+            plan = _kda.CudaKda(q.shape[1], q.shape[2], v.shape[2], max_seqs=max_seqs, device=q.device.index, **cfg)
+            plan.max_seqs = max_seqs
+            entry = (plan, torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=q.device))
+            _cuda_kda[key] = entry
+    return entry
+
+
+def _opt_cuda(t):
+    return t if t.numel() > 0 else None
+
+
+def _kda_prefill_cuda(q, k, v, g, beta, a_log, dt_bias, cu_seqlens, initial_state, gate, gate_lower_bound,
+                      beta_logits, l2norm_qk, scale, layout, o, final_state):
+    _k3.cuda_require()
+    seqs = cu_seqlens.numel() - 1 if cu_seqlens.numel() > 0 else 1
+    plan, ws = _cuda_kda_for(q, v, seqs, _kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
+    plan.prefill(_act(q, "q"), _act(k, "k"), _act(v, "v"), g, beta, o, ws, _stream(q.device), a_log=_opt_cuda(a_log),
+                 dt_bias=_opt_cuda(dt_bias), cu_seqlens=_opt_cuda(cu_seqlens), initial_state=_opt_cuda(initial_state),
+                 final_state=_opt_cuda(final_state))
+
+
+def _kda_decode_cuda(q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices, gate, gate_lower_bound,
+                     beta_logits, l2norm_qk, scale, layout, o):
+    _k3.cuda_require()
+    plan, ws = _cuda_kda_for(q, v, q.shape[0], _kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
+    plan.decode(_act(q, "q"), _act(k, "k"), _act(v, "v"), g, beta, state_pool, state_indices, o, ws,
+                _stream(q.device), a_log=_opt_cuda(a_log), dt_bias=_opt_cuda(dt_bias))
+
+
+def _kda_verify_cuda(q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices, num_accepted, gate,
+                     gate_lower_bound, beta_logits, l2norm_qk, scale, layout, o):
+    _k3.cuda_require()
+    plan, ws = _cuda_kda_for(q, v, state_indices.shape[0],
+                             _kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
+    plan.verify(_act(q, "q"), _act(k, "k"), _act(v, "v"), g, beta, state_pool, state_indices, num_accepted, o, ws,
+                _stream(q.device), a_log=_opt_cuda(a_log), dt_bias=_opt_cuda(dt_bias))
+
+
+for _name, _cpu, _cuda in (("kda_prefill", _kda_prefill_cpu, _kda_prefill_cuda),
+                           ("kda_decode", _kda_decode_cpu, _kda_decode_cuda),
+                           ("kda_verify", _kda_verify_cpu, _kda_verify_cuda)):
+    _lib.impl(_name, _cpu, "CPU")
+    _lib.impl(_name, _cuda, "CUDA")
+
+
+@torch.library.register_fake("k3::kda_prefill", lib=_lib)
+def _(q, k, v, g, beta, a_log, dt_bias, cu_seqlens, initial_state, gate, gate_lower_bound, beta_logits, l2norm_qk,
+      scale, layout, o, final_state):
+    return None
+
+
+@torch.library.register_fake("k3::kda_decode", lib=_lib)
+def _(q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices, gate, gate_lower_bound, beta_logits, l2norm_qk,
+      scale, layout, o):
+    return None
+
+
+@torch.library.register_fake("k3::kda_verify", lib=_lib)
+def _(q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices, num_accepted, gate, gate_lower_bound, beta_logits,
+      l2norm_qk, scale, layout, o):
+    return None
 
 
 _lib.impl("route", _route_cpu, "CPU")

@@ -152,3 +152,97 @@ def test_fused_moe_on_cuda_matches_the_cpu_and_replays_in_a_cuda_graph(out_dtype
     with pytest.raises(ValueError, match="was prepared for cuda:0, but x is on the CPU"):
         torch.ops.k3.moe_run(moe.handle, x, torch.zeros((x.shape[0], p.top_k), dtype=torch.int32),
                              torch.zeros((x.shape[0], p.top_k)), torch.empty_like(want))
+
+
+# ---- KDA custom ops --------------------------------------------------------------------------
+KDA_CFG = ("log_decay", -5.0, True, True, 0.0, "k_first")
+
+
+def kda_inputs(t=12, h=2, dk=32, dv=32, seed=3):
+    rng = np.random.default_rng(seed)
+    q, k, v = (torch.from_numpy(rng.standard_normal((t, h, d)).astype(np.float32)).to(torch.bfloat16)
+               for d in (dk, dk, dv))
+    g = torch.from_numpy(-np.abs(rng.standard_normal((t, h, dk))).astype(np.float32))
+    beta = torch.from_numpy(rng.standard_normal((t, h)).astype(np.float32))
+    return q, k, v, g, beta
+
+
+def bits(t):
+    return t.view(torch.uint16).numpy()
+
+
+def test_kda_ops_equal_the_numpy_path_bit_for_bit():
+    q, k, v, g, beta = kda_inputs()
+    empty = torch.empty(0)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int64)
+    o = torch.full((12, 2, 32), float("nan"))
+    fs = torch.zeros((2, 2, 32, 32))
+    ptr = o.data_ptr()
+    torch.ops.k3.kda_prefill(q, k, v, g, beta, empty, empty, cu, empty, *KDA_CFG, o, fs)
+    want_o, want_fs = k3.kda.prefill(bits(q), bits(k), bits(v), g.numpy(), beta.numpy(), cu_seqlens=cu.numpy(),
+                                     gate="log_decay", backend="cpu", return_final_state=True)
+    assert o.data_ptr() == ptr
+    np.testing.assert_array_equal(o.numpy(), want_o)
+    np.testing.assert_array_equal(fs.numpy(), want_fs)
+
+    rng = np.random.default_rng(9)
+    pool0 = rng.standard_normal((6, 2, 32, 32)).astype(np.float32)
+    idx = torch.tensor([4, -1, 0, 2, 5, 1, -1, -1, -1, -1, -1, 3], dtype=torch.int32)
+    pool = torch.from_numpy(pool0.copy())
+    o = torch.zeros((12, 2, 32))
+    torch.ops.k3.kda_decode(q, k, v, g, beta, empty, empty, pool, idx, *KDA_CFG, o)
+    want_pool = pool0.copy()
+    want_o = k3.kda.decode(bits(q), bits(k), bits(v), g.numpy(), beta.numpy(), want_pool, idx.numpy(),
+                           gate="log_decay", backend="cpu")
+    np.testing.assert_array_equal(o.numpy(), want_o)
+    np.testing.assert_array_equal(pool.numpy(), want_pool)
+    assert not np.array_equal(pool.numpy(), pool0)  # updated in place
+
+    vidx = torch.tensor([[0, 1, 2], [3, 4, 5], [-1, -1, -1], [-1, -1, -1]], dtype=torch.int32)
+    acc = torch.tensor([2, 1, 1, 1], dtype=torch.int32)
+    pool = torch.from_numpy(pool0.copy())
+    o = torch.zeros((12, 2, 32))
+    torch.ops.k3.kda_verify(q, k, v, g, beta, empty, empty, pool, vidx, acc, *KDA_CFG, o)
+    want_pool = pool0.copy()
+    want_o = k3.kda.verify(bits(q), bits(k), bits(v), g.numpy(), beta.numpy(), want_pool, vidx.numpy(),
+                           acc.numpy(), gate="log_decay", backend="cpu")
+    np.testing.assert_array_equal(o.numpy(), want_o)
+    np.testing.assert_array_equal(pool.numpy(), want_pool)
+
+
+def test_kda_ops_pass_opcheck_and_compile_fullgraph():
+    q, k, v, g, beta = kda_inputs()
+    empty = torch.empty(0)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int64)
+    torch.library.opcheck(torch.ops.k3.kda_prefill.default,
+                          (q, k, v, g, beta, empty, empty, cu, empty, *KDA_CFG, torch.zeros((12, 2, 32)),
+                           torch.zeros((2, 2, 32, 32))))
+    pool0 = torch.from_numpy(np.random.default_rng(2).standard_normal((13, 2, 32, 32)).astype(np.float32))
+    idx = torch.arange(12, dtype=torch.int32)
+    torch.library.opcheck(torch.ops.k3.kda_decode.default,
+                          (q, k, v, g, beta, empty, empty, pool0.clone(), idx, *KDA_CFG, torch.zeros((12, 2, 32))))
+    torch.library.opcheck(torch.ops.k3.kda_verify.default,
+                          (q, k, v, g, beta, empty, empty, pool0.clone(), idx.view(4, 3),
+                           torch.tensor([3, 1, 2, 1], dtype=torch.int32), *KDA_CFG, torch.zeros((12, 2, 32))))
+
+    def step(q, k, v, g, beta, pool, idx, o):
+        torch.ops.k3.kda_decode(q, k, v, g, beta, empty, empty, pool, idx, *KDA_CFG, o)
+        return o * 2.0
+
+    eager_pool, eager_o = pool0.clone(), torch.zeros((12, 2, 32))
+    want = step(q, k, v, g, beta, eager_pool, idx, eager_o)
+    pool, o = pool0.clone(), torch.zeros((12, 2, 32))
+    got = torch.compile(step, fullgraph=True)(q, k, v, g, beta, pool, idx, o)
+    assert torch.equal(got, want) and torch.equal(pool, eager_pool)
+
+
+def test_kda_op_errors_carry_the_library_message():
+    q, k, v, g, beta = kda_inputs()
+    empty = torch.empty(0)
+    pool = torch.zeros((4, 2, 32, 32))
+    idx = torch.tensor([0, 1, 1, 2, 3, -1, -1, -1, -1, -1, -1, -1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="state slot 1 is written twice"):
+        torch.ops.k3.kda_decode(q, k, v, g, beta, empty, empty, pool, idx, *KDA_CFG, torch.zeros((12, 2, 32)))
+    with pytest.raises(ValueError, match="gate"):
+        torch.ops.k3.kda_decode(q, k, v, g, beta, empty, empty, pool, torch.arange(12, dtype=torch.int32) % 4 * 0 - 1,
+                                "sigmoid", -5.0, True, True, 0.0, "k_first", torch.zeros((12, 2, 32)))
