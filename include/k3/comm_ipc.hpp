@@ -22,6 +22,8 @@
 // e % 2) has seen every peer signal e + 1, which each did after finishing its reads of call e.
 // A peer that never signals sets a sticky timeout in the group (the outputs are then not written);
 // synchronize() reports it as kUnavailable and the group is unusable afterwards.
+// Calls on one group must be ordered (one stream). Destroy a group only after every rank's last
+// call has been synchronized (e.g. then a host barrier): peers read this rank's buffer until then.
 #pragma once
 
 #include <cstdint>

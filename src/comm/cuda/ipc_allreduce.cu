@@ -96,7 +96,8 @@ __global__ void __launch_bounds__(kReduceThreads)
   if (failed != 0) return;
   uint16_t* v = gathered + threadIdx.x;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    for (int q = 0; q < w; ++q) v[q * kReduceThreads] = reinterpret_cast<const uint16_t*>(peers[q] + slot_offset)[i];
+    // __ldcg: L2 only (the peers' slots are rewritten every second call; no stale L1 line).
+    for (int q = 0; q < w; ++q) v[q * kReduceThreads] = __ldcg(reinterpret_cast<const uint16_t*>(peers[q] + slot_offset) + i);
     const float sum = detail::exact_sum_bf16(v, kReduceThreads, w);
     if (!norm) {
       out[i] = bf16_from_f32(sum);
