@@ -1,4 +1,5 @@
 // Builds without the CUDA backend: the NCCL transport reports why it is missing.
+#include "k3/comm_ipc.hpp"
 #include "k3/comm_nccl.hpp"
 #include "k3/cuda_ep.hpp"
 
@@ -19,6 +20,34 @@ Status allreduce_add_rmsnorm_bf16_device(DeviceCommunicator&, const uint16_t*, c
   return nccl_available();
 }
 
+// The one-shot IPC all-reduce (k3/comm_ipc.hpp): no group can be made without CUDA.
+struct IpcAllreduceGroup::Impl {
+  DeviceCommunicator* comm = nullptr;
+};
+IpcAllreduceGroup::IpcAllreduceGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+IpcAllreduceGroup::~IpcAllreduceGroup() = default;
+int IpcAllreduceGroup::rank() const { return 0; }
+int IpcAllreduceGroup::size() const { return 1; }
+int64_t IpcAllreduceGroup::capacity_bytes() const { return 0; }
+DeviceCommunicator& IpcAllreduceGroup::comm() { return *impl_->comm; }
+Status IpcAllreduceGroup::synchronize(void*) { return ipc_available(); }
+Status ipc_available() {
+  return unsupported("k3 was built without the CUDA backend (K3_CUDA=OFF or no nvcc), so without its one-shot IPC "
+                     "all-reduce");
+}
+Result<std::unique_ptr<IpcAllreduceGroup>> make_ipc_allreduce_group(DeviceCommunicator& comm, const IpcOptions& options) {
+  Status local = check_ipc_options(options);
+  if (local.is_ok()) local = ipc_available();
+  K3_RETURN_IF_ERROR(agree_on_status(comm.host(), local));  // the same "rank q of W: ..." as the CUDA build
+  return ipc_available();
+}
+Status allreduce_bf16_oneshot(IpcAllreduceGroup&, const uint16_t*, int64_t, int64_t, uint16_t*, void*) {
+  return ipc_available();
+}
+Status allreduce_add_rmsnorm_bf16_oneshot(IpcAllreduceGroup&, const uint16_t*, const uint16_t*, const uint16_t*, int64_t,
+                                          int64_t, float, uint16_t*, uint16_t*, void*) {
+  return ipc_available();
+}
 
 // The GPU expert-parallel path (k3/cuda_ep.hpp).
 struct DeviceEpBuffers::Impl {};

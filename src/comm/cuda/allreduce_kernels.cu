@@ -59,4 +59,11 @@ cudaError_t launch_allreduce_rows(const uint16_t* recv, int w, int64_t mine, int
   return cudaGetLastError();
 }
 
+cudaError_t launch_rmsnorm_rows(const uint16_t* res, const uint16_t* gamma, int64_t rows, int64_t cols, float eps,
+                                uint16_t* out, cudaStream_t stream) {
+  if (rows * cols == 0) return cudaSuccess;
+  rmsnorm_kernel<<<static_cast<unsigned>(rows), 256, 0, stream>>>(res, gamma, cols, eps, out);
+  return cudaGetLastError();
+}
+
 }  // namespace k3::comm::detail

@@ -14,4 +14,10 @@ cudaError_t launch_allreduce_rows(const uint16_t* recv, int w, int64_t mine, int
                                   bool norm, const uint16_t* gamma, float eps, uint16_t* out_stage, uint16_t* res_stage,
                                   cudaStream_t stream);
 
+// The RMSNorm epilogue alone (the kernel launch_allreduce_rows uses with `norm`): for each of
+// `rows` rows, out = RMSNorm(res) * gamma with the CPU all-reduce's operations. The one-shot IPC
+// all-reduce (ipc_allreduce.cu) calls it after writing residual_out.
+cudaError_t launch_rmsnorm_rows(const uint16_t* res, const uint16_t* gamma, int64_t rows, int64_t cols, float eps,
+                                uint16_t* out, cudaStream_t stream);
+
 }  // namespace k3::comm::detail
