@@ -103,7 +103,9 @@ def main():
     f = torch.randn(T, H, K, device=dev)
     a_log = torch.rand(H, device=dev) - 0.5
     g = (-5.0 * torch.sigmoid(torch.exp(a_log).view(1, H, 1) * f)).float().contiguous()  # safe gate, lb -5
-    beta = torch.sigmoid(torch.randn(T, H, device=dev)).float().contiguous()
+    # beta rounded to BF16 once: fla takes it in the activations' dtype, k3 the same values as FP32.
+    beta_b = torch.sigmoid(torch.randn(T, H, device=dev)).bfloat16()
+    beta = beta_b.float().contiguous()
     scale = K ** -0.5
     path_in = os.path.join(args.out, "kda_in.safetensors")
     path_out = os.path.join(args.out, "kda_out_k3.safetensors")
@@ -115,7 +117,7 @@ def main():
         step["k3_rc"] = run.returncode
         step["k3_output"] = (run.stdout + run.stderr)[-2000:]
         o_ref, s_ref = reference(q, k, v, g, beta, scale)
-        o_fla, s_fla = chunk_kda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+        o_fla, s_fla = chunk_kda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta_b.unsqueeze(0),
                                  scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=True)
         step["fla_o_err_ratio_vs_fp32_ref"] = err_ratio(o_fla[0].float(), o_ref)
         step["fla_state_err_ratio_vs_fp32_ref"] = err_ratio(s_fla[0].float(), s_ref)
