@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -27,6 +28,8 @@ enum class MoePath : uint8_t {
   kPrefill,  // many rows per expert: tile 64 rows
 };
 const char* moe_path_name(MoePath p);
+// The path of a name printed by moe_path_name ("decode", "prefill", ...); an error lists the names.
+Result<MoePath> moe_path_from_name(const std::string& name);
 
 // The plan runs the decode path while the expected rows per local expert are at most this.
 inline constexpr double kDecodeMaxRowsPerExpert = 16.0;
@@ -35,6 +38,7 @@ struct MoePlan {
   MoeProblem problem;
   int64_t max_tokens = 0; // the largest M a run may use (graph capture size)
   MoePath path = MoePath::kDecode;
+  bool path_forced = false; // MoeOptions::path chose it, not the expected rows per local expert
   // max_tokens * top_k / num_experts: the rows each local expert receives under uniform routing
   // (EP-aware: a rank gets only its experts' slots). The path is decode up to kDecodeMaxRowsPerExpert.
   double expected_rows_per_local_expert = 0;
@@ -75,6 +79,9 @@ struct MoeOptions {
   // HARDWARE: off by default until it has passed `k3 validate` on an sm_120 GPU.
   // CLI / run_host: environment variable K3_CUDA_SM120_NATIVE=1.
   bool sm120_native_w4a8 = false;
+  // Force a path instead of the plan's choice from the expected rows per local expert (tests, the
+  // device check, comparisons). CLI / run_host: environment variable K3_CUDA_MOE_PATH=<name>.
+  std::optional<MoePath> path;
 };
 
 // Checks shape, capability and compiled architectures; chooses tiles; sizes the workspace.

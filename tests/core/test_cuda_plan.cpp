@@ -43,6 +43,32 @@ TEST(CudaMoePlan, KimiDecodeAndPrefillPaths) {
   EXPECT_NE(p->describe().find("max_tokens 2048"), std::string::npos) << p->describe();
 }
 
+// MoeOptions::path overrides the choice (tests, the device check); describe() says so, and the
+// tile follows the forced path. Names round-trip; an unknown name lists the known ones.
+TEST(CudaMoePlan, ForcedPathOverridesTheChoice) {
+  MoeOptions o{.max_tokens = 1, .device = h200()};
+  o.path = MoePath::kPrefill;
+  auto p = cuda::plan(kimi_rank7(), o);
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_EQ(p->path, MoePath::kPrefill);
+  EXPECT_TRUE(p->path_forced);
+  EXPECT_EQ(p->block_m, 64);
+  EXPECT_NE(p->describe().find("path prefill (forced by the options)"), std::string::npos) << p->describe();
+  auto a = cuda::plan(kimi_rank7(), {.max_tokens = 1, .device = h200()});
+  ASSERT_TRUE(a.is_ok());
+  EXPECT_FALSE(a->path_forced);
+  EXPECT_EQ(a->describe().find("forced"), std::string::npos) << a->describe();
+  for (MoePath path : {MoePath::kDecode, MoePath::kPrefill}) {
+    auto back = moe_path_from_name(moe_path_name(path));
+    ASSERT_TRUE(back.is_ok());
+    EXPECT_EQ(back.value(), path);
+  }
+  auto bad = moe_path_from_name("fast");
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("'fast' is not one of decode, prefill"), std::string::npos)
+      << bad.status().message();
+}
+
 // The path follows the rows each LOCAL expert can expect (max_tokens * top_k / E under uniform
 // routing), not max_tokens * top_k / E_local: at EP 32 a rank sees 1/32 of the slots.
 TEST(CudaMoePlan, PathFollowsTheExpectedRowsPerLocalExpert) {

@@ -9,7 +9,26 @@
 
 namespace k3::cuda {
 
-const char* moe_path_name(MoePath p) { return p == MoePath::kDecode ? "decode" : "prefill"; }
+namespace {
+constexpr MoePath kAllPaths[] = {MoePath::kDecode, MoePath::kPrefill};
+}  // namespace
+
+const char* moe_path_name(MoePath p) {
+  switch (p) {
+    case MoePath::kDecode: return "decode";
+    case MoePath::kPrefill: return "prefill";
+  }
+  return "?";
+}
+
+Result<MoePath> moe_path_from_name(const std::string& name) {
+  std::string names;
+  for (MoePath p : kAllPaths) {
+    if (name == moe_path_name(p)) return p;
+    names += (names.empty() ? "" : ", ") + std::string(moe_path_name(p));
+  }
+  return invalid_argument("CUDA MoE path = '" + name + "' is not one of " + names);
+}
 
 namespace {
 
@@ -29,7 +48,7 @@ std::string MoePlan::describe() const {
      << out_dtype_name(problem.out_dtype) << ", K " << problem.shape.hidden << ", N " << problem.shape.intermediate
      << ", E_local " << problem.shape.local_experts() << " of " << problem.shape.num_experts << ", top-"
      << problem.shape.top_k << "\n"
-     << "  path " << moe_path_name(path) << (sm120_native ? " (sm_120 native block-scaled MMA, UNVERIFIED)" : "")
+     << "  path " << moe_path_name(path) << (path_forced ? " (forced by the options)" : "") << (sm120_native ? " (sm_120 native block-scaled MMA, UNVERIFIED)" : "")
      << " (expected " << expected_rows_per_local_expert << " rows per local expert = max_tokens x top-"
      << problem.shape.top_k << " / " << problem.shape.num_experts << " experts, uniform routing; decode up to "
      << kDecodeMaxRowsPerExpert << ")" << ": tile " << block_m << "x" << block_n << "x" << block_k << ", max_tokens "
@@ -80,6 +99,8 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
   plan.expected_rows_per_local_expert =
       static_cast<double>(plan.max_slots) / static_cast<double>(problem.shape.num_experts);
   plan.path = plan.expected_rows_per_local_expert <= kDecodeMaxRowsPerExpert ? MoePath::kDecode : MoePath::kPrefill;
+  if (options.path) plan.path = *options.path;
+  plan.path_forced = options.path.has_value();
   plan.block_m = plan.path == MoePath::kDecode ? 16 : 64;
   // block_n must divide N (FC1 output columns per half) and K (FC2 output columns).
   plan.block_n = (n % 64 == 0 && k % 64 == 0) ? 64 : 32;

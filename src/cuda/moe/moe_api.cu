@@ -201,6 +201,11 @@ Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsVie
   options.device = caps.value();
   const char* native = std::getenv("K3_CUDA_SM120_NATIVE");
   options.sm120_native_w4a8 = native != nullptr && std::string(native) == "1";
+  if (const char* forced = std::getenv("K3_CUDA_MOE_PATH"); forced != nullptr && *forced != '\0') {
+    auto path = moe_path_from_name(forced);
+    if (!path.is_ok()) return {path.status().code(), "K3_CUDA_MOE_PATH: " + path.status().message()};
+    options.path = path.value();
+  }
   auto plan = cuda::plan(p, options);
   if (!plan.is_ok()) return plan.status();
   auto weights = prepack(plan.value(), w);
