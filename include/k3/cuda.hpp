@@ -39,6 +39,10 @@ struct DeviceCaps {
   int sm_count = 0;
   int64_t smem_per_block_optin = 0;  // bytes (cudaDevAttrMaxSharedMemoryPerBlockOptin)
   std::vector<int> compiled_archs;   // e.g. {90, 120}: architectures built into this binary
+  // This binary contains the CUTLASS sm_90a grouped GEMM of the MoE prefill path "prefill-sm90"
+  // (built only when CMake found the CUTLASS headers). device_caps() fills it; caps written by
+  // hand say "not built" unless they set it.
+  bool has_sm90_grouped = false;
 };
 
 // What device `device` offers, for planning (cuda::plan of each op); kUnavailable without one.

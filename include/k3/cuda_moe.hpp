@@ -26,6 +26,10 @@ namespace k3::cuda {
 enum class MoePath : uint8_t {
   kDecode,   // few rows per expert: tile 16 rows, weights streamed once per active expert
   kPrefill,  // many rows per expert: tile 64 rows
+  // many rows per expert on sm_90: CUTLASS wgmma/TMA grouped mixed-input GEMMs (E4M3 weights with
+  // BF16 scales per 64 columns, re-encoded exactly at prepack). NEVER RUN ON A GPU. Needs a build
+  // with CUTLASS (DeviceCaps::has_sm90_grouped); the plan picks it over kPrefill when it can.
+  kPrefillSm90,
 };
 const char* moe_path_name(MoePath p);
 // The path of a name printed by moe_path_name ("decode", "prefill", ...); an error lists the names.
@@ -33,6 +37,13 @@ Result<MoePath> moe_path_from_name(const std::string& name);
 
 // The plan runs the decode path while the expected rows per local expert are at most this.
 inline constexpr double kDecodeMaxRowsPerExpert = 16.0;
+
+// Workspace bounds the plan reserves for prefill-sm90 (host code cannot ask CUTLASS): per local
+// expert for the group arrays of both GEMMs, and per SM for CUTLASS's workspace of both GEMMs.
+// run() checks the real sizes against them and names the constant to raise.
+inline constexpr int64_t kSm90ArraysBytesPerExpert = 512;
+inline constexpr int64_t kSm90CutlassWorkspacePerSm = 2048;
+inline constexpr int64_t kSm90CutlassWorkspaceFixed = 8192;
 
 struct MoePlan {
   MoeProblem problem;
@@ -65,6 +76,14 @@ struct MoePlan {
   int64_t ws_x_scales = 0;       // [max_tokens, K/32] UE8M0
   int64_t ws_act_codes = 0;      // [max_tiles * block_m, N] E4M3 codes of the activation output
   int64_t ws_act_scales = 0;     // [max_tiles * block_m, N/32] UE8M0
+  // prefill-sm90 only (path == kPrefillSm90), else 0:
+  int sm_count = 0;              // the persistent GEMM grid (the planned device's SMs)
+  int64_t ws_xg = 0;             // [max_tiles * block_m, K] BF16: x_bf16 rows gathered into expert order
+  int64_t ws_h = 0;              // [max_tiles * block_m, 2N] FP32: GEMM1 output ([gate | up]) before the activation
+  int64_t ws_sm90_arrays = 0;    // per-expert problem shapes / pointers / strides of both GEMMs
+  int64_t sm90_arrays_bytes = 0; //   (a bound: run checks CUTLASS's real need against it)
+  int64_t ws_cutlass = 0;        // CUTLASS's own workspace (TMA descriptors per SM), both GEMMs
+  int64_t cutlass_bytes = 0;     //   (a bound, checked at run time)
   int64_t workspace_bytes = 0;
   int sort_chunk = 1024;         // token-slots per block of the stable counting sort
   std::string describe() const;  // one line per decision

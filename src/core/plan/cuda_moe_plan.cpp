@@ -10,13 +10,14 @@
 namespace k3::cuda {
 
 namespace {
-constexpr MoePath kAllPaths[] = {MoePath::kDecode, MoePath::kPrefill};
+constexpr MoePath kAllPaths[] = {MoePath::kDecode, MoePath::kPrefill, MoePath::kPrefillSm90};
 }  // namespace
 
 const char* moe_path_name(MoePath p) {
   switch (p) {
     case MoePath::kDecode: return "decode";
     case MoePath::kPrefill: return "prefill";
+    case MoePath::kPrefillSm90: return "prefill-sm90";
   }
   return "?";
 }
@@ -55,6 +56,13 @@ std::string MoePlan::describe() const {
      << max_tokens << ", max_slots " << max_slots << ", max_tiles " << max_tiles << ", smem " << smem_bytes << " B\n"
      << "  workspace " << workspace_bytes << " B (act " << (ws_y - ws_act) << " B, y "
      << (ws_status - ws_y) << " B)";
+  if (path == MoePath::kPrefillSm90) {
+    os << "\n  prefill-sm90 (NEVER RUN ON A GPU): CUTLASS sm_90a grouped mixed-input GEMMs, E4M3 weights x BF16 "
+          "scales per 64 columns, tile 128x128x64, persistent grid of "
+       << sm_count << " SMs; gathered rows " << (ws_h - ws_xg) << " B, FP32 GEMM1 output " << (ws_sm90_arrays - ws_h)
+       << " B (activation not fused: one extra FP32 round trip), group arrays " << sm90_arrays_bytes
+       << " B, CUTLASS workspace " << cutlass_bytes << " B";
+  }
   return os.str();
 }
 
@@ -98,9 +106,31 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
   // rows) wins while tiles of 64 rows would mostly hold padding.
   plan.expected_rows_per_local_expert =
       static_cast<double>(plan.max_slots) / static_cast<double>(problem.shape.num_experts);
-  plan.path = plan.expected_rows_per_local_expert <= kDecodeMaxRowsPerExpert ? MoePath::kDecode : MoePath::kPrefill;
+  // prefill-sm90 where the device is sm_90 and the build has the CUTLASS GEMM (and the sm_120
+  // native option is off); otherwise the mma.sync prefill path.
+  const bool sm90_ok = arch == 90 && caps.has_sm90_grouped && !options.sm120_native_w4a8;
+  plan.path = plan.expected_rows_per_local_expert <= kDecodeMaxRowsPerExpert
+                  ? MoePath::kDecode
+                  : (sm90_ok ? MoePath::kPrefillSm90 : MoePath::kPrefill);
   if (options.path) plan.path = *options.path;
   plan.path_forced = options.path.has_value();
+  if (plan.path == MoePath::kPrefillSm90) {
+    if (arch != 90) {
+      return unsupported("the prefill-sm90 path (CUTLASS wgmma/TMA grouped GEMM) needs an sm_90 device; '" + caps.name +
+                         "' is sm_" + std::to_string(arch) + "; use path prefill");
+    }
+    if (!caps.has_sm90_grouped) {
+      return unsupported("the prefill-sm90 path is not in this build (the CUTLASS headers were missing when k3 was "
+                         "built); rebuild after scripts/setup.sh fetched CUTLASS, or use path prefill");
+    }
+    if (options.sm120_native_w4a8) {
+      return unsupported("prefill-sm90 and sm120_native_w4a8 exclude each other");
+    }
+    if (caps.sm_count < 1) {
+      return invalid_argument("options.device.sm_count = " + std::to_string(caps.sm_count) +
+                              " must be >= 1 for prefill-sm90 (its persistent grid)");
+    }
+  }
   plan.block_m = plan.path == MoePath::kDecode ? 16 : 64;
   // block_n must divide N (FC1 output columns per half) and K (FC2 output columns).
   plan.block_n = (n % 64 == 0 && k % 64 == 0) ? 64 : 32;
@@ -136,6 +166,15 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
     plan.ws_x_scales = take(max_m * k / kMxBlock);
     plan.ws_act_codes = take(rows * n);
     plan.ws_act_scales = take(rows * n / kMxBlock);
+  }
+  if (plan.path == MoePath::kPrefillSm90) {
+    plan.sm_count = caps.sm_count;
+    plan.ws_xg = take(rows * k * 2);
+    plan.ws_h = take(rows * 2 * n * 4);
+    plan.sm90_arrays_bytes = align256(int64_t{e_local} * kSm90ArraysBytesPerExpert + 1024);
+    plan.ws_sm90_arrays = take(plan.sm90_arrays_bytes);
+    plan.cutlass_bytes = align256(int64_t{caps.sm_count} * kSm90CutlassWorkspacePerSm + kSm90CutlassWorkspaceFixed);
+    plan.ws_cutlass = take(plan.cutlass_bytes);
   }
   plan.workspace_bytes = off;
   return plan;

@@ -1,5 +1,6 @@
 // Host side of the CUDA fused-MoE backend: device capabilities, prepack, run, run_host.
 // NOT YET RUN ON A GPU (compiled for sm_90a / sm_120a only).
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "cuda/common.cuh"
+#include "cuda/moe/moe_grouped.cuh"
 #include "cuda/moe/moe_kernels.cuh"
 #include "k3/cuda.hpp"
 #include "k3/cuda_moe.hpp"
@@ -17,6 +19,12 @@ namespace k3::cuda {
 struct DeviceWeights::Impl {
   detail::DeviceBuffer<uint8_t> fc1_q, fc1_scale, fc2_q, fc2_scale;
   detail::DeviceBuffer<float> situ_beta, situ_linear_beta;
+  // prefill-sm90: the weights re-encoded as E4M3 codes with BF16 scales per 64 columns
+  // (moe_grouped.hpp); sm90_ready false = not made (other paths) or not encodable (run falls back
+  // to the prefill kernels when the plan chose prefill-sm90 itself).
+  bool sm90_ready = false;
+  detail::DeviceBuffer<uint8_t> fc1_e4m3, fc2_e4m3;
+  detail::DeviceBuffer<uint16_t> fc1_s90, fc2_s90;
 };
 
 DeviceWeights::DeviceWeights() = default;
@@ -56,6 +64,32 @@ Status check_exact(std::span<const uint8_t> q, std::span<const uint8_t> s, int64
   return Status::ok();
 }
 
+// prefill-sm90 operands of one weight tensor [E_local, rows, cols]: E4M3 codes [E_local, rows, cols]
+// and BF16 group scales [E_local, ceil(cols/64), rows] (MN-major, as the GEMM reads them). Returns
+// an error naming the first row and group whose MX block exponents are too far apart.
+Status sm90_encode(std::span<const uint8_t> q, std::span<const uint8_t> s, int64_t e, int64_t rows, int64_t cols,
+                   std::vector<uint8_t>& codes, std::vector<uint16_t>& scales, const char* what) {
+  const int64_t groups = moe_detail::sm90_scale_groups(cols);
+  codes.assign(static_cast<size_t>(e * rows * cols), 0);
+  scales.assign(static_cast<size_t>(e * groups * rows), 0);
+  for (int64_t x = 0; x < e; ++x) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = x * rows + r;
+      const int64_t bad = moe_detail::sm90_encode_row(q.data() + row * (cols / 2), s.data() + row * (cols / kMxBlock),
+                                                      cols, codes.data() + row * cols,
+                                                      scales.data() + x * groups * rows + r, rows);
+      if (bad >= 0) {
+        return unsupported(std::string(what) + ": local expert " + std::to_string(x) + ", row " + std::to_string(r) +
+                           ", columns [" + std::to_string(bad * moe_detail::kSm90ScaleGroup) + ", " +
+                           std::to_string(std::min(cols, (bad + 1) * moe_detail::kSm90ScaleGroup)) +
+                           "): the MX block scales are more than 14 binades apart, which the prefill-sm90 path's "
+                           "E4M3 codes under one BF16 scale per 64 columns cannot hold exactly; use path prefill");
+      }
+    }
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 Result<DeviceCaps> device_caps(int device) {
@@ -75,6 +109,7 @@ Result<DeviceCaps> device_caps(int device) {
   K3_CUDA_TRY(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), "cudaDeviceGetAttribute");
   caps.smem_per_block_optin = smem;
   caps.compiled_archs = compiled_arch_numbers();
+  caps.has_sm90_grouped = moe_detail::sm90_grouped_built();
   return caps;
 }
 
@@ -95,6 +130,20 @@ Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w) {
   if (!w.situ_linear_beta.empty()) lb.assign(w.situ_linear_beta.begin(), w.situ_linear_beta.end());
   K3_RETURN_IF_ERROR(upload(impl->situ_beta, std::span<const float>(b), "copy situ_beta"));
   K3_RETURN_IF_ERROR(upload(impl->situ_linear_beta, std::span<const float>(lb), "copy situ_linear_beta"));
+  if (plan.path == MoePath::kPrefillSm90) {
+    std::vector<uint8_t> c1, c2;
+    std::vector<uint16_t> s1, s2;
+    const Status enc1 = sm90_encode(w.fc1_q, w.fc1_scale, e, 2 * n, k, c1, s1, "fc1");
+    const Status enc = enc1.is_ok() ? sm90_encode(w.fc2_q, w.fc2_scale, e, k, n, c2, s2, "fc2") : enc1;
+    if (!enc.is_ok() && plan.path_forced) return enc;  // the caller asked for this path: say why it cannot run
+    if (enc.is_ok()) {  // else: the plan's own choice, run() takes the prefill kernels instead
+      K3_RETURN_IF_ERROR(upload(impl->fc1_e4m3, std::span<const uint8_t>(c1), "copy fc1 e4m3"));
+      K3_RETURN_IF_ERROR(upload(impl->fc2_e4m3, std::span<const uint8_t>(c2), "copy fc2 e4m3"));
+      K3_RETURN_IF_ERROR(upload(impl->fc1_s90, std::span<const uint16_t>(s1), "copy fc1 sm90 scales"));
+      K3_RETURN_IF_ERROR(upload(impl->fc2_s90, std::span<const uint16_t>(s2), "copy fc2 sm90 scales"));
+      impl->sm90_ready = true;
+    }
+  }
   return DeviceWeights(std::move(impl));
 }
 
@@ -154,6 +203,35 @@ Result<ExpertRows> run_experts(const MoePlan& plan, const DeviceWeights& w, cons
     return expert_rows(plan, workspace);
   }
   moe_detail::launch_prep_x(d, p.recipe, in.m_device, in.x, x_bf16, status, s);
+  if (plan.path == MoePath::kPrefillSm90 && wi->sm90_ready) {
+#if defined(K3_HAVE_CUTLASS)
+    // NOT YET RUN ON A GPU: gather, CUTLASS GEMM1 -> FP32 h, activation -> act, CUTLASS GEMM2 -> y.
+    moe_detail::Sm90GroupedIo io;
+    io.d = d;
+    io.sm_count = plan.sm_count;
+    io.counts = counts;
+    io.fc1_w = wi->fc1_e4m3.get();
+    io.fc1_s = wi->fc1_s90.get();
+    io.fc2_w = wi->fc2_e4m3.get();
+    io.fc2_s = wi->fc2_s90.get();
+    io.xg = at<uint16_t>(workspace, plan.ws_xg);
+    io.h = at<float>(workspace, plan.ws_h);
+    io.act = act;
+    io.y = y;
+    io.arrays = at<void>(workspace, plan.ws_sm90_arrays);
+    io.arrays_bytes = static_cast<size_t>(plan.sm90_arrays_bytes);
+    io.cutlass_ws = at<void>(workspace, plan.ws_cutlass);
+    io.cutlass_ws_bytes = static_cast<size_t>(plan.cutlass_bytes);
+    moe_detail::launch_gather_rows(d, row_token, x_bf16, at<uint16_t>(workspace, plan.ws_xg), s);
+    K3_RETURN_IF_ERROR(moe_detail::launch_sm90_gemm1(io, s));
+    moe_detail::launch_grouped_act(d, p.recipe, act_params, row_token, tile_expert, io.h, act, status, s);
+    K3_RETURN_IF_ERROR(moe_detail::launch_sm90_gemm2(io, s));
+    K3_RETURN_IF_ERROR(detail::from_cuda(cudaGetLastError(), "moe kernel launch (prefill-sm90)"));
+    return expert_rows(plan, workspace);
+#else
+    return unsupported("the prefill-sm90 path is not in this build; rebuild after scripts/setup.sh fetched CUTLASS");
+#endif
+  }
   moe_detail::launch_fc1(d, plan.block_n, p.recipe, act_params, x_bf16, row_token, tile_expert, wi->fc1_q.get(),
                          wi->fc1_scale.get(), act, status, s);
   moe_detail::launch_fc2(d, plan.block_n, act, tile_expert, wi->fc2_q.get(), wi->fc2_scale.get(), y, s);
