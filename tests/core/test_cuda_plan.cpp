@@ -175,3 +175,101 @@ TEST(CudaMoePlan, Sm120NativePathIsOptInAndChecked) {
 
 }  // namespace
 }  // namespace k3::cuda
+
+namespace k3::cuda {
+namespace {
+
+DeviceCaps h200_with_cutlass() {
+  DeviceCaps c = h200();
+  c.has_sm90_grouped = true;
+  return c;
+}
+
+// prefill-sm90 is the plan's choice above the decode threshold on sm_90 builds that have it;
+// otherwise the mma.sync prefill path, as before. Decode stays decode.
+TEST(CudaMoePlan, PrefillSm90IsChosenOnSm90BuildsWithCutlass) {
+  auto p = cuda::plan(kimi_rank7(), {.max_tokens = 2048, .device = h200_with_cutlass()});
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_EQ(p->path, MoePath::kPrefillSm90);
+  EXPECT_FALSE(p->path_forced);
+  EXPECT_EQ(p->block_m, 64);  // the sort pads experts to 64 rows, as for prefill
+  EXPECT_EQ(p->sm_count, 132);
+  EXPECT_NE(p->describe().find("path prefill-sm90"), std::string::npos) << p->describe();
+  EXPECT_NE(p->describe().find("NEVER RUN ON A GPU"), std::string::npos) << p->describe();
+  EXPECT_NE(p->describe().find("activation not fused"), std::string::npos) << p->describe();
+  auto d = cuda::plan(kimi_rank7(), {.max_tokens = 512, .device = h200_with_cutlass()});
+  ASSERT_TRUE(d.is_ok());
+  EXPECT_EQ(d->path, MoePath::kDecode);
+  auto without = cuda::plan(kimi_rank7(), {.max_tokens = 2048, .device = h200()});
+  ASSERT_TRUE(without.is_ok());
+  EXPECT_EQ(without->path, MoePath::kPrefill) << "hand-written caps default to 'not built'";
+  EXPECT_EQ(without->ws_xg, 0);
+  DeviceCaps rtx = h200_with_cutlass();
+  rtx.cc_major = 12;
+  rtx.smem_per_block_optin = 99 * 1024;
+  auto blackwell = cuda::plan(kimi_rank7(), {.max_tokens = 2048, .device = rtx});
+  ASSERT_TRUE(blackwell.is_ok());
+  EXPECT_EQ(blackwell->path, MoePath::kPrefill);
+  auto back = moe_path_from_name("prefill-sm90");
+  ASSERT_TRUE(back.is_ok());
+  EXPECT_EQ(back.value(), MoePath::kPrefillSm90);
+  EXPECT_STREQ(moe_path_name(MoePath::kPrefillSm90), "prefill-sm90");
+}
+
+// Forcing prefill-sm90 where it cannot run is an error that names why and the way out.
+TEST(CudaMoePlan, ForcedPrefillSm90IsRefusedWithoutSm90OrCutlass) {
+  MoeOptions o{.max_tokens = 64, .device = h200()};
+  o.path = MoePath::kPrefillSm90;
+  auto r = cuda::plan(kimi_rank7(), o);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(r.status().message().find("rebuild after scripts/setup.sh fetched CUTLASS"), std::string::npos)
+      << r.status().message();
+  o.device = h200_with_cutlass();
+  o.device.name = "NVIDIA RTX PRO 6000 Blackwell";
+  o.device.cc_major = 12;
+  r = cuda::plan(kimi_rank7(), o);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("needs an sm_90 device; 'NVIDIA RTX PRO 6000 Blackwell' is sm_120"),
+            std::string::npos)
+      << r.status().message();
+  o.device = h200_with_cutlass();
+  o.device.sm_count = 0;
+  r = cuda::plan(kimi_rank7(), o);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("sm_count = 0"), std::string::npos) << r.status().message();
+  o.device = h200_with_cutlass();
+  r = cuda::plan(kimi_rank7(), o);  // forced below the decode threshold: allowed, says so
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(r->path, MoePath::kPrefillSm90);
+  EXPECT_NE(r->describe().find("path prefill-sm90 (forced by the options)"), std::string::npos) << r->describe();
+}
+
+// The prefill-sm90 regions follow the others, disjoint and aligned, and cover the gathered rows,
+// the FP32 GEMM1 output and the bounds for the group arrays and CUTLASS's workspace.
+TEST(CudaMoePlan, PrefillSm90WorkspaceCoversEverything) {
+  for (int64_t max_tokens : {int64_t{1}, int64_t{2048}, int64_t{65536}}) {
+    MoeOptions o{.max_tokens = max_tokens, .device = h200_with_cutlass()};
+    o.path = MoePath::kPrefillSm90;
+    auto p = cuda::plan(kimi_rank7(), o);
+    ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+    const int64_t offs[] = {p->ws_x_bf16, p->ws_slot_row, p->ws_row_token, p->ws_tile_expert, p->ws_counts,
+                            p->ws_chunk_hist, p->ws_act, p->ws_y, p->ws_status, p->ws_xg, p->ws_h,
+                            p->ws_sm90_arrays, p->ws_cutlass, p->workspace_bytes};
+    for (size_t i = 0; i + 1 < std::size(offs); ++i) {
+      EXPECT_LT(offs[i], offs[i + 1]) << i;
+      EXPECT_EQ(offs[i] % 256, 0) << i;
+    }
+    const int64_t rows = p->max_tiles * p->block_m, k = 3584, n = 3072;
+    EXPECT_GE(p->ws_h - p->ws_xg, rows * k * 2);
+    EXPECT_GE(p->ws_sm90_arrays - p->ws_h, rows * 2 * n * 4);
+    EXPECT_GE(p->ws_cutlass - p->ws_sm90_arrays, p->sm90_arrays_bytes);
+    EXPECT_GE(p->sm90_arrays_bytes, 28 * kSm90ArraysBytesPerExpert);
+    EXPECT_GE(p->workspace_bytes - p->ws_cutlass, p->cutlass_bytes);
+    EXPECT_GE(p->cutlass_bytes, 132 * kSm90CutlassWorkspacePerSm);
+    EXPECT_EQ(p->cutlass_bytes % 256, 0) << "each GEMM's half stays 128-byte aligned (TMA descriptors)";
+  }
+}
+
+}  // namespace
+}  // namespace k3::cuda

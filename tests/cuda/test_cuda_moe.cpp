@@ -4,8 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "k3/cuda.hpp"
@@ -14,6 +18,7 @@
 #include "k3/moe_case.hpp"
 #include "k3/moe_compare.hpp"
 #include "k3/moe_ref.hpp"
+#include "k3/status.hpp"
 
 namespace k3 {
 namespace {
@@ -39,6 +44,31 @@ class CudaMoe : public ::testing::Test {
   }
 };
 
+// Paths the tests force besides the plan's own choice, through K3_CUDA_MOE_PATH (run_host reads
+// it). A path the device or build cannot run (cuda::plan says kUnsupported) is skipped, logged.
+const char* const kForcedPaths[] = {"prefill-sm90"};
+
+// Runs fn(path name) for the plan's own path ("auto") and every forced path this device can run.
+template <class F>
+void for_each_path(const MoeProblem& problem, int64_t m, F fn) {
+  fn("auto");
+  auto caps = cuda::device_caps(0);
+  ASSERT_TRUE(caps.is_ok());
+  for (const char* name : kForcedPaths) {
+    cuda::MoeOptions o{.max_tokens = m, .device = caps.value()};
+    o.path = cuda::moe_path_from_name(name).value();
+    auto p = cuda::plan(problem, o);
+    if (!p.is_ok()) {
+      ASSERT_EQ(p.status().code(), StatusCode::kUnsupported) << p.status().to_string();
+      std::printf("[ skipped path %s: %s ]\n", name, p.status().message().c_str());
+      continue;
+    }
+    ASSERT_EQ(setenv("K3_CUDA_MOE_PATH", name, 1), 0);
+    fn(name);
+    unsetenv("K3_CUDA_MOE_PATH");
+  }
+}
+
 // The library's comparison (k3/moe_compare.hpp), as `k3 validate --backend cuda` measures: NaN /
 // Inf class against the rounded oracle, rows without a local slot exactly +0.0.
 MoeMetrics compare(const MoeCase& c, const std::vector<uint8_t>& out, const std::vector<double>& ref, OutDType dt) {
@@ -60,15 +90,17 @@ TEST_F(CudaMoe, MatchesContractOracleAcrossRecipesActivationsAndDtypes) {
           c.problem.out_dtype = dt;
           std::vector<double> ref(c.m * s.k);
           ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
-          std::vector<uint8_t> out(c.m * s.k * out_dtype_size(dt), 0xEE);
-          const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
-          ASSERT_TRUE(st.is_ok()) << st.to_string();
-          const auto met = compare(c, out, ref, dt);
-          const std::string what = std::string(recipe_name(r)) + " " + activation_name(a) + " " + out_dtype_name(dt) +
-                                   " K" + std::to_string(s.k) + " M" + std::to_string(s.m);
-          // The named contract tolerance of `k3 validate` (docs/moe.md, "Tolerances").
-          std::string why;
-          EXPECT_TRUE(within(met, contract_tolerance(dt), &why)) << what << ": " << why << " (" << met.summary() << ")";
+          for_each_path(c.problem, c.m, [&](const char* path) {
+            std::vector<uint8_t> out(c.m * s.k * out_dtype_size(dt), 0xEE);
+            const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+            ASSERT_TRUE(st.is_ok()) << path << ": " << st.to_string();
+            const auto met = compare(c, out, ref, dt);
+            const std::string what = std::string(path) + " " + recipe_name(r) + " " + activation_name(a) + " " +
+                                     out_dtype_name(dt) + " K" + std::to_string(s.k) + " M" + std::to_string(s.m);
+            // The named contract tolerance of `k3 validate` (docs/moe.md, "Tolerances").
+            std::string why;
+            EXPECT_TRUE(within(met, contract_tolerance(dt), &why)) << what << ": " << why << " (" << met.summary() << ")";
+          });
         }
       }
     }
@@ -77,10 +109,12 @@ TEST_F(CudaMoe, MatchesContractOracleAcrossRecipesActivationsAndDtypes) {
 
 TEST_F(CudaMoe, RunsAreBitIdentical) {
   auto c = make_case(256, 128, 16, 4, 1, 0, 65, 9);
-  std::vector<uint8_t> a(c.m * 256 * 2), b(a.size());
-  ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), a).is_ok());
-  ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), b).is_ok());
-  EXPECT_EQ(a, b);
+  for_each_path(c.problem, c.m, [&](const char* path) {
+    std::vector<uint8_t> a(c.m * 256 * 2), b(a.size());
+    ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), a).is_ok()) << path;
+    ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), b).is_ok()) << path;
+    EXPECT_EQ(a, b) << path;
+  });
 }
 
 // NaN x poisons exactly its token for every recipe and activation (SwiGLU's clamps keep NaN:
@@ -95,10 +129,13 @@ TEST_F(CudaMoe, NanInputPoisonsOnlyItsToken) {
       c.x[3 * 96 + 40] = 0x7FC0;                // NaN in token 3
       std::vector<double> ref(c.m * 96);
       ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
-      std::vector<uint8_t> out(c.m * 96 * 2);
-      const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
-      ASSERT_TRUE(st.is_ok()) << st.to_string();
-      EXPECT_EQ(compare(c, out, ref, OutDType::kBF16).nonfinite_mismatch, 0) << recipe_name(r) << " " << activation_name(a);
+      for_each_path(c.problem, c.m, [&](const char* path) {
+        std::vector<uint8_t> out(c.m * 96 * 2);
+        const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+        ASSERT_TRUE(st.is_ok()) << path << ": " << st.to_string();
+        EXPECT_EQ(compare(c, out, ref, OutDType::kBF16).nonfinite_mismatch, 0)
+            << path << " " << recipe_name(r) << " " << activation_name(a);
+      });
     }
   }
 }
@@ -133,10 +170,12 @@ TEST_F(CudaMoe, NanWeightScaleGivesNanBlock) {
     int64_t nan_ref = 0;
     for (double v : ref) nan_ref += std::isnan(v);
     ASSERT_GT(nan_ref, 0) << which;
-    std::vector<uint8_t> out(c.m * 96 * 2);
-    const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
-    ASSERT_TRUE(st.is_ok()) << st.to_string();
-    EXPECT_EQ(compare(c, out, ref, OutDType::kBF16).nonfinite_mismatch, 0) << (which == 0 ? "fc1" : "fc2");
+    for_each_path(c.problem, c.m, [&](const char* path) {
+      std::vector<uint8_t> out(c.m * 96 * 2);
+      const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+      ASSERT_TRUE(st.is_ok()) << path << ": " << st.to_string();
+      EXPECT_EQ(compare(c, out, ref, OutDType::kBF16).nonfinite_mismatch, 0) << path << (which == 0 ? " fc1" : " fc2");
+    });
   }
 }
 
@@ -146,10 +185,12 @@ TEST_F(CudaMoe, W4a8SubnormalActivationIsReported) {
   auto c = make_case(96, 160, 5, 3, 1, 0, 16, 23);
   c.problem.activation.kind = ActivationKind::kSiLU;  // ~ g * u / 2 for tiny g: about 2^-128 here
   c.fc1_scale.assign(c.fc1_scale.size(), 59);         // 2^-68: FC1 outputs near 2^-63
-  std::vector<uint8_t> out(c.m * 96 * 2);
-  const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
-  EXPECT_EQ(st.code(), StatusCode::kInexact) << st.to_string();
-  EXPECT_NE(st.message().find("activation output"), std::string::npos) << st.message();
+  for_each_path(c.problem, c.m, [&](const char* path) {
+    std::vector<uint8_t> out(c.m * 96 * 2);
+    const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+    EXPECT_EQ(st.code(), StatusCode::kInexact) << path << ": " << st.to_string();
+    EXPECT_NE(st.message().find("activation output"), std::string::npos) << path << ": " << st.message();
+  });
 }
 
 }  // namespace

@@ -204,7 +204,6 @@ Result<ExpertRows> run_experts(const MoePlan& plan, const DeviceWeights& w, cons
   }
   moe_detail::launch_prep_x(d, p.recipe, in.m_device, in.x, x_bf16, status, s);
   if (plan.path == MoePath::kPrefillSm90 && wi->sm90_ready) {
-#if defined(K3_HAVE_CUTLASS)
     // NOT YET RUN ON A GPU: gather, CUTLASS GEMM1 -> FP32 h, activation -> act, CUTLASS GEMM2 -> y.
     moe_detail::Sm90GroupedIo io;
     io.d = d;
@@ -228,9 +227,6 @@ Result<ExpertRows> run_experts(const MoePlan& plan, const DeviceWeights& w, cons
     K3_RETURN_IF_ERROR(moe_detail::launch_sm90_gemm2(io, s));
     K3_RETURN_IF_ERROR(detail::from_cuda(cudaGetLastError(), "moe kernel launch (prefill-sm90)"));
     return expert_rows(plan, workspace);
-#else
-    return unsupported("the prefill-sm90 path is not in this build; rebuild after scripts/setup.sh fetched CUTLASS");
-#endif
   }
   moe_detail::launch_fc1(d, plan.block_n, p.recipe, act_params, x_bf16, row_token, tile_expert, wi->fc1_q.get(),
                          wi->fc1_scale.get(), act, status, s);

@@ -9,13 +9,21 @@
 
 namespace k3::cuda::moe_detail {
 
-bool sm90_grouped_built() {
 #if defined(K3_HAVE_CUTLASS)
-  return true;
+bool sm90_grouped_built() { return true; }
 #else
-  return false;
-#endif
+// Without CUTLASS the plan refuses prefill-sm90 (DeviceCaps::has_sm90_grouped is false); these
+// stubs keep run() linkable and say why if reached anyway.
+bool sm90_grouped_built() { return false; }
+size_t sm90_group_arrays_bytes(int) { return 0; }
+size_t sm90_cutlass_workspace_bytes(int) { return 0; }
+Status launch_sm90_gemm1(const Sm90GroupedIo&, cudaStream_t) {
+  return unsupported("the prefill-sm90 path is not in this build; rebuild after scripts/setup.sh fetched CUTLASS");
 }
+Status launch_sm90_gemm2(const Sm90GroupedIo&, cudaStream_t) {
+  return unsupported("the prefill-sm90 path is not in this build; rebuild after scripts/setup.sh fetched CUTLASS");
+}
+#endif
 
 namespace {
 

@@ -23,9 +23,6 @@
 
 namespace k3::cuda::moe_detail {
 
-// True when this build contains the CUTLASS sm_90a grouped GEMM (moe_grouped.cu: K3_HAVE_CUTLASS).
-bool sm90_grouped_built();
-
 // xg[r] = x_bf16[row_token[r]] for every permuted row r with a token (padding rows untouched).
 void launch_gather_rows(const Dims& d, const int32_t* row_token, const uint16_t* x_bf16, uint16_t* xg,
                         cudaStream_t s);
@@ -35,7 +32,8 @@ void launch_gather_rows(const Dims& d, const int32_t* row_token, const uint16_t*
 void launch_grouped_act(const Dims& d, Recipe recipe, const ActParams& act, const int32_t* row_token,
                         const int32_t* tile_expert, const float* h, uint16_t* act_out, int* status, cudaStream_t s);
 
-// ---- the CUTLASS part (src/cuda_cutlass/moe_sm90_grouped.cu; call only when sm90_grouped_built()) ----
+// ---- the CUTLASS part (src/cuda_cutlass/moe_sm90_grouped.cu; without CUTLASS, moe_grouped.cu's
+// stubs return kUnsupported) ----
 
 struct Sm90GroupedIo {
   Dims d;
@@ -55,10 +53,7 @@ struct Sm90GroupedIo {
   size_t cutlass_ws_bytes = 0;
 };
 
-// Bytes the per-group arrays of both GEMMs take for e_local groups, and CUTLASS's workspace for
-// both GEMMs on sm_count SMs (host arithmetic only).
-size_t sm90_group_arrays_bytes(int e_local);
-size_t sm90_cutlass_workspace_bytes(int sm_count);
+// sm90_grouped_built, sm90_group_arrays_bytes, sm90_cutlass_workspace_bytes: moe_grouped.hpp.
 // Builds the group arrays on the device and enqueues GEMM1; then GEMM2 (after the caller's
 // activation kernel). No allocation, no synchronization; errors name the limit.
 Status launch_sm90_gemm1(const Sm90GroupedIo& io, cudaStream_t s);

@@ -14,6 +14,7 @@
 // the register operand on sm_90: CUTLASS's E2M1 converters use cvt.*.e2m1x2 (sm_100+).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "cuda/moe/moe_shared.hpp"
@@ -29,6 +30,14 @@ inline constexpr int kSm90ScaleGroup = 64;
 inline constexpr int kSm90MinShift = -8;
 inline constexpr int kSm90MaxShift = 6;
 inline constexpr uint8_t kE4M3Nan = 0x7F;
+
+// Host functions of k3_cuda (declared here, CUDA-free, so host tests can call them):
+// true when this build contains the CUTLASS sm_90a grouped GEMM (K3_HAVE_CUTLASS); the bytes the
+// per-group arrays of both GEMMs take for e_local groups; CUTLASS's workspace for both GEMMs on
+// sm_count SMs (host arithmetic; 0 without CUTLASS). MoePlan reserves bounds for the last two.
+bool sm90_grouped_built();
+size_t sm90_group_arrays_bytes(int e_local);
+size_t sm90_cutlass_workspace_bytes(int sm_count);
 
 K3_HOST_DEVICE constexpr int64_t sm90_scale_groups(int64_t k) { return (k + kSm90ScaleGroup - 1) / kSm90ScaleGroup; }
 
