@@ -107,6 +107,21 @@ T* at(void* ws, int64_t offset) {
 
 }  // namespace
 
+namespace moe_detail {
+
+Status apply_env_options(MoeOptions& options) {
+  const char* native = std::getenv("K3_CUDA_SM120_NATIVE");
+  options.sm120_native_w4a8 = native != nullptr && std::string(native) == "1";
+  if (const char* forced = std::getenv("K3_CUDA_MOE_PATH"); forced != nullptr && *forced != '\0') {
+    auto path = moe_path_from_name(forced);
+    if (!path.is_ok()) return {path.status().code(), "K3_CUDA_MOE_PATH: " + path.status().message()};
+    options.path = path.value();
+  }
+  return Status::ok();
+}
+
+}  // namespace moe_detail
+
 ExpertRows expert_rows(const MoePlan& plan, void* workspace) {
   if (workspace == nullptr) return {};
   return {at<float>(workspace, plan.ws_y), at<int32_t>(workspace, plan.ws_slot_row)};
@@ -193,19 +208,13 @@ Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsVie
     return invalid_argument("out has " + std::to_string(out.size()) + " bytes, expected M * K * " +
                             std::to_string(out_dtype_size(p.out_dtype)));
   }
+  MoeOptions options;
+  K3_RETURN_IF_ERROR(moe_detail::apply_env_options(options));  // a bad knob is an error even without a device
   if (in.m == 0) return Status::ok();
   auto caps = device_caps(0);
   if (!caps.is_ok()) return caps.status();
-  MoeOptions options;
   options.max_tokens = in.m;
   options.device = caps.value();
-  const char* native = std::getenv("K3_CUDA_SM120_NATIVE");
-  options.sm120_native_w4a8 = native != nullptr && std::string(native) == "1";
-  if (const char* forced = std::getenv("K3_CUDA_MOE_PATH"); forced != nullptr && *forced != '\0') {
-    auto path = moe_path_from_name(forced);
-    if (!path.is_ok()) return {path.status().code(), "K3_CUDA_MOE_PATH: " + path.status().message()};
-    options.path = path.value();
-  }
   auto plan = cuda::plan(p, options);
   if (!plan.is_ok()) return plan.status();
   auto weights = prepack(plan.value(), w);

@@ -24,6 +24,10 @@
 
 namespace k3::cuda::moe_detail {
 
+// The tools' run-time knobs of run_host and the bench (never read by cuda::plan / run):
+// K3_CUDA_SM120_NATIVE=1 and K3_CUDA_MOE_PATH=<path name>; an unknown name is an error.
+Status apply_env_options(MoeOptions& options);
+
 void launch_prep_x(const Dims& d, Recipe recipe, const int32_t* m, const uint16_t* x, uint16_t* x_bf16, int* status,
                    cudaStream_t s);
 void launch_sort(const Dims& d, const int32_t* m, const int32_t* topk_ids, int32_t* chunk_hist, int32_t* counts,
