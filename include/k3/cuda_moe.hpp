@@ -81,7 +81,7 @@ struct MoeOptions {
   bool sm120_native_w4a8 = false;
   // Force a path instead of the plan's choice from the expected rows per local expert (tests, the
   // device check, comparisons). CLI / run_host: environment variable K3_CUDA_MOE_PATH=<name>.
-  std::optional<MoePath> path;
+  std::optional<MoePath> path{};
 };
 
 // Checks shape, capability and compiled architectures; chooses tiles; sizes the workspace.
