@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <climits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "k3/cuda.hpp"
@@ -28,11 +29,22 @@ MoeCase make_problem(int64_t m) {
   return std::move(c).value();
 }
 
-TEST(CudaMoeGraph, EagerCaptureAndReplaysAreBitIdentical) {
+// Every test runs once per path (MoeOptions::path): decode, decode-splitk (programmatic dependent
+// launches inside the capture) and prefill.
+class CudaMoeGraph : public ::testing::TestWithParam<cuda::MoePath> {
+ protected:
+  cuda::MoeOptions options(int64_t max_tokens, const cuda::DeviceCaps& caps) const {
+    cuda::MoeOptions o{.max_tokens = max_tokens, .device = caps};
+    o.path = GetParam();
+    return o;
+  }
+};
+
+TEST_P(CudaMoeGraph, EagerCaptureAndReplaysAreBitIdentical) {
   auto caps = cuda::device_caps(0);
   if (!caps.is_ok()) GTEST_SKIP() << "no CUDA device: " << caps.status().message();
   auto pr = make_problem(37);
-  auto plan = cuda::plan(pr.problem, {.max_tokens = pr.m, .device = caps.value()});
+  auto plan = cuda::plan(pr.problem, options(pr.m, caps.value()));
   ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
   const MoeWeightsView wv = pr.weights();
   auto weights = cuda::prepack(plan.value(), wv);
@@ -92,12 +104,12 @@ TEST(CudaMoeGraph, EagerCaptureAndReplaysAreBitIdentical) {
 // A token count in device memory beyond the plan's max_m (or negative) is clamped: the kernels
 // never read ids / x / weights past max_m rows or write past the row map and out. The buffers
 // carry a tail that a kernel without the clamp would read (local expert ids) or write (out guard).
-TEST(CudaMoeGraph, DeviceTokenCountIsClampedToMaxM) {
+TEST_P(CudaMoeGraph, DeviceTokenCountIsClampedToMaxM) {
   auto caps = cuda::device_caps(0);
   if (!caps.is_ok()) GTEST_SKIP() << "no CUDA device: " << caps.status().message();
   auto pr = make_problem(37);
   const int64_t k = 256, top_k = 4, max_m = pr.m;
-  auto plan = cuda::plan(pr.problem, {.max_tokens = max_m, .device = caps.value()});
+  auto plan = cuda::plan(pr.problem, options(max_m, caps.value()));
   ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
   auto weights = cuda::prepack(plan.value(), pr.weights());
   ASSERT_TRUE(weights.is_ok()) << weights.status().to_string();
@@ -140,6 +152,14 @@ TEST(CudaMoeGraph, DeviceTokenCountIsClampedToMaxM) {
   EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](uint8_t v) { return v == 0x5A; }));
   for (void* p : {ws, dx, dids, dw, dout, dm}) cudaFree(p);
 }
+
+INSTANTIATE_TEST_SUITE_P(Paths, CudaMoeGraph,
+                         ::testing::Values(cuda::MoePath::kDecode, cuda::MoePath::kDecodeSplitK, cuda::MoePath::kPrefill),
+                         [](const ::testing::TestParamInfo<cuda::MoePath>& param_info) {
+                           std::string name = cuda::moe_path_name(param_info.param);
+                           for (char& c : name) c = c == '-' ? '_' : c;
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace k3
