@@ -153,6 +153,38 @@ TEST_P(CudaMoeGraph, DeviceTokenCountIsClampedToMaxM) {
   for (void* p : {ws, dx, dids, dw, dout, dm}) cudaFree(p);
 }
 
+// decode-splitk reads its own prepacked layout: weights prepacked for another path's plan are
+// refused with the two layouts named, in both directions, before anything is enqueued.
+TEST(CudaMoeGraphLayout, WeightsPrepackedForAnotherLayoutAreRefused) {
+  auto caps = cuda::device_caps(0);
+  if (!caps.is_ok()) GTEST_SKIP() << "no CUDA device: " << caps.status().message();
+  auto pr = make_problem(8);
+  cuda::MoeOptions o{.max_tokens = pr.m, .device = caps.value()};
+  o.path = cuda::MoePath::kDecodeSplitK;
+  auto splitk = cuda::plan(pr.problem, o);
+  o.path = cuda::MoePath::kPrefill;
+  auto prefill = cuda::plan(pr.problem, o);
+  ASSERT_TRUE(splitk.is_ok() && prefill.is_ok());
+  auto w_splitk = cuda::prepack(splitk.value(), pr.weights());
+  auto w_prefill = cuda::prepack(prefill.value(), pr.weights());
+  ASSERT_TRUE(w_splitk.is_ok() && w_prefill.is_ok());
+  void* ws = nullptr;
+  CUDA_OK(cudaMalloc(&ws, std::max(splitk->workspace_bytes, prefill->workspace_bytes)));
+  int32_t* dm = nullptr;
+  CUDA_OK(cudaMalloc(&dm, 4));
+  // Non-null device pointers for the argument checks; nothing may be enqueued.
+  cuda::DeviceInputs in{dm, reinterpret_cast<uint16_t*>(ws), reinterpret_cast<int32_t*>(ws), nullptr, nullptr};
+  auto a = cuda::run_experts(splitk.value(), w_prefill.value(), in, ws, nullptr);
+  EXPECT_EQ(a.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(a.status().message().find("needs the decode-splitk layout"), std::string::npos) << a.status().message();
+  auto b = cuda::run_experts(prefill.value(), w_splitk.value(), in, ws, nullptr);
+  EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(b.status().message().find("prepacked for the decode-splitk layout"), std::string::npos)
+      << b.status().message();
+  cudaFree(ws);
+  cudaFree(dm);
+}
+
 INSTANTIATE_TEST_SUITE_P(Paths, CudaMoeGraph,
                          ::testing::Values(cuda::MoePath::kDecode, cuda::MoePath::kDecodeSplitK, cuda::MoePath::kPrefill),
                          [](const ::testing::TestParamInfo<cuda::MoePath>& param_info) {
