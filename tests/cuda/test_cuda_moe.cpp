@@ -5,7 +5,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "k3/cuda.hpp"
@@ -14,6 +16,7 @@
 #include "k3/moe_case.hpp"
 #include "k3/moe_compare.hpp"
 #include "k3/moe_ref.hpp"
+#include "scoped_env.hpp"
 
 namespace k3 {
 namespace {
@@ -31,12 +34,16 @@ MoeCase make_case(int64_t k, int64_t n, int experts, int top_k, int ep_size, int
   return std::move(c).value();
 }
 
-class CudaMoe : public ::testing::Test {
+// Every test runs once per path (MoeOptions::path through run_host's K3_CUDA_MOE_PATH): the old
+// decode path, decode-splitk (the automatic decode choice) and prefill.
+class CudaMoe : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
     auto caps = cuda::device_caps(0);
     if (!caps.is_ok()) GTEST_SKIP() << "no CUDA device: " << caps.status().message();
+    path_.emplace("K3_CUDA_MOE_PATH", GetParam());
   }
+  std::optional<test::ScopedEnv> path_;
 };
 
 // The library's comparison (k3/moe_compare.hpp), as `k3 validate --backend cuda` measures: NaN /
@@ -47,7 +54,7 @@ MoeMetrics compare(const MoeCase& c, const std::vector<uint8_t>& out, const std:
   return m.is_ok() ? m.value() : MoeMetrics{};
 }
 
-TEST_F(CudaMoe, MatchesContractOracleAcrossRecipesActivationsAndDtypes) {
+TEST_P(CudaMoe, MatchesContractOracleAcrossRecipesActivationsAndDtypes) {
   struct Shape { int64_t k, n; int e, top_k, ep_size, ep_rank; int64_t m; };
   const Shape shapes[] = {{96, 160, 5, 3, 1, 0, 19}, {256, 128, 16, 4, 2, 1, 37}, {512, 256, 64, 8, 4, 3, 130}};
   for (const auto& s : shapes) {
@@ -75,7 +82,7 @@ TEST_F(CudaMoe, MatchesContractOracleAcrossRecipesActivationsAndDtypes) {
   }
 }
 
-TEST_F(CudaMoe, RunsAreBitIdentical) {
+TEST_P(CudaMoe, RunsAreBitIdentical) {
   auto c = make_case(256, 128, 16, 4, 1, 0, 65, 9);
   std::vector<uint8_t> a(c.m * 256 * 2), b(a.size());
   ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), a).is_ok());
@@ -85,7 +92,7 @@ TEST_F(CudaMoe, RunsAreBitIdentical) {
 
 // NaN x poisons exactly its token for every recipe and activation (SwiGLU's clamps keep NaN:
 // fminf / fmaxf turned a NaN gate and up into finite limits).
-TEST_F(CudaMoe, NanInputPoisonsOnlyItsToken) {
+TEST_P(CudaMoe, NanInputPoisonsOnlyItsToken) {
   for (Recipe r : {Recipe::kW4A8, Recipe::kW4A16}) {
     for (ActivationKind a : {ActivationKind::kSiTU, ActivationKind::kSwiGLU, ActivationKind::kSiLU}) {
       auto c = make_case(96, 160, 5, 3, 1, 0, 7, 13);
@@ -105,7 +112,7 @@ TEST_F(CudaMoe, NanInputPoisonsOnlyItsToken) {
 
 // W4A8 x at the BF16 maximum dequantizes to +-Inf (the contract's FP32 value, held exactly by
 // BF16): the run succeeds and matches the oracle's NaN / Inf classes (it used to be kInexact).
-TEST_F(CudaMoe, W4a8OverflowingXIsExactInf) {
+TEST_P(CudaMoe, W4a8OverflowingXIsExactInf) {
   auto c = make_case(96, 160, 5, 3, 1, 0, 4, 17);
   for (int j = 0; j < 96; ++j) c.x[1 * 96 + j] = j % 2 ? 0x7F7F : 0xFF7F;  // +-3.39e38
   c.x[2 * 96 + 5] = 0x7F80;                                                 // +Inf
@@ -118,7 +125,7 @@ TEST_F(CudaMoe, W4a8OverflowingXIsExactInf) {
 }
 
 // A weight block with scale 0xFF is NaN (the contract), in FC1 and in FC2.
-TEST_F(CudaMoe, NanWeightScaleGivesNanBlock) {
+TEST_P(CudaMoe, NanWeightScaleGivesNanBlock) {
   for (int which = 0; which < 2; ++which) {
     auto c = make_case(96, 160, 5, 3, 1, 0, 6, 19);
     c.topk_ids.assign(c.topk_ids.size(), -1);
@@ -142,7 +149,7 @@ TEST_F(CudaMoe, NanWeightScaleGivesNanBlock) {
 
 // W4A8 activation outputs in BF16's subnormal range (tiny FC1 weight scales) are reported as
 // kInexact instead of being rounded silently.
-TEST_F(CudaMoe, W4a8SubnormalActivationIsReported) {
+TEST_P(CudaMoe, W4a8SubnormalActivationIsReported) {
   auto c = make_case(96, 160, 5, 3, 1, 0, 16, 23);
   c.problem.activation.kind = ActivationKind::kSiLU;  // ~ g * u / 2 for tiny g: about 2^-128 here
   c.fc1_scale.assign(c.fc1_scale.size(), 59);         // 2^-68: FC1 outputs near 2^-63
@@ -151,6 +158,13 @@ TEST_F(CudaMoe, W4a8SubnormalActivationIsReported) {
   EXPECT_EQ(st.code(), StatusCode::kInexact) << st.to_string();
   EXPECT_NE(st.message().find("activation output"), std::string::npos) << st.message();
 }
+
+INSTANTIATE_TEST_SUITE_P(Paths, CudaMoe, ::testing::Values("decode", "decode-splitk", "prefill"),
+                         [](const ::testing::TestParamInfo<const char*>& param_info) {
+                           std::string name = param_info.param;
+                           for (char& c : name) c = c == '-' ? '_' : c;
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace k3

@@ -44,6 +44,20 @@ void launch_finalize(const Dims& d, OutDType dtype, const int32_t* m, const int3
 
 namespace k3::cuda::moe_detail {
 
+// decode-splitk path (moe_gemm_splitk.cu): swap AB, split-K over the warps of a CTA, weights in the
+// fragment-native layout of moe_pack.hpp, launched with programmatic dependent launch.
+// NEVER RUN ON A GPU.
+cudaError_t launch_fc1_splitk(const Dims& d, Recipe recipe, const ActParams& act, const uint16_t* x_bf16,
+                              const int32_t* row_token, const int32_t* tile_expert, const uint8_t* fc1_pq,
+                              const uint32_t* fc1_ps, uint16_t* act_out, int* status, cudaStream_t s);
+cudaError_t launch_fc2_splitk(const Dims& d, const uint16_t* act_in, const int32_t* row_token,
+                              const int32_t* tile_expert, const uint8_t* fc2_pq, const uint32_t* fc2_ps, float* y,
+                              cudaStream_t s);
+
+}  // namespace k3::cuda::moe_detail
+
+namespace k3::cuda::moe_detail {
+
 // sm_120a native block-scaled W4A8 path (moe_gemm_sm120.cu). NEVER RUN ON HARDWARE.
 void launch_prep_x_mx(const Dims& d, const int32_t* m, const uint16_t* x, uint8_t* codes, uint8_t* scales,
                       cudaStream_t s);
