@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 
 #include "k3/kda.hpp"
 #include "k3/moe.hpp"
@@ -16,6 +17,7 @@ namespace k3::cuda {
 struct DeviceTiming {
   double median_s = 0, min_s = 0, max_s = 0;
   int iterations = 0;
+  std::string path;  // time_moe: the kernel path the plan ran (moe_path_name), else empty
 };
 
 // Device-to-device copy of `bytes`; returns bytes read + written per second (median of iters).

@@ -26,6 +26,10 @@ namespace k3::cuda {
 enum class MoePath : uint8_t {
   kDecode,   // few rows per expert: tile 16 rows, weights streamed once per active expert
   kPrefill,  // many rows per expert: tile 64 rows
+  // few rows per expert, the automatic decode choice: swap AB (weights = M operand, tokens = N),
+  // split-K over kSplitKWarps warps per CTA, weights in a fragment-native prepacked layout
+  // (src/cuda/moe/moe_pack.hpp). NEVER RUN ON A GPU.
+  kDecodeSplitK,
   // many rows per expert on sm_90: CUTLASS wgmma/TMA grouped mixed-input GEMMs (E4M3 weights with
   // BF16 scales per 64 columns, re-encoded exactly at prepack). NEVER RUN ON A GPU. Needs a build
   // with CUTLASS (DeviceCaps::has_sm90_grouped); the plan picks it over kPrefill when it can.
@@ -37,6 +41,10 @@ Result<MoePath> moe_path_from_name(const std::string& name);
 
 // The plan runs the decode path while the expected rows per local expert are at most this.
 inline constexpr double kDecodeMaxRowsPerExpert = 16.0;
+// kDecodeSplitK's CTA: kSplitKWarps warps split the reduction of kSplitKRows weight rows (4 m-tiles
+// of 16; FC1: 32 intermediate columns, gate and up) x 16 token rows (2 n-tiles of 8).
+inline constexpr int kSplitKWarps = 8;
+inline constexpr int kSplitKRows = 64;
 
 // Workspace bounds the plan reserves for prefill-sm90 (host code cannot ask CUTLASS): per local
 // expert for the group arrays of both GEMMs, and per SM for CUTLASS's workspace of both GEMMs.
@@ -86,6 +94,11 @@ struct MoePlan {
   int64_t cutlass_bytes = 0;     //   (a bound, checked at run time)
   int64_t workspace_bytes = 0;
   int sort_chunk = 1024;         // token-slots per block of the stable counting sort
+  // kDecodeSplitK only (else 0): warps splitting K per CTA, weight rows per CTA, and the CTAs of
+  // FC1 / FC2 (x = row tiles, y = groups of kSplitKRows weight rows).
+  int splitk_warps = 0;
+  int splitk_rows = 0;
+  int64_t splitk_fc1_ctas = 0, splitk_fc2_ctas = 0;
   std::string describe() const;  // one line per decision
 };
 
@@ -100,7 +113,7 @@ struct MoeOptions {
   bool sm120_native_w4a8 = false;
   // Force a path instead of the plan's choice from the expected rows per local expert (tests, the
   // device check, comparisons). CLI / run_host: environment variable K3_CUDA_MOE_PATH=<name>.
-  std::optional<MoePath> path = std::nullopt;  // (initialized: designated initializers may omit it without -Wmissing-field-initializers)
+  std::optional<MoePath> path = std::nullopt;
 };
 
 // Checks shape, capability and compiled architectures; chooses tiles; sizes the workspace.
@@ -109,7 +122,10 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options);
 
 // ---- device side (available only in builds with CUDA; otherwise kUnavailable) ---------------
 
-// Weights resident on the device in the checkpoint layout ([gate; up] FC1, FC2, linear scales).
+// Weights resident on the device in the checkpoint layout ([gate; up] FC1, FC2, linear scales),
+// or, for a kDecodeSplitK plan, in that path's fragment-native layout instead (the same weight
+// bytes and scales, the reduction padded to a multiple of 128; docs/cuda_moe.md): prepack for the
+// plan that runs (a decode plan and a prefill plan each need their own; run reports a mismatch).
 // Prepack also checks that every scale code keeps the exact BF16 dequantization valid
 // (docs/formats.md); a block that would not is reported and the layer cannot run on this path.
 class DeviceWeights {

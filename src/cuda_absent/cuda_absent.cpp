@@ -5,6 +5,7 @@
 #include "k3/cuda_kda_ops.hpp"
 #include "k3/cuda_moe.hpp"
 #include "k3/cuda_routing.hpp"
+#include "k3/cuda_sm120.hpp"
 
 namespace k3::cuda {
 namespace {
@@ -15,6 +16,7 @@ Status not_built() {
 
 bool compiled() { return false; }
 std::string compiled_archs() { return ""; }
+bool has_sm120_blockscaled_gemm() { return false; }
 Result<std::vector<DeviceInfo>> devices() { return not_built(); }
 Status kda_log_decay(const kda::KdaConfig&, int64_t, std::span<const float>, std::span<const float>,
                      std::span<const float>, std::span<float>) {

@@ -4,6 +4,8 @@
 // review of the CUDA backend (docs/cuda_moe.md, "Defects fixed").
 #include <gtest/gtest.h>
 
+#include <optional>
+
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -277,20 +279,27 @@ TEST(CudaMoeShared, LaunchGridsStayWithinLimitsUpToTheLargestPlan) {
   const S shapes[] = {{896, 32, 16, 3584, 3072}, {4096, 1, 32, 64, 32}, {32, 32, 1, 96, 160}, {4096, 4096, 32, 32, 64}};
   for (const auto& sh : shapes) {
     for (int64_t max_m : {int64_t{1}, int64_t{16}, int64_t{4096}, int64_t{65535}, int64_t{65536}}) {
+    // The plan's own choice, and the mma.sync paths forced onto every size (more row tiles than
+    // gridDim.y allows: their kernels grid-stride over the tiles).
+    for (const std::optional<MoePath> forced : {std::optional<MoePath>{}, std::optional<MoePath>{MoePath::kDecode},
+                                                std::optional<MoePath>{MoePath::kPrefill}}) {
       MoeProblem p;
       p.shape = {sh.k, sh.n, sh.e, sh.top_k, sh.ep, 0};
-      auto plan = cuda::plan(p, {.max_tokens = max_m, .device = h200()});
+      MoeOptions o{.max_tokens = max_m, .device = h200()};
+      o.path = forced;
+      auto plan = cuda::plan(p, o);
       ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
       const Dims d = dims_of(plan.value());
       const std::string what = "E " + std::to_string(sh.e) + "/" + std::to_string(sh.ep) + " top-" +
-                               std::to_string(sh.top_k) + " max_m " + std::to_string(max_m);
+                               std::to_string(sh.top_k) + " max_m " + std::to_string(max_m) + " path " +
+                               moe_path_name(plan->path);
       expect_within_limits(prep_grid(d), what + " prep_x");
       expect_within_limits(gemm_grid(d, true, plan->block_n), what + " fc1");
       expect_within_limits(gemm_grid(d, false, plan->block_n), what + " fc2");
       const Grid f = finalize_grid(d);
       expect_within_limits(f, what + " finalize");
-      // The GEMMs launch one CTA per row tile: gemm_grid must not cap them.
-      EXPECT_EQ(int64_t{gemm_grid(d, true, plan->block_n).y}, d.max_tiles) << what;
+      // The mma.sync GEMMs launch one CTA per row tile up to gridDim.y's limit and grid-stride past it.
+      EXPECT_EQ(int64_t{gemm_grid(d, true, plan->block_n).y}, std::min<int64_t>(d.max_tiles, kMaxGridYZ)) << what;
       EXPECT_EQ(int64_t{gemm_grid(d, true, plan->block_n).x} * plan->block_n, d.n) << what;
       EXPECT_EQ(int64_t{gemm_grid(d, false, plan->block_n).x} * plan->block_n, d.k) << what;
       // Sort: one CTA of `chunk` threads per chunk, covering every slot.
@@ -306,6 +315,14 @@ TEST(CudaMoeShared, LaunchGridsStayWithinLimitsUpToTheLargestPlan) {
       // prep_x covers every (token, block) with its grid-stride.
       EXPECT_GE(int64_t{prep_grid(d).x} * kPrepThreads, std::min<int64_t>(d.max_m * (d.k / kMxBlock), kMaxGridX))
           << what;
+      // The mma.sync GEMMs visit every row tile exactly once (tile = blockIdx.y; tile += gridDim.y).
+      const int64_t gy = gemm_grid(d, true, plan->block_n).y;
+      std::vector<int> tile_visits(static_cast<size_t>(d.max_tiles), 0);
+      for (int64_t by = 0; by < gy; ++by) {
+        for (int64_t t = by; t < d.max_tiles; t += gy) ++tile_visits[static_cast<size_t>(t)];
+      }
+      for (int64_t t = 0; t < d.max_tiles; ++t) ASSERT_EQ(tile_visits[static_cast<size_t>(t)], 1) << what << " tile " << t;
+    }
     }
   }
   // The case a grid of max_m rows gets wrong: gridDim.y = 65536 is not launchable.

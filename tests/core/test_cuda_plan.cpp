@@ -29,7 +29,7 @@ MoeProblem kimi_rank7() {
 TEST(CudaMoePlan, KimiDecodeAndPrefillPaths) {
   auto d = cuda::plan(kimi_rank7(), {.max_tokens = 1, .device = h200()});
   ASSERT_TRUE(d.is_ok()) << d.status().to_string();
-  EXPECT_EQ(d->path, MoePath::kDecode);
+  EXPECT_EQ(d->path, MoePath::kDecodeSplitK);  // the automatic decode choice
   EXPECT_EQ(d->block_m, 16);
   EXPECT_EQ(d->block_n, 64);  // 3072 and 3584 are multiples of 64
   EXPECT_EQ(d->max_slots, 16);
@@ -58,24 +58,24 @@ TEST(CudaMoePlan, ForcedPathOverridesTheChoice) {
   ASSERT_TRUE(a.is_ok());
   EXPECT_FALSE(a->path_forced);
   EXPECT_EQ(a->describe().find("forced"), std::string::npos) << a->describe();
-  for (MoePath path : {MoePath::kDecode, MoePath::kPrefill}) {
+  for (MoePath path : {MoePath::kDecode, MoePath::kPrefill, MoePath::kDecodeSplitK}) {
     auto back = moe_path_from_name(moe_path_name(path));
     ASSERT_TRUE(back.is_ok());
     EXPECT_EQ(back.value(), path);
   }
   auto bad = moe_path_from_name("fast");
   ASSERT_FALSE(bad.is_ok());
-  EXPECT_NE(bad.status().message().find("'fast' is not one of decode, prefill"), std::string::npos)
+  EXPECT_NE(bad.status().message().find("'fast' is not one of decode, prefill, decode-splitk"), std::string::npos)
       << bad.status().message();
 }
 
 // The path follows the rows each LOCAL expert can expect (max_tokens * top_k / E under uniform
 // routing), not max_tokens * top_k / E_local: at EP 32 a rank sees 1/32 of the slots.
 TEST(CudaMoePlan, PathFollowsTheExpectedRowsPerLocalExpert) {
-  for (const auto& [ep, max_tokens, want] : {std::tuple{32, 512, MoePath::kDecode},   // 512 * 16 / 896 = 9.1
-                                             std::tuple{32, 896, MoePath::kDecode},   // 16.0
-                                             std::tuple{32, 1024, MoePath::kPrefill}, // 18.3
-                                             std::tuple{1, 512, MoePath::kDecode},
+  for (const auto& [ep, max_tokens, want] : {std::tuple{32, 512, MoePath::kDecodeSplitK},   // 512 * 16 / 896 = 9.1
+                                             std::tuple{32, 896, MoePath::kDecodeSplitK},   // 16.0
+                                             std::tuple{32, 1024, MoePath::kPrefill},       // 18.3
+                                             std::tuple{1, 512, MoePath::kDecodeSplitK},
                                              std::tuple{1, 2048, MoePath::kPrefill}}) {
     MoeProblem pr;
     pr.shape.ep_size = ep;
@@ -86,6 +86,44 @@ TEST(CudaMoePlan, PathFollowsTheExpectedRowsPerLocalExpert) {
     EXPECT_DOUBLE_EQ(p->expected_rows_per_local_expert, max_tokens * 16.0 / 896.0);
     EXPECT_NE(p->describe().find("rows per local expert"), std::string::npos) << p->describe();
   }
+}
+
+// decode-splitk (the automatic decode path): tile 16 token rows x 64 weight rows, 8 warps split K,
+// static shared memory for the partials, CTA counts and the split in describe(); the old decode
+// path stays selectable.
+TEST(CudaMoePlan, DecodeSplitKGeometryAndDescribe) {
+  auto p = cuda::plan(kimi_rank7(), {.max_tokens = 64, .device = h200()});
+  ASSERT_TRUE(p.is_ok()) << p.status().to_string();
+  EXPECT_EQ(p->path, MoePath::kDecodeSplitK);
+  EXPECT_FALSE(p->path_forced);
+  EXPECT_EQ(p->block_m, 16);
+  EXPECT_EQ(p->splitk_warps, 8);
+  EXPECT_EQ(p->splitk_rows, 64);
+  EXPECT_EQ(p->smem_bytes, 8 * 4 * 2 * 4 * 32 * 4);  // 32 KB of FP32 partials
+  EXPECT_EQ(p->splitk_fc1_ctas, p->max_tiles * (2 * 3072 / 64));
+  EXPECT_EQ(p->splitk_fc2_ctas, p->max_tiles * (3584 / 64));
+  const std::string s = p->describe();
+  EXPECT_NE(s.find("path decode-splitk"), std::string::npos) << s;
+  EXPECT_NE(s.find("K split over 8 warps"), std::string::npos) << s;
+  EXPECT_NE(s.find("16 token rows (2 n-tiles of 8) x 64 weight rows"), std::string::npos) << s;
+  MoeOptions o{.max_tokens = 64, .device = h200()};
+  o.path = MoePath::kDecode;
+  auto old = cuda::plan(kimi_rank7(), o);
+  ASSERT_TRUE(old.is_ok());
+  EXPECT_EQ(old->path, MoePath::kDecode);
+  EXPECT_EQ(old->block_m, 16);
+  EXPECT_EQ(old->splitk_warps, 0);
+  EXPECT_EQ(old->describe().find("split-K"), std::string::npos);
+  // Odd shapes (K, N multiples of 32, not of 64) plan too; FC2's last row group is half full.
+  MoeProblem odd;
+  odd.shape.hidden = 96;
+  odd.shape.intermediate = 160;
+  odd.shape.num_experts = 5;
+  odd.shape.top_k = 3;
+  auto q = cuda::plan(odd, {.max_tokens = 19, .device = h200()});
+  ASSERT_TRUE(q.is_ok());
+  EXPECT_EQ(q->path, MoePath::kDecodeSplitK);  // 19 * 3 / 5 = 11.4 rows per expert
+  EXPECT_EQ(q->splitk_fc2_ctas, q->max_tiles * 2);
 }
 
 TEST(CudaMoePlan, WorkspaceRegionsAreDisjointAndAligned) {
@@ -199,7 +237,7 @@ TEST(CudaMoePlan, PrefillSm90IsChosenOnSm90BuildsWithCutlass) {
   EXPECT_NE(p->describe().find("activation not fused"), std::string::npos) << p->describe();
   auto d = cuda::plan(kimi_rank7(), {.max_tokens = 512, .device = h200_with_cutlass()});
   ASSERT_TRUE(d.is_ok());
-  EXPECT_EQ(d->path, MoePath::kDecode);
+  EXPECT_EQ(d->path, MoePath::kDecodeSplitK);  // the automatic decode choice, unchanged
   auto without = cuda::plan(kimi_rank7(), {.max_tokens = 2048, .device = h200()});
   ASSERT_TRUE(without.is_ok());
   EXPECT_EQ(without->path, MoePath::kPrefill) << "hand-written caps default to 'not built'";

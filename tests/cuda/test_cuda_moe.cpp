@@ -4,8 +4,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <random>
@@ -18,7 +16,7 @@
 #include "k3/moe_case.hpp"
 #include "k3/moe_compare.hpp"
 #include "k3/moe_ref.hpp"
-#include "k3/status.hpp"
+#include "scoped_env.hpp"
 
 namespace k3 {
 namespace {
@@ -36,38 +34,23 @@ MoeCase make_case(int64_t k, int64_t n, int experts, int top_k, int ep_size, int
   return std::move(c).value();
 }
 
-class CudaMoe : public ::testing::Test {
+// Every test runs once per path (MoeOptions::path through run_host's K3_CUDA_MOE_PATH): the old
+// decode path, decode-splitk (the automatic decode choice) and prefill.
+class CudaMoe : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
     auto caps = cuda::device_caps(0);
     if (!caps.is_ok()) GTEST_SKIP() << "no CUDA device: " << caps.status().message();
-  }
-};
-
-// Paths the tests force besides the plan's own choice, through K3_CUDA_MOE_PATH (run_host reads
-// it). A path the device or build cannot run (cuda::plan says kUnsupported) is skipped, logged.
-const char* const kForcedPaths[] = {"prefill-sm90"};
-
-// Runs fn(path name) for the plan's own path ("auto") and every forced path this device can run.
-template <class F>
-void for_each_path(const MoeProblem& problem, int64_t m, F fn) {
-  fn("auto");
-  auto caps = cuda::device_caps(0);
-  ASSERT_TRUE(caps.is_ok());
-  for (const char* name : kForcedPaths) {
-    cuda::MoeOptions o{.max_tokens = m, .device = caps.value()};
-    o.path = cuda::moe_path_from_name(name).value();
-    auto p = cuda::plan(problem, o);
-    if (!p.is_ok()) {
-      ASSERT_EQ(p.status().code(), StatusCode::kUnsupported) << p.status().to_string();
-      std::printf("[ skipped path %s: %s ]\n", name, p.status().message().c_str());
-      continue;
+    if (std::string(GetParam()) == "prefill-sm90" &&
+        !(caps->cc_major == 9 && caps->cc_minor == 0 && caps->has_sm90_grouped)) {
+      GTEST_SKIP() << "prefill-sm90 needs an sm_90 device and a build with CUTLASS ('" << caps->name << "' is sm_"
+                   << caps->cc_major << caps->cc_minor << (caps->has_sm90_grouped ? "" : ", built without CUTLASS")
+                   << ")";
     }
-    ASSERT_EQ(setenv("K3_CUDA_MOE_PATH", name, 1), 0);
-    fn(name);
-    unsetenv("K3_CUDA_MOE_PATH");
+    path_.emplace("K3_CUDA_MOE_PATH", GetParam());
   }
-}
+  std::optional<test::ScopedEnv> path_;
+};
 
 // The library's comparison (k3/moe_compare.hpp), as `k3 validate --backend cuda` measures: NaN /
 // Inf class against the rounded oracle, rows without a local slot exactly +0.0.
@@ -77,7 +60,7 @@ MoeMetrics compare(const MoeCase& c, const std::vector<uint8_t>& out, const std:
   return m.is_ok() ? m.value() : MoeMetrics{};
 }
 
-TEST_F(CudaMoe, MatchesContractOracleAcrossRecipesActivationsAndDtypes) {
+TEST_P(CudaMoe, MatchesContractOracleAcrossRecipesActivationsAndDtypes) {
   struct Shape { int64_t k, n; int e, top_k, ep_size, ep_rank; int64_t m; };
   const Shape shapes[] = {{96, 160, 5, 3, 1, 0, 19}, {256, 128, 16, 4, 2, 1, 37}, {512, 256, 64, 8, 4, 3, 130}};
   for (const auto& s : shapes) {
@@ -90,36 +73,56 @@ TEST_F(CudaMoe, MatchesContractOracleAcrossRecipesActivationsAndDtypes) {
           c.problem.out_dtype = dt;
           std::vector<double> ref(c.m * s.k);
           ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
-          for_each_path(c.problem, c.m, [&](const char* path) {
-            std::vector<uint8_t> out(c.m * s.k * out_dtype_size(dt), 0xEE);
-            const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
-            ASSERT_TRUE(st.is_ok()) << path << ": " << st.to_string();
-            const auto met = compare(c, out, ref, dt);
-            const std::string what = std::string(path) + " " + recipe_name(r) + " " + activation_name(a) + " " +
-                                     out_dtype_name(dt) + " K" + std::to_string(s.k) + " M" + std::to_string(s.m);
-            // The named contract tolerance of `k3 validate` (docs/moe.md, "Tolerances").
-            std::string why;
-            EXPECT_TRUE(within(met, contract_tolerance(dt), &why)) << what << ": " << why << " (" << met.summary() << ")";
-          });
+          std::vector<uint8_t> out(c.m * s.k * out_dtype_size(dt), 0xEE);
+          const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+          ASSERT_TRUE(st.is_ok()) << st.to_string();
+          const auto met = compare(c, out, ref, dt);
+          const std::string what = std::string(recipe_name(r)) + " " + activation_name(a) + " " + out_dtype_name(dt) +
+                                   " K" + std::to_string(s.k) + " M" + std::to_string(s.m);
+          // The named contract tolerance of `k3 validate` (docs/moe.md, "Tolerances").
+          std::string why;
+          EXPECT_TRUE(within(met, contract_tolerance(dt), &why)) << what << ": " << why << " (" << met.summary() << ")";
         }
       }
     }
   }
 }
 
-TEST_F(CudaMoe, RunsAreBitIdentical) {
+TEST_P(CudaMoe, RunsAreBitIdentical) {
   auto c = make_case(256, 128, 16, 4, 1, 0, 65, 9);
-  for_each_path(c.problem, c.m, [&](const char* path) {
-    std::vector<uint8_t> a(c.m * 256 * 2), b(a.size());
-    ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), a).is_ok()) << path;
-    ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), b).is_ok()) << path;
-    EXPECT_EQ(a, b) << path;
-  });
+  std::vector<uint8_t> a(c.m * 256 * 2), b(a.size());
+  ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), a).is_ok());
+  ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), b).is_ok());
+  EXPECT_EQ(a, b);
+}
+
+// More row tiles than gridDim.y allows (65535): at max_tokens 65536 x top-16 with every slot local
+// and unmasked, the decode path's 16-row tiles number 65536, so the mma.sync kernels must
+// grid-stride over them (they used to drop the tiles past gridDim.y). Only this path's tiles can
+// get there (prefill's 64-row tiles stay below 65535 for every plan; decode-splitk puts tiles on x).
+TEST_P(CudaMoe, MoreRowTilesThanGridDimYAllows) {
+  if (std::string(GetParam()) != "decode") GTEST_SKIP() << "only the decode path's row tiles can exceed 65535";
+  constexpr int kTopK = 16;
+  auto c = make_case(32, 32, kTopK, kTopK, 1, 0, 65536, 13);
+  for (int64_t t = 0; t < c.m; ++t) {
+    for (int j = 0; j < kTopK; ++j) {
+      c.topk_ids[static_cast<size_t>(t * kTopK + j)] = j;  // every token on every expert: 4096 tiles each
+      c.topk_weights[static_cast<size_t>(t * kTopK + j)] = 1.0f / kTopK;
+    }
+  }
+  std::vector<double> ref(c.m * 32);
+  ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
+  std::vector<uint8_t> out(c.m * 32 * out_dtype_size(c.problem.out_dtype), 0xEE);
+  const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  const auto met = compare(c, out, ref, c.problem.out_dtype);
+  std::string why;
+  EXPECT_TRUE(within(met, contract_tolerance(c.problem.out_dtype), &why)) << why << " (" << met.summary() << ")";
 }
 
 // NaN x poisons exactly its token for every recipe and activation (SwiGLU's clamps keep NaN:
 // fminf / fmaxf turned a NaN gate and up into finite limits).
-TEST_F(CudaMoe, NanInputPoisonsOnlyItsToken) {
+TEST_P(CudaMoe, NanInputPoisonsOnlyItsToken) {
   for (Recipe r : {Recipe::kW4A8, Recipe::kW4A16}) {
     for (ActivationKind a : {ActivationKind::kSiTU, ActivationKind::kSwiGLU, ActivationKind::kSiLU}) {
       auto c = make_case(96, 160, 5, 3, 1, 0, 7, 13);
@@ -129,20 +132,17 @@ TEST_F(CudaMoe, NanInputPoisonsOnlyItsToken) {
       c.x[3 * 96 + 40] = 0x7FC0;                // NaN in token 3
       std::vector<double> ref(c.m * 96);
       ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
-      for_each_path(c.problem, c.m, [&](const char* path) {
-        std::vector<uint8_t> out(c.m * 96 * 2);
-        const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
-        ASSERT_TRUE(st.is_ok()) << path << ": " << st.to_string();
-        EXPECT_EQ(compare(c, out, ref, OutDType::kBF16).nonfinite_mismatch, 0)
-            << path << " " << recipe_name(r) << " " << activation_name(a);
-      });
+      std::vector<uint8_t> out(c.m * 96 * 2);
+      const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      EXPECT_EQ(compare(c, out, ref, OutDType::kBF16).nonfinite_mismatch, 0) << recipe_name(r) << " " << activation_name(a);
     }
   }
 }
 
 // W4A8 x at the BF16 maximum dequantizes to +-Inf (the contract's FP32 value, held exactly by
 // BF16): the run succeeds and matches the oracle's NaN / Inf classes (it used to be kInexact).
-TEST_F(CudaMoe, W4a8OverflowingXIsExactInf) {
+TEST_P(CudaMoe, W4a8OverflowingXIsExactInf) {
   auto c = make_case(96, 160, 5, 3, 1, 0, 4, 17);
   for (int j = 0; j < 96; ++j) c.x[1 * 96 + j] = j % 2 ? 0x7F7F : 0xFF7F;  // +-3.39e38
   c.x[2 * 96 + 5] = 0x7F80;                                                 // +Inf
@@ -155,7 +155,7 @@ TEST_F(CudaMoe, W4a8OverflowingXIsExactInf) {
 }
 
 // A weight block with scale 0xFF is NaN (the contract), in FC1 and in FC2.
-TEST_F(CudaMoe, NanWeightScaleGivesNanBlock) {
+TEST_P(CudaMoe, NanWeightScaleGivesNanBlock) {
   for (int which = 0; which < 2; ++which) {
     auto c = make_case(96, 160, 5, 3, 1, 0, 6, 19);
     c.topk_ids.assign(c.topk_ids.size(), -1);
@@ -170,28 +170,31 @@ TEST_F(CudaMoe, NanWeightScaleGivesNanBlock) {
     int64_t nan_ref = 0;
     for (double v : ref) nan_ref += std::isnan(v);
     ASSERT_GT(nan_ref, 0) << which;
-    for_each_path(c.problem, c.m, [&](const char* path) {
-      std::vector<uint8_t> out(c.m * 96 * 2);
-      const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
-      ASSERT_TRUE(st.is_ok()) << path << ": " << st.to_string();
-      EXPECT_EQ(compare(c, out, ref, OutDType::kBF16).nonfinite_mismatch, 0) << path << (which == 0 ? " fc1" : " fc2");
-    });
+    std::vector<uint8_t> out(c.m * 96 * 2);
+    const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    EXPECT_EQ(compare(c, out, ref, OutDType::kBF16).nonfinite_mismatch, 0) << (which == 0 ? "fc1" : "fc2");
   }
 }
 
 // W4A8 activation outputs in BF16's subnormal range (tiny FC1 weight scales) are reported as
 // kInexact instead of being rounded silently.
-TEST_F(CudaMoe, W4a8SubnormalActivationIsReported) {
+TEST_P(CudaMoe, W4a8SubnormalActivationIsReported) {
   auto c = make_case(96, 160, 5, 3, 1, 0, 16, 23);
   c.problem.activation.kind = ActivationKind::kSiLU;  // ~ g * u / 2 for tiny g: about 2^-128 here
   c.fc1_scale.assign(c.fc1_scale.size(), 59);         // 2^-68: FC1 outputs near 2^-63
-  for_each_path(c.problem, c.m, [&](const char* path) {
-    std::vector<uint8_t> out(c.m * 96 * 2);
-    const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
-    EXPECT_EQ(st.code(), StatusCode::kInexact) << path << ": " << st.to_string();
-    EXPECT_NE(st.message().find("activation output"), std::string::npos) << path << ": " << st.message();
-  });
+  std::vector<uint8_t> out(c.m * 96 * 2);
+  const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+  EXPECT_EQ(st.code(), StatusCode::kInexact) << st.to_string();
+  EXPECT_NE(st.message().find("activation output"), std::string::npos) << st.message();
 }
+
+INSTANTIATE_TEST_SUITE_P(Paths, CudaMoe, ::testing::Values("decode", "decode-splitk", "prefill", "prefill-sm90"),
+                         [](const ::testing::TestParamInfo<const char*>& param_info) {
+                           std::string name = param_info.param;
+                           for (char& c : name) c = c == '-' ? '_' : c;
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace k3

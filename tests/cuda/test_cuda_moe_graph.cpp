@@ -5,9 +5,8 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstdio>
-#include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "k3/cuda.hpp"
@@ -30,22 +29,30 @@ MoeCase make_problem(int64_t m) {
   return std::move(c).value();
 }
 
-// Paths forced besides the plan's own choice; one the device or build cannot run is skipped.
-const std::optional<cuda::MoePath> kGraphPaths[] = {std::nullopt, cuda::MoePath::kPrefillSm90};
+// Every test runs once per path (MoeOptions::path): decode, decode-splitk (programmatic dependent
+// launches inside the capture) and prefill.
+class CudaMoeGraph : public ::testing::TestWithParam<cuda::MoePath> {
+ protected:
+  // prefill-sm90 runs only on sm_90 devices with a build that has CUTLASS: skipped elsewhere.
+  void SetUp() override {
+    auto caps = cuda::device_caps(0);
+    if (caps.is_ok() && GetParam() == cuda::MoePath::kPrefillSm90 &&
+        !(caps->cc_major == 9 && caps->cc_minor == 0 && caps->has_sm90_grouped)) {
+      GTEST_SKIP() << "prefill-sm90 needs an sm_90 device and a build with CUTLASS ('" << caps->name << "')";
+    }
+  }
+  cuda::MoeOptions options(int64_t max_tokens, const cuda::DeviceCaps& caps) const {
+    cuda::MoeOptions o{.max_tokens = max_tokens, .device = caps};
+    o.path = GetParam();
+    return o;
+  }
+};
 
-TEST(CudaMoeGraph, EagerCaptureAndReplaysAreBitIdentical) {
+TEST_P(CudaMoeGraph, EagerCaptureAndReplaysAreBitIdentical) {
   auto caps = cuda::device_caps(0);
   if (!caps.is_ok()) GTEST_SKIP() << "no CUDA device: " << caps.status().message();
-  for (const auto& path : kGraphPaths) {
-  SCOPED_TRACE(path ? cuda::moe_path_name(*path) : "auto");
   auto pr = make_problem(37);
-  cuda::MoeOptions options{.max_tokens = pr.m, .device = caps.value()};
-  options.path = path;
-  auto plan = cuda::plan(pr.problem, options);
-  if (path && !plan.is_ok() && plan.status().code() == StatusCode::kUnsupported) {
-    std::printf("[ skipped path %s: %s ]\n", cuda::moe_path_name(*path), plan.status().message().c_str());
-    continue;
-  }
+  auto plan = cuda::plan(pr.problem, options(pr.m, caps.value()));
   ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
   const MoeWeightsView wv = pr.weights();
   auto weights = cuda::prepack(plan.value(), wv);
@@ -100,26 +107,17 @@ TEST(CudaMoeGraph, EagerCaptureAndReplaysAreBitIdentical) {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
   for (void* p : {ws, dx, dids, dw, dout, dm}) cudaFree(p);
-  }
 }
 
 // A token count in device memory beyond the plan's max_m (or negative) is clamped: the kernels
 // never read ids / x / weights past max_m rows or write past the row map and out. The buffers
 // carry a tail that a kernel without the clamp would read (local expert ids) or write (out guard).
-TEST(CudaMoeGraph, DeviceTokenCountIsClampedToMaxM) {
+TEST_P(CudaMoeGraph, DeviceTokenCountIsClampedToMaxM) {
   auto caps = cuda::device_caps(0);
   if (!caps.is_ok()) GTEST_SKIP() << "no CUDA device: " << caps.status().message();
-  for (const auto& path : kGraphPaths) {
-  SCOPED_TRACE(path ? cuda::moe_path_name(*path) : "auto");
   auto pr = make_problem(37);
   const int64_t k = 256, top_k = 4, max_m = pr.m;
-  cuda::MoeOptions options{.max_tokens = max_m, .device = caps.value()};
-  options.path = path;
-  auto plan = cuda::plan(pr.problem, options);
-  if (path && !plan.is_ok() && plan.status().code() == StatusCode::kUnsupported) {
-    std::printf("[ skipped path %s: %s ]\n", cuda::moe_path_name(*path), plan.status().message().c_str());
-    continue;
-  }
+  auto plan = cuda::plan(pr.problem, options(max_m, caps.value()));
   ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
   auto weights = cuda::prepack(plan.value(), pr.weights());
   ASSERT_TRUE(weights.is_ok()) << weights.status().to_string();
@@ -161,8 +159,48 @@ TEST(CudaMoeGraph, DeviceTokenCountIsClampedToMaxM) {
   run_with(-5, got);  // negative: no tokens, out untouched
   EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](uint8_t v) { return v == 0x5A; }));
   for (void* p : {ws, dx, dids, dw, dout, dm}) cudaFree(p);
-  }
 }
+
+// decode-splitk reads its own prepacked layout: weights prepacked for another path's plan are
+// refused with the two layouts named, in both directions, before anything is enqueued.
+TEST(CudaMoeGraphLayout, WeightsPrepackedForAnotherLayoutAreRefused) {
+  auto caps = cuda::device_caps(0);
+  if (!caps.is_ok()) GTEST_SKIP() << "no CUDA device: " << caps.status().message();
+  auto pr = make_problem(8);
+  cuda::MoeOptions o{.max_tokens = pr.m, .device = caps.value()};
+  o.path = cuda::MoePath::kDecodeSplitK;
+  auto splitk = cuda::plan(pr.problem, o);
+  o.path = cuda::MoePath::kPrefill;
+  auto prefill = cuda::plan(pr.problem, o);
+  ASSERT_TRUE(splitk.is_ok() && prefill.is_ok());
+  auto w_splitk = cuda::prepack(splitk.value(), pr.weights());
+  auto w_prefill = cuda::prepack(prefill.value(), pr.weights());
+  ASSERT_TRUE(w_splitk.is_ok() && w_prefill.is_ok());
+  void* ws = nullptr;
+  CUDA_OK(cudaMalloc(&ws, std::max(splitk->workspace_bytes, prefill->workspace_bytes)));
+  int32_t* dm = nullptr;
+  CUDA_OK(cudaMalloc(&dm, 4));
+  // Non-null device pointers for the argument checks; nothing may be enqueued.
+  cuda::DeviceInputs in{dm, reinterpret_cast<uint16_t*>(ws), reinterpret_cast<int32_t*>(ws), nullptr, nullptr};
+  auto a = cuda::run_experts(splitk.value(), w_prefill.value(), in, ws, nullptr);
+  EXPECT_EQ(a.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(a.status().message().find("needs the decode-splitk layout"), std::string::npos) << a.status().message();
+  auto b = cuda::run_experts(prefill.value(), w_splitk.value(), in, ws, nullptr);
+  EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(b.status().message().find("prepacked for the decode-splitk layout"), std::string::npos)
+      << b.status().message();
+  cudaFree(ws);
+  cudaFree(dm);
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, CudaMoeGraph,
+                         ::testing::Values(cuda::MoePath::kDecode, cuda::MoePath::kDecodeSplitK, cuda::MoePath::kPrefill,
+                                           cuda::MoePath::kPrefillSm90),
+                         [](const ::testing::TestParamInfo<cuda::MoePath>& param_info) {
+                           std::string name = cuda::moe_path_name(param_info.param);
+                           for (char& c : name) c = c == '-' ? '_' : c;
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace k3

@@ -27,8 +27,22 @@ TEST(Cli, InfoJsonHasTheFacts) {
     for (const char* op : {"moe_status", "kda_status"}) {
       EXPECT_NE(j["cuda"][op].get<std::string>().find("never run on a GPU"), std::string::npos) << op;
     }
+    // The CUTLASS sm_120a block-scaled GEMM: present or not, and UNVERIFIED when present.
+    const std::string bs = j["cuda"]["sm120_blockscaled_gemm"].get<std::string>();
+    const bool with_sm120 = j["cuda"]["archs"].get<std::string>().find("120a") != std::string::npos;
+#if defined(K3_HAVE_CUTLASS)
+    EXPECT_EQ(bs.rfind("compiled", 0) == 0, with_sm120) << bs;
+#else
+    (void)with_sm120;
+#endif
+    if (bs.rfind("compiled", 0) == 0) {
+      EXPECT_NE(bs.find("UNVERIFIED: never run on a GPU"), std::string::npos) << bs;
+    } else {
+      EXPECT_NE(bs.find("not built"), std::string::npos) << bs;
+    }
   } else {
     EXPECT_FALSE(j["cuda"].contains("kda_status"));
+    EXPECT_FALSE(j["cuda"].contains("sm120_blockscaled_gemm"));
   }
   // Transports of the multi-rank ops: each ok or the reason it is missing.
   const std::string mpi = j["transports"]["mpi"].get<std::string>();

@@ -26,7 +26,7 @@ Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
   const double copy_bw = 2.0 * static_cast<double>(int64_t{2} << 30) / copy->median_s;  // read + write
   const SyntheticMoeWeights w = synthetic_moe_weights(sh, p.seed);
   const MoeWeightsView wv = w.view();
-  std::printf("%-6s %6s %-10s %9s %9s %9s %8s %7s %10s %8s\n", "recipe", "M", "routing", "median_ms", "min_ms",
+  std::printf("%-6s %6s %-14s %-10s %9s %9s %9s %8s %7s %10s %8s\n", "recipe", "M", "path", "routing", "median_ms", "min_ms",
               "max_ms", "wTB/s", "%copy", "cublas_ms", "speedup");
   nlohmann::json records = nlohmann::json::array();
   for (Recipe recipe : p.sweep.recipes) {
@@ -53,8 +53,8 @@ Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
       const int64_t active = traffic.active_experts;
       const double bytes = traffic.weight_bytes;
       const double tbps = bytes / t->median_s / 1e12;
-      std::printf("%-6s %6lld %-10s %9.3f %9.3f %9.3f %8.3f %6.1f%% %10.3f %7.2fx\n", recipe_name(recipe),
-                  static_cast<long long>(m), p.sweep.routing.name().c_str(), t->median_s * 1e3, t->min_s * 1e3,
+      std::printf("%-6s %6lld %-14s %-10s %9.3f %9.3f %9.3f %8.3f %6.1f%% %10.3f %7.2fx\n", recipe_name(recipe),
+                  static_cast<long long>(m), t->path.c_str(), p.sweep.routing.name().c_str(), t->median_s * 1e3, t->min_s * 1e3,
                   t->max_s * 1e3, tbps, 100.0 * bytes / t->median_s / copy_bw, base->median_s * 1e3,
                   base->median_s / t->median_s);
       std::fflush(stdout);
@@ -63,6 +63,7 @@ Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
                          {"device", devs.value()[0].name},
                          {"recipe", recipe_name(recipe)},
                          {"m", m},
+                         {"path", t->path},
                          {"routing", p.sweep.routing.name()},
                          {"active_experts", active},
                          {"timing", {{"median_s", t->median_s}, {"min_s", t->min_s}, {"max_s", t->max_s}}},

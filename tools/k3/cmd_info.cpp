@@ -8,6 +8,7 @@
 #include "k3/comm.hpp"
 #include "k3/comm_nccl.hpp"
 #include "k3/cuda.hpp"
+#include "k3/cuda_sm120.hpp"
 #include "k3/system.hpp"
 
 namespace k3::tool {
@@ -30,6 +31,12 @@ nlohmann::json info_json() {
     j["cuda"]["kda_status"] =
         "compiled, never run on a GPU (recurrent prefill / decode / verify, opt-in chunked prefill, conv1d, "
         "RMSNorm): unverified until scripts/device-check.sh passes";
+    // Opt-in building block only; no sm_120 machine exists here to run it.
+    j["cuda"]["sm120_blockscaled_gemm"] =
+        cuda::has_sm120_blockscaled_gemm()
+            ? "compiled: CUTLASS sm_120a W4A8 (MXFP8 x MXFP4) block-scaled grouped GEMM, opt-in building block, "
+              "UNVERIFIED: never run on a GPU"
+            : "not built (needs the CUTLASS headers and sm_120a in K3_CUDA_ARCHS)";
   }
   j["cpu"]["model"] = cpu.model;
   j["cpu"]["logical_cpus"] = cpu.logical_cpus;
@@ -73,6 +80,7 @@ void print_text(const nlohmann::json& j) {
   if (j["cuda"].contains("moe_status")) {
     std::printf("cuda moe:      %s\n", j["cuda"]["moe_status"].get<std::string>().c_str());
     std::printf("cuda kda:      %s\n", j["cuda"]["kda_status"].get<std::string>().c_str());
+    std::printf("cuda sm120:    %s\n", j["cuda"]["sm120_blockscaled_gemm"].get<std::string>().c_str());
   }
   std::printf("cpu:           %s, %d logical CPUs\n", j["cpu"]["model"].get<std::string>().c_str(),
               j["cpu"]["logical_cpus"].get<int>());

@@ -10,13 +10,14 @@
 namespace k3::cuda {
 
 namespace {
-constexpr MoePath kAllPaths[] = {MoePath::kDecode, MoePath::kPrefill, MoePath::kPrefillSm90};
+constexpr MoePath kAllPaths[] = {MoePath::kDecode, MoePath::kPrefill, MoePath::kDecodeSplitK, MoePath::kPrefillSm90};
 }  // namespace
 
 const char* moe_path_name(MoePath p) {
   switch (p) {
     case MoePath::kDecode: return "decode";
     case MoePath::kPrefill: return "prefill";
+    case MoePath::kDecodeSplitK: return "decode-splitk";
     case MoePath::kPrefillSm90: return "prefill-sm90";
   }
   return "?";
@@ -53,7 +54,14 @@ std::string MoePlan::describe() const {
      << " (expected " << expected_rows_per_local_expert << " rows per local expert = max_tokens x top-"
      << problem.shape.top_k << " / " << problem.shape.num_experts << " experts, uniform routing; decode up to "
      << kDecodeMaxRowsPerExpert << ")" << ": tile " << block_m << "x" << block_n << "x" << block_k << ", max_tokens "
-     << max_tokens << ", max_slots " << max_slots << ", max_tiles " << max_tiles << ", smem " << smem_bytes << " B\n"
+     << max_tokens << ", max_slots " << max_slots << ", max_tiles " << max_tiles << ", smem " << smem_bytes << " B\n";
+  if (path == MoePath::kDecodeSplitK && !sm120_native) {
+    os << "  split-K: swap AB, " << block_m << " token rows (2 n-tiles of 8) x " << splitk_rows
+       << " weight rows per CTA (FC1: gate + up of " << splitk_rows / 2 << " columns), K split over " << splitk_warps
+       << " warps in 128-wide pairs, reduced in warp order; FC1 " << splitk_fc1_ctas << " CTAs, FC2 "
+       << splitk_fc2_ctas << " CTAs (max_tiles x row groups); fragment-native prepacked weights\n";
+  }
+  os
      << "  workspace " << workspace_bytes << " B (act " << (ws_y - ws_act) << " B, y "
      << (ws_status - ws_y) << " B)";
   if (path == MoePath::kPrefillSm90) {
@@ -110,7 +118,7 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
   // native option is off); otherwise the mma.sync prefill path.
   const bool sm90_ok = arch == 90 && caps.has_sm90_grouped && !options.sm120_native_w4a8;
   plan.path = plan.expected_rows_per_local_expert <= kDecodeMaxRowsPerExpert
-                  ? MoePath::kDecode
+                  ? MoePath::kDecodeSplitK
                   : (sm90_ok ? MoePath::kPrefillSm90 : MoePath::kPrefill);
   if (options.path) plan.path = *options.path;
   plan.path_forced = options.path.has_value();
@@ -131,13 +139,22 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
                               " must be >= 1 for prefill-sm90 (its persistent grid)");
     }
   }
-  plan.block_m = plan.path == MoePath::kDecode ? 16 : 64;
+  plan.block_m = plan.path == MoePath::kPrefill || plan.path == MoePath::kPrefillSm90 ? 64 : 16;
   // block_n must divide N (FC1 output columns per half) and K (FC2 output columns).
   plan.block_n = (n % 64 == 0 && k % 64 == 0) ? 64 : 32;
   plan.block_k = kMxBlock;
   plan.max_tiles = (plan.max_slots + static_cast<int64_t>(e_local) * (plan.block_m - 1) + plan.block_m - 1) / plan.block_m;
   // Shared memory: the A tile [block_m, block_k + 8] BF16 (rows padded by 16 bytes against bank conflicts).
   plan.smem_bytes = int64_t{plan.block_m} * (plan.block_k + 8) * 2;
+  if (plan.path == MoePath::kDecodeSplitK && !options.sm120_native_w4a8) {  // (the native path runs its own kernels)
+    // Swap AB, split-K (src/cuda/moe/moe_gemm_splitk.cu): the warps' FP32 partial accumulators,
+    // [warps][4 m-tiles x 2 n-tiles x 4][32 lanes], static shared memory.
+    plan.splitk_warps = kSplitKWarps;
+    plan.splitk_rows = kSplitKRows;
+    plan.smem_bytes = int64_t{kSplitKWarps} * (kSplitKRows / 16) * 2 * 4 * 32 * 4;
+    plan.splitk_fc1_ctas = plan.max_tiles * ((2 * n + kSplitKRows - 1) / kSplitKRows);
+    plan.splitk_fc2_ctas = plan.max_tiles * ((k + kSplitKRows - 1) / kSplitKRows);
+  }
   if (plan.smem_bytes > caps.smem_per_block_optin) {
     return unsupported("the " + std::string(moe_path_name(plan.path)) + " kernel needs " +
                        std::to_string(plan.smem_bytes) + " B of shared memory per block, device '" + caps.name +

@@ -10,6 +10,7 @@
 #include "cuda/common.cuh"
 #include "cuda/moe/moe_grouped.cuh"
 #include "cuda/moe/moe_kernels.cuh"
+#include "cuda/moe/moe_pack.hpp"
 #include "k3/cuda.hpp"
 #include "k3/cuda_moe.hpp"
 #include "k3/mx.hpp"
@@ -19,6 +20,10 @@ namespace k3::cuda {
 struct DeviceWeights::Impl {
   detail::DeviceBuffer<uint8_t> fc1_q, fc1_scale, fc2_q, fc2_scale;
   detail::DeviceBuffer<float> situ_beta, situ_linear_beta;
+  // decode-splitk plans: the fragment-native layout (moe_pack.hpp) instead of the checkpoint one.
+  bool splitk = false;
+  detail::DeviceBuffer<uint8_t> fc1_pq, fc2_pq;
+  detail::DeviceBuffer<uint32_t> fc1_ps, fc2_ps;
   // prefill-sm90: the weights re-encoded as E4M3 codes with BF16 scales per 64 columns
   // (moe_grouped.hpp); sm90_ready false = not made (other paths) or not encodable (run falls back
   // to the prefill kernels when the plan chose prefill-sm90 itself).
@@ -121,10 +126,30 @@ Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w) {
   K3_RETURN_IF_ERROR(check_exact(w.fc1_q, w.fc1_scale, e * 2 * n, k, "fc1"));
   K3_RETURN_IF_ERROR(check_exact(w.fc2_q, w.fc2_scale, e * k, n, "fc2"));
   auto impl = std::make_unique<DeviceWeights::Impl>();
-  K3_RETURN_IF_ERROR(upload(impl->fc1_q, w.fc1_q, "copy fc1_q"));
-  K3_RETURN_IF_ERROR(upload(impl->fc1_scale, w.fc1_scale, "copy fc1_scale"));
-  K3_RETURN_IF_ERROR(upload(impl->fc2_q, w.fc2_q, "copy fc2_q"));
-  K3_RETURN_IF_ERROR(upload(impl->fc2_scale, w.fc2_scale, "copy fc2_scale"));
+  if (plan.path == MoePath::kDecodeSplitK && !plan.sm120_native) {
+    // The decode-splitk layout only (the checkpoint layout is not uploaded): the same weight
+    // bytes, reduction padded to a multiple of 128, scales padded likewise (moe_pack.hpp).
+    namespace md = moe_detail;
+    impl->splitk = true;
+    const md::SkGeom g1 = md::sk_geom_fc1(k, n), g2 = md::sk_geom_fc2(k, n);
+    std::vector<uint8_t> pq1(e * g1.bytes), pq2(e * g2.bytes);
+    std::vector<uint32_t> ps1(e * g1.scale_words), ps2(e * g2.scale_words);
+    for (int64_t x = 0; x < e; ++x) {
+      md::sk_pack_expert(true, n, g1, w.fc1_q.data() + x * 2 * n * (k / 2), w.fc1_scale.data() + x * 2 * n * (k / kMxBlock),
+                         pq1.data() + x * g1.bytes, ps1.data() + x * g1.scale_words);
+      md::sk_pack_expert(false, n, g2, w.fc2_q.data() + x * k * (n / 2), w.fc2_scale.data() + x * k * (n / kMxBlock),
+                         pq2.data() + x * g2.bytes, ps2.data() + x * g2.scale_words);
+    }
+    K3_RETURN_IF_ERROR(upload(impl->fc1_pq, std::span<const uint8_t>(pq1), "copy packed fc1"));
+    K3_RETURN_IF_ERROR(upload(impl->fc1_ps, std::span<const uint32_t>(ps1), "copy packed fc1 scales"));
+    K3_RETURN_IF_ERROR(upload(impl->fc2_pq, std::span<const uint8_t>(pq2), "copy packed fc2"));
+    K3_RETURN_IF_ERROR(upload(impl->fc2_ps, std::span<const uint32_t>(ps2), "copy packed fc2 scales"));
+  } else {
+    K3_RETURN_IF_ERROR(upload(impl->fc1_q, w.fc1_q, "copy fc1_q"));
+    K3_RETURN_IF_ERROR(upload(impl->fc1_scale, w.fc1_scale, "copy fc1_scale"));
+    K3_RETURN_IF_ERROR(upload(impl->fc2_q, w.fc2_q, "copy fc2_q"));
+    K3_RETURN_IF_ERROR(upload(impl->fc2_scale, w.fc2_scale, "copy fc2_scale"));
+  }
   std::vector<float> b(e, plan.problem.activation.situ_beta), lb(e, plan.problem.activation.situ_linear_beta);
   if (!w.situ_beta.empty()) b.assign(w.situ_beta.begin(), w.situ_beta.end());
   if (!w.situ_linear_beta.empty()) lb.assign(w.situ_linear_beta.begin(), w.situ_linear_beta.end());
@@ -156,6 +181,21 @@ T* at(void* ws, int64_t offset) {
 
 }  // namespace
 
+namespace moe_detail {
+
+Status apply_env_options(MoeOptions& options) {
+  const char* native = std::getenv("K3_CUDA_SM120_NATIVE");
+  options.sm120_native_w4a8 = native != nullptr && std::string(native) == "1";
+  if (const char* forced = std::getenv("K3_CUDA_MOE_PATH"); forced != nullptr && *forced != '\0') {
+    auto path = moe_path_from_name(forced);
+    if (!path.is_ok()) return {path.status().code(), "K3_CUDA_MOE_PATH: " + path.status().message()};
+    options.path = path.value();
+  }
+  return Status::ok();
+}
+
+}  // namespace moe_detail
+
 ExpertRows expert_rows(const MoePlan& plan, void* workspace) {
   if (workspace == nullptr) return {};
   return {at<float>(workspace, plan.ws_y), at<int32_t>(workspace, plan.ws_slot_row)};
@@ -184,10 +224,38 @@ Result<ExpertRows> run_experts(const MoePlan& plan, const DeviceWeights& w, cons
   auto* y = at<float>(workspace, plan.ws_y);
   int* status = at<int>(workspace, plan.ws_status);
   const auto* wi = w.impl();
+  const bool splitk = plan.path == MoePath::kDecodeSplitK && !plan.sm120_native;
+  if (wi->splitk != splitk) {
+    return invalid_argument(std::string("run_experts: the weights were prepacked for ") +
+                            (wi->splitk ? "the decode-splitk layout" : "the checkpoint layout") + ", the plan's path " +
+                            moe_path_name(plan.path) + " needs " +
+                            (splitk ? "the decode-splitk layout" : "the checkpoint layout") +
+                            "; prepack with the plan that runs");
+  }
+  if (plan.path == MoePath::kPrefillSm90 && plan.path_forced && !wi->sm90_ready) {
+    return invalid_argument("run_experts: the plan forces prefill-sm90, but the weights were prepacked without its "
+                            "E4M3 copy; prepack with the plan that runs");
+  }
   K3_CUDA_TRY(cudaMemsetAsync(status, 0, sizeof(int), s), "clear status");
   const moe_detail::ActParams act_params{p.activation.kind,        p.activation.swiglu_alpha,
                                          p.activation.swiglu_beta, p.activation.swiglu_limit,
                                          wi->situ_beta.get(),      wi->situ_linear_beta.get()};
+  if (splitk) {
+    // decode-splitk: prep_x first, then the sort, so that FC1's programmatic dependency is the
+    // sort's last kernel and everything FC1 reads before griddepcontrol.wait (tile_expert) was
+    // written by launches that completed before it (moe_gemm_splitk.cu).
+    moe_detail::launch_prep_x(d, p.recipe, in.m_device, in.x, x_bf16, status, s);
+    moe_detail::launch_sort(d, in.m_device, in.topk_ids, chunk_hist, counts, tile_expert, row_token, slot_row, s);
+    K3_RETURN_IF_ERROR(detail::from_cuda(cudaGetLastError(), "moe kernel launch (prep, sort)"));
+    K3_RETURN_IF_ERROR(detail::from_cuda(
+        moe_detail::launch_fc1_splitk(d, p.recipe, act_params, x_bf16, row_token, tile_expert, wi->fc1_pq.get(),
+                                      wi->fc1_ps.get(), act, status, s),
+        "moe fc1 launch (decode-splitk)"));
+    K3_RETURN_IF_ERROR(detail::from_cuda(moe_detail::launch_fc2_splitk(d, act, row_token, tile_expert,
+                                                                       wi->fc2_pq.get(), wi->fc2_ps.get(), y, s),
+                                         "moe fc2 launch (decode-splitk)"));
+    return expert_rows(plan, workspace);
+  }
   moe_detail::launch_sort(d, in.m_device, in.topk_ids, chunk_hist, counts, tile_expert, row_token, slot_row, s);
   if (plan.sm120_native) {
     auto* x_codes = at<uint8_t>(workspace, plan.ws_x_codes);
@@ -267,19 +335,13 @@ Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsVie
     return invalid_argument("out has " + std::to_string(out.size()) + " bytes, expected M * K * " +
                             std::to_string(out_dtype_size(p.out_dtype)));
   }
+  MoeOptions options;
+  K3_RETURN_IF_ERROR(moe_detail::apply_env_options(options));  // a bad knob is an error even without a device
   if (in.m == 0) return Status::ok();
   auto caps = device_caps(0);
   if (!caps.is_ok()) return caps.status();
-  MoeOptions options;
   options.max_tokens = in.m;
   options.device = caps.value();
-  const char* native = std::getenv("K3_CUDA_SM120_NATIVE");
-  options.sm120_native_w4a8 = native != nullptr && std::string(native) == "1";
-  if (const char* forced = std::getenv("K3_CUDA_MOE_PATH"); forced != nullptr && *forced != '\0') {
-    auto path = moe_path_from_name(forced);
-    if (!path.is_ok()) return {path.status().code(), "K3_CUDA_MOE_PATH: " + path.status().message()};
-    options.path = path.value();
-  }
   auto plan = cuda::plan(p, options);
   if (!plan.is_ok()) return plan.status();
   auto weights = prepack(plan.value(), w);

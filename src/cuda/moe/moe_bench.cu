@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cuda/common.cuh"
+#include "cuda/moe/moe_kernels.cuh"
 #include "cuda/timing.cuh"
 #include "k3/cuda_bench.hpp"
 #include "k3/cuda_moe.hpp"
@@ -91,6 +92,7 @@ Result<DeviceTiming> time_moe(const MoeProblem& p, const MoeWeightsView& w, cons
   MoeOptions options;
   options.max_tokens = std::max<int64_t>(in.m, 1);
   options.device = caps.value();
+  K3_RETURN_IF_ERROR(moe_detail::apply_env_options(options));
   auto plan = cuda::plan(p, options);
   if (!plan.is_ok()) return plan.status();
   std::vector<DeviceWeights> copies;
@@ -116,8 +118,10 @@ Result<DeviceTiming> time_moe(const MoeProblem& p, const MoeWeightsView& w, cons
               "copy weights");
   K3_CUDA_TRY(cudaMemcpy(m.get(), &m32, 4, cudaMemcpyHostToDevice), "copy m");
   const DeviceInputs din{m.get(), x.get(), ids.get(), wts.get(), out.get()};
-  return time_events([&](int i) { return run(plan.value(), copies[i % copies.size()], din, ws.get(), nullptr); },
-                     warmup, iters);
+  auto timing = time_events(
+      [&](int i) { return run(plan.value(), copies[i % copies.size()], din, ws.get(), nullptr); }, warmup, iters);
+  if (timing.is_ok()) timing->path = moe_path_name(plan->path);
+  return timing;
 }
 
 Result<DeviceTiming> time_cublas_baseline(const MoeProblem& p, std::span<const int64_t> rows_per_expert, int warmup,

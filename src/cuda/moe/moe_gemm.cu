@@ -53,118 +53,120 @@ __global__ void __launch_bounds__(BM * 2) moe_gemm_kernel(Dims d, Recipe recipe,
   constexpr int kNT = BN / 8;  // n-tiles of 8 columns per warp
   __shared__ __align__(16) uint16_t a_tile[BM][kMxBlock + 8];  // [BM, 32] BF16, padded rows (banks)
 
-  const int64_t tile = blockIdx.y;
-  const int expert = tile_expert[tile];
-  if (expert < 0) return;
-  const int64_t row0 = tile * BM;
-  const int64_t red = kFc1 ? d.k : d.n;         // reduction length
-  const int64_t out_cols = kFc1 ? d.n : d.k;    // columns of this GEMM's output (per half for FC1)
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * BN;
-  const int64_t w_rows = kFc1 ? 2 * d.n : d.k;  // weight rows per expert
-  const uint8_t* wq = w_q + static_cast<int64_t>(expert) * w_rows * (red / 2);
-  const uint8_t* ws = w_scale + static_cast<int64_t>(expert) * w_rows * (red / kMxBlock);
+  // Grid-stride over row tiles: a plan may have more tiles than gridDim.y allows (65535).
+  for (int64_t tile = blockIdx.y; tile < d.max_tiles; tile += gridDim.y) {
+    const int expert = tile_expert[tile];
+    if (expert < 0) continue;  // the same for every thread of the block
+    const int64_t row0 = tile * BM;
+    const int64_t red = kFc1 ? d.k : d.n;         // reduction length
+    const int64_t out_cols = kFc1 ? d.n : d.k;    // columns of this GEMM's output (per half for FC1)
+    const int64_t col0 = static_cast<int64_t>(blockIdx.x) * BN;
+    const int64_t w_rows = kFc1 ? 2 * d.n : d.k;  // weight rows per expert
+    const uint8_t* wq = w_q + static_cast<int64_t>(expert) * w_rows * (red / 2);
+    const uint8_t* ws = w_scale + static_cast<int64_t>(expert) * w_rows * (red / kMxBlock);
 
-  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-  const unsigned g = lane >> 2, q = lane & 3u;
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const unsigned g = lane >> 2, q = lane & 3u;
 
-  float acc[kNT][4] = {};
-  float acc_up[kFc1 ? kNT : 1][4] = {};
+    float acc[kNT][4] = {};
+    float acc_up[kFc1 ? kNT : 1][4] = {};
 
-  for (int64_t kb = 0; kb < red / kMxBlock; ++kb) {
-    // Stage A [BM, 32] BF16: BM*4 chunks of 16 bytes over BM*2 threads.
-    __syncthreads();
-    for (int c = threadIdx.x; c < BM * 4; c += blockDim.x) {
-      const int r = c >> 2, part = c & 3;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      int64_t src_row;
-      if constexpr (kFc1) {
-        src_row = row_token[row0 + r];  // token of this permuted row, -1 = padding
-      } else {
-        src_row = row0 + r;
+    for (int64_t kb = 0; kb < red / kMxBlock; ++kb) {
+      // Stage A [BM, 32] BF16: BM*4 chunks of 16 bytes over BM*2 threads.
+      __syncthreads();
+      for (int c = threadIdx.x; c < BM * 4; c += blockDim.x) {
+        const int r = c >> 2, part = c & 3;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        int64_t src_row;
+        if constexpr (kFc1) {
+          src_row = row_token[row0 + r];  // token of this permuted row, -1 = padding
+        } else {
+          src_row = row0 + r;
+        }
+        if (src_row >= 0) {
+          v = *reinterpret_cast<const uint4*>(a_src + src_row * red + kb * kMxBlock + part * 8);
+        }
+        *reinterpret_cast<uint4*>(&a_tile[r][part * 8]) = v;
       }
-      if (src_row >= 0) {
-        v = *reinterpret_cast<const uint4*>(a_src + src_row * red + kb * kMxBlock + part * 8);
+      __syncthreads();
+      uint32_t a[2][4];  // A fragments of the two 16-wide k steps
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const int r = static_cast<int>(warp) * 16 + static_cast<int>(g);
+        const int c = s * 16 + static_cast<int>(q) * 2;
+        a[s][0] = *reinterpret_cast<const uint32_t*>(&a_tile[r][c]);
+        a[s][1] = *reinterpret_cast<const uint32_t*>(&a_tile[r + 8][c]);
+        a[s][2] = *reinterpret_cast<const uint32_t*>(&a_tile[r][c + 8]);
+        a[s][3] = *reinterpret_cast<const uint32_t*>(&a_tile[r + 8][c + 8]);
       }
-      *reinterpret_cast<uint4*>(&a_tile[r][part * 8]) = v;
-    }
-    __syncthreads();
-    uint32_t a[2][4];  // A fragments of the two 16-wide k steps
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const int r = static_cast<int>(warp) * 16 + static_cast<int>(g);
-      const int c = s * 16 + static_cast<int>(q) * 2;
-      a[s][0] = *reinterpret_cast<const uint32_t*>(&a_tile[r][c]);
-      a[s][1] = *reinterpret_cast<const uint32_t*>(&a_tile[r + 8][c]);
-      a[s][2] = *reinterpret_cast<const uint32_t*>(&a_tile[r][c + 8]);
-      a[s][3] = *reinterpret_cast<const uint32_t*>(&a_tile[r + 8][c + 8]);
-    }
-#pragma unroll
-    for (int j = 0; j < kNT; ++j) {
-      const int64_t n_col = col0 + j * 8 + g;  // weight row of this lane's B column
-      uint32_t b[2][2];
-      load_b(wq + n_col * (red / 2) + kb * 16, ws[n_col * (red / kMxBlock) + kb], q, b);
-      mma_bf16(acc[j], a[0], b[0][0], b[0][1]);
-      mma_bf16(acc[j], a[1], b[1][0], b[1][1]);
-      if constexpr (kFc1) {
-        const int64_t u_col = d.n + n_col;  // the matching "up" row of [gate; up]
-        load_b(wq + u_col * (red / 2) + kb * 16, ws[u_col * (red / kMxBlock) + kb], q, b);
-        mma_bf16(acc_up[j], a[0], b[0][0], b[0][1]);
-        mma_bf16(acc_up[j], a[1], b[1][0], b[1][1]);
+      for (int j = 0; j < kNT; ++j) {
+        const int64_t n_col = col0 + j * 8 + g;  // weight row of this lane's B column
+        uint32_t b[2][2];
+        load_b(wq + n_col * (red / 2) + kb * 16, ws[n_col * (red / kMxBlock) + kb], q, b);
+        mma_bf16(acc[j], a[0], b[0][0], b[0][1]);
+        mma_bf16(acc[j], a[1], b[1][0], b[1][1]);
+        if constexpr (kFc1) {
+          const int64_t u_col = d.n + n_col;  // the matching "up" row of [gate; up]
+          load_b(wq + u_col * (red / 2) + kb * 16, ws[u_col * (red / kMxBlock) + kb], q, b);
+          mma_bf16(acc_up[j], a[0], b[0][0], b[0][1]);
+          mma_bf16(acc_up[j], a[1], b[1][0], b[1][1]);
+        }
       }
     }
-  }
 
-  // Epilogue. Lane holds rows r0 = 16*warp + g and r0 + 8, columns 8j + 2q, 8j + 2q + 1.
-  const int64_t r_lo = row0 + warp * 16 + g;
-  if constexpr (kFc1) {
-    uint16_t* act_out = static_cast<uint16_t*>(out);  // [rows, N] BF16
+    // Epilogue. Lane holds rows r0 = 16*warp + g and r0 + 8, columns 8j + 2q, 8j + 2q + 1.
+    const int64_t r_lo = row0 + warp * 16 + g;
+    if constexpr (kFc1) {
+      uint16_t* act_out = static_cast<uint16_t*>(out);  // [rows, N] BF16
 #pragma unroll
-    for (int j0 = 0; j0 < kNT; j0 += 4) {  // one MX block of 32 columns = 4 n-tiles
+      for (int j0 = 0; j0 < kNT; j0 += 4) {  // one MX block of 32 columns = 4 n-tiles
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {  // row r_lo (c0, c1) or r_lo + 8 (c2, c3)
-        float v[8];
-        MxBlockAmax block;
+        for (int half = 0; half < 2; ++half) {  // row r_lo (c0, c1) or r_lo + 8 (c2, c3)
+          float v[8];
+          MxBlockAmax block;
 #pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
+          for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float x = activation_f32(act, expert, acc[j0 + jj][2 * half + e], acc_up[j0 + jj][2 * half + e]);
-            v[2 * jj + e] = x;
-            block.add(x);
+            for (int e = 0; e < 2; ++e) {
+              const float x = activation_f32(act, expert, acc[j0 + jj][2 * half + e], acc_up[j0 + jj][2 * half + e]);
+              v[2 * jj + e] = x;
+              block.add(x);
+            }
+          }
+          uint8_t sc = 0;
+          if (recipe == Recipe::kW4A8) {
+            quad_merge(block);  // the 32 columns of this row live in the 4 lanes of the quad
+            sc = block.scale_code(MxElement::kE4M3, ScaleRule::kRceil);
+          }
+          uint16_t h[8];
+          if (recipe == Recipe::kW4A8) {
+            // MXFP8 code and its exact dequantization, as the FC2 operand; a value BF16 does not
+            // hold as a normal number (subnormal range) is flagged instead of rounded silently.
+            if (!mxfp8_bf16_operands(v, sc, h)) atomicOr(status, kStatusInexactAct);
+          } else {
+#pragma unroll
+            for (int t = 0; t < 8; ++t) h[t] = bf16_from_f32(v[t]);  // W4A16: the contract's BF16 rounding
+          }
+          const int64_t row = r_lo + 8 * half;
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const int64_t col = col0 + (j0 + jj) * 8 + 2 * q;
+            const uint32_t packed = static_cast<uint32_t>(h[2 * jj]) | (static_cast<uint32_t>(h[2 * jj + 1]) << 16);
+            *reinterpret_cast<uint32_t*>(act_out + row * out_cols + col) = packed;
           }
         }
-        uint8_t sc = 0;
-        if (recipe == Recipe::kW4A8) {
-          quad_merge(block);  // the 32 columns of this row live in the 4 lanes of the quad
-          sc = block.scale_code(MxElement::kE4M3, ScaleRule::kRceil);
-        }
-        uint16_t h[8];
-        if (recipe == Recipe::kW4A8) {
-          // MXFP8 code and its exact dequantization, as the FC2 operand; a value BF16 does not
-          // hold as a normal number (subnormal range) is flagged instead of rounded silently.
-          if (!mxfp8_bf16_operands(v, sc, h)) atomicOr(status, kStatusInexactAct);
-        } else {
+      }
+    } else {
+      float* y = static_cast<float*>(out);  // [rows, K] FP32
 #pragma unroll
-          for (int t = 0; t < 8; ++t) h[t] = bf16_from_f32(v[t]);  // W4A16: the contract's BF16 rounding
-        }
-        const int64_t row = r_lo + 8 * half;
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          const int64_t col = col0 + (j0 + jj) * 8 + 2 * q;
-          const uint32_t packed = static_cast<uint32_t>(h[2 * jj]) | (static_cast<uint32_t>(h[2 * jj + 1]) << 16);
-          *reinterpret_cast<uint32_t*>(act_out + row * out_cols + col) = packed;
-        }
+      for (int j = 0; j < kNT; ++j) {
+        const int64_t col = col0 + j * 8 + 2 * q;
+        *reinterpret_cast<float2*>(y + r_lo * out_cols + col) = make_float2(acc[j][0], acc[j][1]);
+        *reinterpret_cast<float2*>(y + (r_lo + 8) * out_cols + col) = make_float2(acc[j][2], acc[j][3]);
       }
     }
-  } else {
-    float* y = static_cast<float*>(out);  // [rows, K] FP32
-#pragma unroll
-    for (int j = 0; j < kNT; ++j) {
-      const int64_t col = col0 + j * 8 + 2 * q;
-      *reinterpret_cast<float2*>(y + r_lo * out_cols + col) = make_float2(acc[j][0], acc[j][1]);
-      *reinterpret_cast<float2*>(y + (r_lo + 8) * out_cols + col) = make_float2(acc[j][2], acc[j][3]);
-    }
-  }
+  }  // row tiles
 }
 
 template <bool kFc1, int BN>

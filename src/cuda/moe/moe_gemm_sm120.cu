@@ -72,80 +72,82 @@ __global__ void __launch_bounds__(BM * 2) moe_gemm_mx_kernel(Dims d, ActParams a
   constexpr int kNT = BN / 8;
   __shared__ __align__(16) uint8_t a_tile[BM][kMxBlock + 16];  // [BM, 32] E4M3 codes, padded rows
   __shared__ uint8_t a_sc[BM];                                  // [BM] UE8M0
-  const int64_t tile = blockIdx.y;
-  const int expert = tile_expert[tile];
-  if (expert < 0) return;
-  const int64_t row0 = tile * BM, red = kFc1 ? d.k : d.n, out_cols = kFc1 ? d.n : d.k;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * BN, w_rows = kFc1 ? 2 * d.n : d.k;
-  const uint8_t* wq = w_q + static_cast<int64_t>(expert) * w_rows * (red / 2);
-  const uint8_t* ws = w_scale + static_cast<int64_t>(expert) * w_rows * (red / kMxBlock);
-  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3u;
-  float acc[kNT][4] = {};
-  float acc_up[kFc1 ? kNT : 1][4] = {};
-  for (int64_t kb = 0; kb < red / kMxBlock; ++kb) {
-    __syncthreads();
-    for (int c = threadIdx.x; c < BM * 2; c += blockDim.x) {  // BM rows x 2 chunks of 16 bytes
-      const int r = c >> 1, part = c & 1;
-      const int64_t src = kFc1 ? row_token[row0 + r] : row0 + r;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (src >= 0) v = *reinterpret_cast<const uint4*>(a_codes + src * red + kb * kMxBlock + part * 16);
-      *reinterpret_cast<uint4*>(&a_tile[r][part * 16]) = v;
-      if (part == 0) a_sc[r] = src >= 0 ? a_scales[src * (red / kMxBlock) + kb] : uint8_t{127};
-    }
-    __syncthreads();
-    const int r = static_cast<int>(warp * 16 + g);
-    const uint32_t a[4] = {*reinterpret_cast<const uint32_t*>(&a_tile[r][4 * q]),
-                           *reinterpret_cast<const uint32_t*>(&a_tile[r + 8][4 * q]),
-                           *reinterpret_cast<const uint32_t*>(&a_tile[r][16 + 4 * q]),
-                           *reinterpret_cast<const uint32_t*>(&a_tile[r + 8][16 + 4 * q])};
-    const uint32_t sfa = q == 0 ? a_sc[r] : (q == 1 ? a_sc[r + 8] : 127u);
+  // Grid-stride over row tiles: a plan may have more tiles than gridDim.y allows (65535).
+  for (int64_t tile = blockIdx.y; tile < d.max_tiles; tile += gridDim.y) {
+    const int expert = tile_expert[tile];
+    if (expert < 0) continue;  // the same for every thread of the block
+    const int64_t row0 = tile * BM, red = kFc1 ? d.k : d.n, out_cols = kFc1 ? d.n : d.k;
+    const int64_t col0 = static_cast<int64_t>(blockIdx.x) * BN, w_rows = kFc1 ? 2 * d.n : d.k;
+    const uint8_t* wq = w_q + static_cast<int64_t>(expert) * w_rows * (red / 2);
+    const uint8_t* ws = w_scale + static_cast<int64_t>(expert) * w_rows * (red / kMxBlock);
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3u;
+    float acc[kNT][4] = {};
+    float acc_up[kFc1 ? kNT : 1][4] = {};
+    for (int64_t kb = 0; kb < red / kMxBlock; ++kb) {
+      __syncthreads();
+      for (int c = threadIdx.x; c < BM * 2; c += blockDim.x) {  // BM rows x 2 chunks of 16 bytes
+        const int r = c >> 1, part = c & 1;
+        const int64_t src = kFc1 ? row_token[row0 + r] : row0 + r;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (src >= 0) v = *reinterpret_cast<const uint4*>(a_codes + src * red + kb * kMxBlock + part * 16);
+        *reinterpret_cast<uint4*>(&a_tile[r][part * 16]) = v;
+        if (part == 0) a_sc[r] = src >= 0 ? a_scales[src * (red / kMxBlock) + kb] : uint8_t{127};
+      }
+      __syncthreads();
+      const int r = static_cast<int>(warp * 16 + g);
+      const uint32_t a[4] = {*reinterpret_cast<const uint32_t*>(&a_tile[r][4 * q]),
+                             *reinterpret_cast<const uint32_t*>(&a_tile[r + 8][4 * q]),
+                             *reinterpret_cast<const uint32_t*>(&a_tile[r][16 + 4 * q]),
+                             *reinterpret_cast<const uint32_t*>(&a_tile[r + 8][16 + 4 * q])};
+      const uint32_t sfa = q == 0 ? a_sc[r] : (q == 1 ? a_sc[r + 8] : 127u);
 #pragma unroll
-    for (int j = 0; j < kNT; ++j) {
+      for (int j = 0; j < kNT; ++j) {
 #pragma unroll
-      for (int half = 0; half < (kFc1 ? 2 : 1); ++half) {
-        const int64_t wrow = col0 + j * 8 + g + (half ? d.n : 0);
-        const uint8_t* p = wq + wrow * (red / 2) + kb * 16;
-        const uint32_t lo = *reinterpret_cast<const uint16_t*>(p + 2 * q);      // k = 4q .. 4q+3
-        const uint32_t hi = *reinterpret_cast<const uint16_t*>(p + 8 + 2 * q);  // k = 16+4q .. 16+4q+3
-        const uint32_t sfb = q == 0 ? ws[wrow * (red / kMxBlock) + kb] : 127u;
-        mma_mx(half ? acc_up[kFc1 ? j : 0] : acc[j], a, fp4x4_to_containers(lo), fp4x4_to_containers(hi), sfa, sfb);
+        for (int half = 0; half < (kFc1 ? 2 : 1); ++half) {
+          const int64_t wrow = col0 + j * 8 + g + (half ? d.n : 0);
+          const uint8_t* p = wq + wrow * (red / 2) + kb * 16;
+          const uint32_t lo = *reinterpret_cast<const uint16_t*>(p + 2 * q);      // k = 4q .. 4q+3
+          const uint32_t hi = *reinterpret_cast<const uint16_t*>(p + 8 + 2 * q);  // k = 16+4q .. 16+4q+3
+          const uint32_t sfb = q == 0 ? ws[wrow * (red / kMxBlock) + kb] : 127u;
+          mma_mx(half ? acc_up[kFc1 ? j : 0] : acc[j], a, fp4x4_to_containers(lo), fp4x4_to_containers(hi), sfa, sfb);
+        }
       }
     }
-  }
-  const int64_t r_lo = row0 + warp * 16 + g;
-  if constexpr (kFc1) {
+    const int64_t r_lo = row0 + warp * 16 + g;
+    if constexpr (kFc1) {
 #pragma unroll
-    for (int j0 = 0; j0 < kNT; j0 += 4) {
+      for (int j0 = 0; j0 < kNT; j0 += 4) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float v[8];
-        MxBlockAmax block;
+        for (int half = 0; half < 2; ++half) {
+          float v[8];
+          MxBlockAmax block;
 #pragma unroll
-        for (int t = 0; t < 8; ++t) {
-          v[t] = activation_f32(act, expert, acc[j0 + t / 2][2 * half + t % 2], acc_up[j0 + t / 2][2 * half + t % 2]);
-          block.add(v[t]);
+          for (int t = 0; t < 8; ++t) {
+            v[t] = activation_f32(act, expert, acc[j0 + t / 2][2 * half + t % 2], acc_up[j0 + t / 2][2 * half + t % 2]);
+            block.add(v[t]);
+          }
+          quad_merge(block);  // the 32 columns of this row live in the 4 lanes of the quad
+          const uint8_t sc = block.scale_code(MxElement::kE4M3, ScaleRule::kRceil);
+          const int64_t row = r_lo + 8 * half;
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const int64_t col = col0 + (j0 + jj) * 8 + 2 * q;
+            const uint32_t pair = mx_encode_element(v[2 * jj], sc, MxElement::kE4M3) |
+                                  (uint32_t{mx_encode_element(v[2 * jj + 1], sc, MxElement::kE4M3)} << 8);
+            *reinterpret_cast<uint16_t*>(out_codes + row * out_cols + col) = static_cast<uint16_t>(pair);
+          }
+          if (q == 0) out_scales[row * (out_cols / kMxBlock) + (col0 + j0 * 8) / kMxBlock] = sc;
         }
-        quad_merge(block);  // the 32 columns of this row live in the 4 lanes of the quad
-        const uint8_t sc = block.scale_code(MxElement::kE4M3, ScaleRule::kRceil);
-        const int64_t row = r_lo + 8 * half;
+      }
+    } else {
 #pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          const int64_t col = col0 + (j0 + jj) * 8 + 2 * q;
-          const uint32_t pair = mx_encode_element(v[2 * jj], sc, MxElement::kE4M3) |
-                                (uint32_t{mx_encode_element(v[2 * jj + 1], sc, MxElement::kE4M3)} << 8);
-          *reinterpret_cast<uint16_t*>(out_codes + row * out_cols + col) = static_cast<uint16_t>(pair);
-        }
-        if (q == 0) out_scales[row * (out_cols / kMxBlock) + (col0 + j0 * 8) / kMxBlock] = sc;
+      for (int j = 0; j < kNT; ++j) {
+        const int64_t col = col0 + j * 8 + 2 * q;
+        *reinterpret_cast<float2*>(y + r_lo * out_cols + col) = make_float2(acc[j][0], acc[j][1]);
+        *reinterpret_cast<float2*>(y + (r_lo + 8) * out_cols + col) = make_float2(acc[j][2], acc[j][3]);
       }
     }
-  } else {
-#pragma unroll
-    for (int j = 0; j < kNT; ++j) {
-      const int64_t col = col0 + j * 8 + 2 * q;
-      *reinterpret_cast<float2*>(y + r_lo * out_cols + col) = make_float2(acc[j][0], acc[j][1]);
-      *reinterpret_cast<float2*>(y + (r_lo + 8) * out_cols + col) = make_float2(acc[j][2], acc[j][3]);
-    }
-  }
+  }  // row tiles
 }
 
 template <bool kFc1, int BN>

@@ -24,6 +24,10 @@
 
 namespace k3::cuda::moe_detail {
 
+// The tools' run-time knobs of run_host and the bench (never read by cuda::plan / run):
+// K3_CUDA_SM120_NATIVE=1 and K3_CUDA_MOE_PATH=<path name>; an unknown name is an error.
+Status apply_env_options(MoeOptions& options);
+
 void launch_prep_x(const Dims& d, Recipe recipe, const int32_t* m, const uint16_t* x, uint16_t* x_bf16, int* status,
                    cudaStream_t s);
 void launch_sort(const Dims& d, const int32_t* m, const int32_t* topk_ids, int32_t* chunk_hist, int32_t* counts,
@@ -35,6 +39,20 @@ void launch_fc2(const Dims& d, int block_n, const uint16_t* act_in, const int32_
                 const uint8_t* fc2_scale, float* y, cudaStream_t s);
 void launch_finalize(const Dims& d, OutDType dtype, const int32_t* m, const int32_t* slot_row,
                      const float* topk_weights, const float* y, void* out, cudaStream_t s);
+
+}  // namespace k3::cuda::moe_detail
+
+namespace k3::cuda::moe_detail {
+
+// decode-splitk path (moe_gemm_splitk.cu): swap AB, split-K over the warps of a CTA, weights in the
+// fragment-native layout of moe_pack.hpp, launched with programmatic dependent launch.
+// NEVER RUN ON A GPU.
+cudaError_t launch_fc1_splitk(const Dims& d, Recipe recipe, const ActParams& act, const uint16_t* x_bf16,
+                              const int32_t* row_token, const int32_t* tile_expert, const uint8_t* fc1_pq,
+                              const uint32_t* fc1_ps, uint16_t* act_out, int* status, cudaStream_t s);
+cudaError_t launch_fc2_splitk(const Dims& d, const uint16_t* act_in, const int32_t* row_token,
+                              const int32_t* tile_expert, const uint8_t* fc2_pq, const uint32_t* fc2_ps, float* y,
+                              cudaStream_t s);
 
 }  // namespace k3::cuda::moe_detail
 
