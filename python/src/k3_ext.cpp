@@ -650,11 +650,12 @@ struct CudaMoe {
 // Plans for `device` and uploads the host weights (checkpoint layout) to the CURRENT CUDA device:
 // the Python layer makes `device` current first. Synchronous (copies), not for graph capture.
 CudaMoe* cuda_moe_prepare(const k3::MoeProblem& p, int64_t max_tokens, int device, bool sm120_native,
-                          std::optional<nb::dict> caps, In<uint8_t> fc1_q, In<uint8_t> fc1_scale, In<uint8_t> fc2_q,
-                          In<uint8_t> fc2_scale) {
+                          std::optional<std::string> path, std::optional<nb::dict> caps, In<uint8_t> fc1_q,
+                          In<uint8_t> fc1_scale, In<uint8_t> fc2_q, In<uint8_t> fc2_scale) {
   require_cuda();
   k3::cuda::MoeOptions o;
   o.max_tokens = max_tokens;
+  if (path) o.path = value(k3::cuda::moe_path_from_name(*path));  // before the device: a bad name is a ValueError
   o.device = caps_of(device, caps);
   o.sm120_native_w4a8 = sm120_native;
   auto plan = value(k3::cuda::plan(p, o));
@@ -860,7 +861,7 @@ NB_MODULE(_k3, m) {
       .def("run", &cuda_moe_run, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "m_device"_a, "workspace"_a,
            "stream"_a);
   m.def("cuda_moe_prepare", &cuda_moe_prepare, nb::rv_policy::take_ownership, "problem"_a, "max_tokens"_a,
-        "device"_a, "sm120_native_w4a8"_a, "caps"_a.none(), "fc1_q"_a, "fc1_scale"_a, "fc2_q"_a, "fc2_scale"_a);
+        "device"_a, "sm120_native_w4a8"_a, "path"_a.none(), "caps"_a.none(), "fc1_q"_a, "fc1_scale"_a, "fc2_q"_a, "fc2_scale"_a);
   m.def("cuda_route", &cuda_route, "logits"_a, "bias"_a.none(), "m_device"_a, "num_experts"_a, "top_k"_a,
         "n_group"_a, "topk_group"_a, "renormalize"_a, "routed_scaling_factor"_a, "topk_ids"_a, "topk_weights"_a,
         "stream"_a);

@@ -128,6 +128,10 @@ def test_moe_without_a_device_fails_cleanly_after_checking_the_weights():
         k3.moe.CudaMoe(p, *w[:3], np.zeros((8, 64, 4), np.uint8), caps=H100)
     with pytest.raises(RuntimeError, match="cudaMalloc"):
         k3.moe.CudaMoe(p, *w, caps=H100)  # plans for the described device, then cannot upload
+    with pytest.raises(RuntimeError, match="cudaMalloc"):
+        k3.moe.CudaMoe(p, *w, caps=H100, path="prefill")  # a known path plans, then cannot upload
+    with pytest.raises(ValueError, match="'fast' is not one of decode"):
+        k3.moe.CudaMoe(p, *w, caps=H100, path="fast")
 
 
 # ---- GPU tests (skipped without a device) ----------------------------------------------------
