@@ -39,6 +39,11 @@ const char* moe_path_name(MoePath p);
 // The path of a name printed by moe_path_name ("decode", "prefill", ...); an error lists the names.
 Result<MoePath> moe_path_from_name(const std::string& name);
 
+// Whether this build contains the prefill-sm90 path's CUTLASS sm_90a grouped GEMM (the CUTLASS
+// headers were present at build time; docs/cuda_moe.md). device_caps() copies it into
+// DeviceCaps::has_sm90_grouped. False in builds without CUDA.
+bool has_sm90_grouped_gemm();
+
 // The plan runs the decode path while the expected rows per local expert are at most this.
 inline constexpr double kDecodeMaxRowsPerExpert = 16.0;
 // kDecodeSplitK's CTA: kSplitKWarps warps split the reduction of kSplitKRows weight rows (4 m-tiles
@@ -142,6 +147,11 @@ class DeviceWeights {
   std::unique_ptr<Impl> impl_;
 };
 Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w);
+
+// The path run() takes with these weights: plan.path, except that a prefill-sm90 plan the plan
+// chose itself (not forced) runs the prefill kernels when prepack could not re-encode the weights
+// for it (MX block scales more than 14 binades apart within a 64-column group; docs/cuda_moe.md).
+MoePath effective_path(const MoePlan& plan, const DeviceWeights& w);
 
 // Device pointers of one call. `m_device` holds the real token count (<= plan.max_tokens) so that a
 // captured CUDA graph can replay with another M without re-launching with new grid sizes. The

@@ -59,6 +59,8 @@ Result<DeviceTiming> time_kda_decode(const kda::KdaConfig&, const kda::KdaInputs
   return not_built();
 }
 Result<DeviceWeights> prepack(const MoePlan&, const MoeWeightsView&) { return not_built(); }
+MoePath effective_path(const MoePlan& plan, const DeviceWeights&) { return plan.path; }
+bool has_sm90_grouped_gemm() { return false; }
 Status run(const MoePlan&, const DeviceWeights&, const DeviceInputs&, void*, void*) { return not_built(); }
 ExpertRows expert_rows(const MoePlan& plan, void* workspace) {
   if (workspace == nullptr) return {};

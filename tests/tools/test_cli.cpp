@@ -1,6 +1,7 @@
 // End-to-end checks of the `k3` command line (exit codes, JSON, error messages).
 #include <gtest/gtest.h>
 
+#include "k3/cuda_moe.hpp"
 #include "tools/cli_run.hpp"
 
 #include <array>
@@ -27,6 +28,11 @@ TEST(Cli, InfoJsonHasTheFacts) {
     for (const char* op : {"moe_status", "kda_status"}) {
       EXPECT_NE(j["cuda"][op].get<std::string>().find("never run on a GPU"), std::string::npos) << op;
     }
+    // The MoE paths of the build, prefill-sm90 present exactly when its CUTLASS GEMM was built.
+    const std::string paths = j["cuda"]["moe_paths"].get<std::string>();
+    EXPECT_NE(paths.find("decode-splitk"), std::string::npos) << paths;
+    EXPECT_NE(paths.find("never run on a GPU"), std::string::npos) << paths;
+    EXPECT_EQ(paths.find("prefill-sm90 (CUTLASS") != std::string::npos, k3::cuda::has_sm90_grouped_gemm()) << paths;
     // The CUTLASS sm_120a block-scaled GEMM: present or not, and UNVERIFIED when present.
     const std::string bs = j["cuda"]["sm120_blockscaled_gemm"].get<std::string>();
     const bool with_sm120 = j["cuda"]["archs"].get<std::string>().find("120a") != std::string::npos;

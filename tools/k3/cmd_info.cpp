@@ -8,6 +8,7 @@
 #include "k3/comm.hpp"
 #include "k3/comm_nccl.hpp"
 #include "k3/cuda.hpp"
+#include "k3/cuda_moe.hpp"
 #include "k3/cuda_sm120.hpp"
 #include "k3/system.hpp"
 
@@ -31,6 +32,11 @@ nlohmann::json info_json() {
     j["cuda"]["kda_status"] =
         "compiled, never run on a GPU (recurrent prefill / decode / verify, opt-in chunked prefill, conv1d, "
         "RMSNorm): unverified until scripts/device-check.sh passes";
+    // The MoE kernel paths in this build (the plan picks one; K3_CUDA_MOE_PATH forces one).
+    std::string paths = "decode, decode-splitk (auto up to 16 rows per local expert), prefill";
+    paths += cuda::has_sm90_grouped_gemm() ? ", prefill-sm90 (CUTLASS sm_90a; auto above 16 rows on sm_90)"
+                                           : "; prefill-sm90 not built (needs the CUTLASS headers: scripts/setup.sh)";
+    j["cuda"]["moe_paths"] = paths + "; all never run on a GPU";
     // Opt-in building block only; no sm_120 machine exists here to run it.
     j["cuda"]["sm120_blockscaled_gemm"] =
         cuda::has_sm120_blockscaled_gemm()
@@ -79,6 +85,7 @@ void print_text(const nlohmann::json& j) {
                                                                            : "(not compiled)");
   if (j["cuda"].contains("moe_status")) {
     std::printf("cuda moe:      %s\n", j["cuda"]["moe_status"].get<std::string>().c_str());
+    std::printf("cuda moe paths: %s\n", j["cuda"]["moe_paths"].get<std::string>().c_str());
     std::printf("cuda kda:      %s\n", j["cuda"]["kda_status"].get<std::string>().c_str());
     std::printf("cuda sm120:    %s\n", j["cuda"]["sm120_blockscaled_gemm"].get<std::string>().c_str());
   }

@@ -181,6 +181,13 @@ T* at(void* ws, int64_t offset) {
 
 }  // namespace
 
+bool has_sm90_grouped_gemm() { return moe_detail::sm90_grouped_built(); }
+
+MoePath effective_path(const MoePlan& plan, const DeviceWeights& w) {
+  if (plan.path == MoePath::kPrefillSm90 && (w.impl() == nullptr || !w.impl()->sm90_ready)) return MoePath::kPrefill;
+  return plan.path;
+}
+
 namespace moe_detail {
 
 Status apply_env_options(MoeOptions& options) {
@@ -271,7 +278,7 @@ Result<ExpertRows> run_experts(const MoePlan& plan, const DeviceWeights& w, cons
     return expert_rows(plan, workspace);
   }
   moe_detail::launch_prep_x(d, p.recipe, in.m_device, in.x, x_bf16, status, s);
-  if (plan.path == MoePath::kPrefillSm90 && wi->sm90_ready) {
+  if (effective_path(plan, w) == MoePath::kPrefillSm90) {
     // NOT YET RUN ON A GPU: gather, CUTLASS GEMM1 -> FP32 h, activation -> act, CUTLASS GEMM2 -> y.
     moe_detail::Sm90GroupedIo io;
     io.d = d;

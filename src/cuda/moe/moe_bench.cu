@@ -120,7 +120,7 @@ Result<DeviceTiming> time_moe(const MoeProblem& p, const MoeWeightsView& w, cons
   const DeviceInputs din{m.get(), x.get(), ids.get(), wts.get(), out.get()};
   auto timing = time_events(
       [&](int i) { return run(plan.value(), copies[i % copies.size()], din, ws.get(), nullptr); }, warmup, iters);
-  if (timing.is_ok()) timing->path = moe_path_name(plan->path);
+  if (timing.is_ok()) timing->path = moe_path_name(effective_path(plan.value(), copies.front()));
   return timing;
 }
 
