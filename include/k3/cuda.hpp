@@ -43,6 +43,9 @@ struct DeviceCaps {
   // (built only when CMake found the CUTLASS headers). device_caps() fills it; caps written by
   // hand say "not built" unless they set it.
   bool has_sm90_grouped = false;
+  // This binary contains the CUTLASS sm_120a block-scaled grouped GEMM of the forced-only path
+  // "w4a8-sm120-cutlass" (k3::cuda::has_sm120_blockscaled_gemm()); device_caps() fills it.
+  bool has_sm120_blockscaled = false;
 };
 
 // What device `device` offers, for planning (cuda::plan of each op); kUnavailable without one.

@@ -34,6 +34,11 @@ enum class MoePath : uint8_t {
   // BF16 scales per 64 columns, re-encoded exactly at prepack). NEVER RUN ON A GPU. Needs a build
   // with CUTLASS (DeviceCaps::has_sm90_grouped); the plan picks it over kPrefill when it can.
   kPrefillSm90,
+  // W4A8 on sm_120: CUTLASS's sm_120a block-scaled grouped GEMMs (MXFP8 activations x MXFP4
+  // weights, UE8M0 scales; src/cuda_cutlass/moe_sm120_blockscaled.cu). Forced only (never the
+  // plan's own choice). NEVER RUN ON ANY GPU. Its scratch lives in the DeviceWeights (one stream
+  // at a time per DeviceWeights).
+  kW4a8Sm120Cutlass,
 };
 const char* moe_path_name(MoePath p);
 // The path of a name printed by moe_path_name ("decode", "prefill", ...); an error lists the names.
@@ -97,6 +102,7 @@ struct MoePlan {
   int64_t sm90_arrays_bytes = 0; //   (a bound: run checks CUTLASS's real need against it)
   int64_t ws_cutlass = 0;        // CUTLASS's own workspace (TMA descriptors per SM), both GEMMs
   int64_t cutlass_bytes = 0;     //   (a bound, checked at run time)
+  // w4a8-sm120-cutlass only: the persistent grid uses sm_count too; scratch is in DeviceWeights.
   int64_t workspace_bytes = 0;
   int sort_chunk = 1024;         // token-slots per block of the stable counting sort
   // kDecodeSplitK only (else 0): warps splitting K per CTA, weight rows per CTA, and the CTAs of

@@ -503,9 +503,10 @@ k3::cuda::DeviceCaps caps_of(int device, const std::optional<nb::dict>& caps) {
     else if (k == "smem_per_block_optin") c.smem_per_block_optin = nb::cast<int64_t>(val);
     else if (k == "compiled_archs") c.compiled_archs = nb::cast<std::vector<int>>(val);
     else if (k == "has_sm90_grouped") c.has_sm90_grouped = nb::cast<bool>(val);
+    else if (k == "has_sm120_blockscaled") c.has_sm120_blockscaled = nb::cast<bool>(val);
     else
       throw nb::value_error(("caps has key '" + k + "'; the keys are name, cc_major, cc_minor, sm_count, "
-                             "smem_per_block_optin, compiled_archs, has_sm90_grouped")
+                             "smem_per_block_optin, compiled_archs, has_sm90_grouped, has_sm120_blockscaled")
                                 .c_str());
   }
   return c;
@@ -522,6 +523,7 @@ nb::dict device_caps_dict(int device) {
   d["smem_per_block_optin"] = c.smem_per_block_optin;
   d["compiled_archs"] = c.compiled_archs;
   d["has_sm90_grouped"] = c.has_sm90_grouped;  // the build has the prefill-sm90 GEMM (CUTLASS)
+  d["has_sm120_blockscaled"] = c.has_sm120_blockscaled;  // ... and the w4a8-sm120-cutlass GEMM
   return d;
 }
 

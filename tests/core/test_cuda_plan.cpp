@@ -211,6 +211,57 @@ TEST(CudaMoePlan, Sm120NativePathIsOptInAndChecked) {
   EXPECT_NE(cuda::plan(p, {.max_tokens = 8, .device = rtx, .sm120_native_w4a8 = true}).status().message().find("w4a8 recipe only"), std::string::npos);
 }
 
+// w4a8-sm120-cutlass (CUTLASS sm_120a block-scaled GEMMs) is forced only, and every condition it
+// needs is checked by name: an sm_120 device, a build with its GEMM, W4A8, K and N multiples of 128.
+TEST(CudaMoePlan, W4a8Sm120CutlassIsForcedOnlyAndChecked) {
+  MoeProblem p;  // Kimi: K 3584, N 3072 (multiples of 128), W4A8
+  DeviceCaps rtx = h200();
+  rtx.name = "NVIDIA RTX PRO 6000 Blackwell";
+  rtx.cc_major = 12;
+  rtx.sm_count = 188;
+  rtx.smem_per_block_optin = 99 * 1024;
+  rtx.has_sm120_blockscaled = true;
+  for (int64_t max_tokens : {1, 64, 8192}) {  // never the plan's own choice
+    auto a = cuda::plan(p, {.max_tokens = max_tokens, .device = rtx});
+    ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+    EXPECT_NE(a->path, MoePath::kW4a8Sm120Cutlass);
+  }
+  MoeOptions o{.max_tokens = 64, .device = rtx};
+  o.path = MoePath::kW4a8Sm120Cutlass;
+  auto ok = cuda::plan(p, o);
+  ASSERT_TRUE(ok.is_ok()) << ok.status().to_string();
+  EXPECT_EQ(ok->block_m, 64);
+  EXPECT_EQ(ok->sm_count, 188);
+  EXPECT_NE(ok->describe().find("w4a8-sm120-cutlass (NEVER RUN ON ANY GPU)"), std::string::npos) << ok->describe();
+  auto back = moe_path_from_name("w4a8-sm120-cutlass");
+  ASSERT_TRUE(back.is_ok());
+  EXPECT_EQ(back.value(), MoePath::kW4a8Sm120Cutlass);
+
+  const auto refused = [&](const MoeProblem& pr, MoeOptions opt, const std::string& want) {
+    auto r = cuda::plan(pr, opt);
+    ASSERT_FALSE(r.is_ok()) << want;
+    EXPECT_NE(r.status().message().find(want), std::string::npos) << r.status().message();
+  };
+  MoeOptions on_h200 = o;
+  on_h200.device = h200();
+  refused(p, on_h200, "needs an sm_120 device; 'NVIDIA H200' is sm_90");
+  MoeOptions not_built = o;
+  not_built.device.has_sm120_blockscaled = false;
+  refused(p, not_built, "not in this build");
+  MoeProblem w4a16 = p;
+  w4a16.recipe = Recipe::kW4A16;
+  refused(w4a16, o, "runs the w4a8 recipe only, not w4a16");
+  MoeProblem k96 = p;
+  k96.shape.hidden = 96;
+  refused(k96, o, "K and N multiples of 128 (CUTLASS's scale-factor atoms); K = 96, N = 3072");
+  MoeOptions both = o;
+  both.sm120_native_w4a8 = true;
+  refused(p, both, "exclude each other");
+  MoeOptions no_sms = o;
+  no_sms.device.sm_count = 0;
+  refused(p, no_sms, "sm_count = 0 must be >= 1");
+}
+
 }  // namespace
 }  // namespace k3::cuda
 

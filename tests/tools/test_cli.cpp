@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "k3/cuda_moe.hpp"
+#include "k3/cuda_sm120.hpp"
 #include "tools/cli_run.hpp"
 
 #include <array>
@@ -33,6 +34,7 @@ TEST(Cli, InfoJsonHasTheFacts) {
     EXPECT_NE(paths.find("decode-splitk"), std::string::npos) << paths;
     EXPECT_NE(paths.find("never run on a GPU"), std::string::npos) << paths;
     EXPECT_EQ(paths.find("prefill-sm90 (CUTLASS") != std::string::npos, k3::cuda::has_sm90_grouped_gemm()) << paths;
+    EXPECT_EQ(paths.find("w4a8-sm120-cutlass") != std::string::npos, k3::cuda::has_sm120_blockscaled_gemm()) << paths;
     // The CUTLASS sm_120a block-scaled GEMM: present or not, and UNVERIFIED when present.
     const std::string bs = j["cuda"]["sm120_blockscaled_gemm"].get<std::string>();
     const bool with_sm120 = j["cuda"]["archs"].get<std::string>().find("120a") != std::string::npos;

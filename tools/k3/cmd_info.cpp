@@ -36,6 +36,7 @@ nlohmann::json info_json() {
     std::string paths = "decode, decode-splitk (auto up to 16 rows per local expert), prefill";
     paths += cuda::has_sm90_grouped_gemm() ? ", prefill-sm90 (CUTLASS sm_90a; auto above 16 rows on sm_90)"
                                            : "; prefill-sm90 not built (needs the CUTLASS headers: scripts/setup.sh)";
+    if (cuda::has_sm120_blockscaled_gemm()) paths += ", w4a8-sm120-cutlass (CUTLASS sm_120a; forced only)";
     j["cuda"]["moe_paths"] = paths + "; all never run on a GPU";
     // Opt-in building block only; no sm_120 machine exists here to run it.
     j["cuda"]["sm120_blockscaled_gemm"] =

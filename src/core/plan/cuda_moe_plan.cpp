@@ -10,7 +10,8 @@
 namespace k3::cuda {
 
 namespace {
-constexpr MoePath kAllPaths[] = {MoePath::kDecode, MoePath::kPrefill, MoePath::kDecodeSplitK, MoePath::kPrefillSm90};
+constexpr MoePath kAllPaths[] = {MoePath::kDecode, MoePath::kPrefill, MoePath::kDecodeSplitK, MoePath::kPrefillSm90,
+                                  MoePath::kW4a8Sm120Cutlass};
 }  // namespace
 
 const char* moe_path_name(MoePath p) {
@@ -19,6 +20,7 @@ const char* moe_path_name(MoePath p) {
     case MoePath::kPrefill: return "prefill";
     case MoePath::kDecodeSplitK: return "decode-splitk";
     case MoePath::kPrefillSm90: return "prefill-sm90";
+    case MoePath::kW4a8Sm120Cutlass: return "w4a8-sm120-cutlass";
   }
   return "?";
 }
@@ -70,6 +72,11 @@ std::string MoePlan::describe() const {
        << sm_count << " SMs; gathered rows " << (ws_h - ws_xg) << " B, FP32 GEMM1 output " << (ws_sm90_arrays - ws_h)
        << " B (activation not fused: one extra FP32 round trip), group arrays " << sm90_arrays_bytes
        << " B, CUTLASS workspace " << cutlass_bytes << " B";
+  }
+  if (path == MoePath::kW4a8Sm120Cutlass) {
+    os << "\n  w4a8-sm120-cutlass (NEVER RUN ON ANY GPU): CUTLASS sm_120a block-scaled grouped GEMMs, MXFP8 x "
+          "MXFP4, tile 128x128x128, persistent grid of "
+       << sm_count << " SMs; its scratch is in the DeviceWeights (one stream at a time)";
   }
   return os.str();
 }
@@ -139,7 +146,36 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
                               " must be >= 1 for prefill-sm90 (its persistent grid)");
     }
   }
-  plan.block_m = plan.path == MoePath::kPrefill || plan.path == MoePath::kPrefillSm90 ? 64 : 16;
+  if (plan.path == MoePath::kW4a8Sm120Cutlass) {
+    if (arch != 120) {
+      return unsupported("the w4a8-sm120-cutlass path (CUTLASS sm_120a block-scaled grouped GEMM) needs an sm_120 "
+                         "device; '" + caps.name + "' is sm_" + std::to_string(arch));
+    }
+    if (!caps.has_sm120_blockscaled) {
+      return unsupported("the w4a8-sm120-cutlass path is not in this build (needs the CUTLASS headers, see "
+                         "scripts/setup.sh, and 120a in K3_CUDA_ARCHS)");
+    }
+    if (problem.recipe != Recipe::kW4A8) {
+      return unsupported(std::string("the w4a8-sm120-cutlass path runs the w4a8 recipe only, not ") +
+                         recipe_name(problem.recipe));
+    }
+    if (k % 128 != 0 || n % 128 != 0) {
+      return unsupported("the w4a8-sm120-cutlass path needs K and N multiples of 128 (CUTLASS's scale-factor atoms); "
+                         "K = " + std::to_string(k) + ", N = " + std::to_string(n));
+    }
+    if (options.sm120_native_w4a8) {
+      return unsupported("w4a8-sm120-cutlass and sm120_native_w4a8 exclude each other");
+    }
+    if (caps.sm_count < 1) {
+      return invalid_argument("options.device.sm_count = " + std::to_string(caps.sm_count) +
+                              " must be >= 1 for w4a8-sm120-cutlass (its persistent grid)");
+    }
+    plan.sm_count = caps.sm_count;
+  }
+  plan.block_m = plan.path == MoePath::kPrefill || plan.path == MoePath::kPrefillSm90 ||
+                         plan.path == MoePath::kW4a8Sm120Cutlass
+                     ? 64
+                     : 16;
   // block_n must divide N (FC1 output columns per half) and K (FC2 output columns).
   plan.block_n = (n % 64 == 0 && k % 64 == 0) ? 64 : 32;
   plan.block_k = kMxBlock;

@@ -10,9 +10,11 @@
 #include "cuda/common.cuh"
 #include "cuda/moe/moe_grouped.cuh"
 #include "cuda/moe/moe_kernels.cuh"
+#include "cuda/moe/moe_sm120_path.cuh"
 #include "cuda/moe/moe_pack.hpp"
 #include "k3/cuda.hpp"
 #include "k3/cuda_moe.hpp"
+#include "k3/cuda_sm120.hpp"
 #include "k3/mx.hpp"
 
 namespace k3::cuda {
@@ -30,6 +32,8 @@ struct DeviceWeights::Impl {
   bool sm90_ready = false;
   detail::DeviceBuffer<uint8_t> fc1_e4m3, fc2_e4m3;
   detail::DeviceBuffer<uint16_t> fc1_s90, fc2_s90;
+  // w4a8-sm120-cutlass: CUTLASS's layouts, the scratch and both GEMMs (moe_sm120_path.cuh).
+  moe_detail::Sm120Path sm120;
 };
 
 DeviceWeights::DeviceWeights() = default;
@@ -115,6 +119,7 @@ Result<DeviceCaps> device_caps(int device) {
   caps.smem_per_block_optin = smem;
   caps.compiled_archs = compiled_arch_numbers();
   caps.has_sm90_grouped = moe_detail::sm90_grouped_built();
+  caps.has_sm120_blockscaled = has_sm120_blockscaled_gemm();
   return caps;
 }
 
@@ -123,6 +128,18 @@ Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w) {
   const int64_t e = sh.local_experts(), k = sh.hidden, n = sh.intermediate;
   MoeInputsView none;
   K3_RETURN_IF_ERROR(validate_moe_buffers(plan.problem, w, none));
+  if (plan.path == MoePath::kW4a8Sm120Cutlass) {
+    // The block-scaled GEMMs read MX codes and scales directly: no BF16 dequantization to keep
+    // exact, and no other layout uploaded. NEVER RUN ON ANY GPU.
+    auto impl = std::make_unique<DeviceWeights::Impl>();
+    K3_ASSIGN_OR_RETURN(impl->sm120, moe_detail::sm120_path_prepack(plan, w));
+    std::vector<float> b(e, plan.problem.activation.situ_beta), lb(e, plan.problem.activation.situ_linear_beta);
+    if (!w.situ_beta.empty()) b.assign(w.situ_beta.begin(), w.situ_beta.end());
+    if (!w.situ_linear_beta.empty()) lb.assign(w.situ_linear_beta.begin(), w.situ_linear_beta.end());
+    K3_RETURN_IF_ERROR(upload(impl->situ_beta, std::span<const float>(b), "copy situ_beta"));
+    K3_RETURN_IF_ERROR(upload(impl->situ_linear_beta, std::span<const float>(lb), "copy situ_linear_beta"));
+    return DeviceWeights(std::move(impl));
+  }
   K3_RETURN_IF_ERROR(check_exact(w.fc1_q, w.fc1_scale, e * 2 * n, k, "fc1"));
   K3_RETURN_IF_ERROR(check_exact(w.fc2_q, w.fc2_scale, e * k, n, "fc2"));
   auto impl = std::make_unique<DeviceWeights::Impl>();
@@ -243,6 +260,11 @@ Result<ExpertRows> run_experts(const MoePlan& plan, const DeviceWeights& w, cons
     return invalid_argument("run_experts: the plan forces prefill-sm90, but the weights were prepacked without its "
                             "E4M3 copy; prepack with the plan that runs");
   }
+  if ((plan.path == MoePath::kW4a8Sm120Cutlass) != (wi->sm120 != nullptr)) {
+    return invalid_argument(std::string("run_experts: the weights were prepacked ") +
+                            (wi->sm120 ? "for" : "without") + " the w4a8-sm120-cutlass path, the plan's path is " +
+                            moe_path_name(plan.path) + "; prepack with the plan that runs");
+  }
   K3_CUDA_TRY(cudaMemsetAsync(status, 0, sizeof(int), s), "clear status");
   const moe_detail::ActParams act_params{p.activation.kind,        p.activation.swiglu_alpha,
                                          p.activation.swiglu_beta, p.activation.swiglu_limit,
@@ -264,6 +286,11 @@ Result<ExpertRows> run_experts(const MoePlan& plan, const DeviceWeights& w, cons
     return expert_rows(plan, workspace);
   }
   moe_detail::launch_sort(d, in.m_device, in.topk_ids, chunk_hist, counts, tile_expert, row_token, slot_row, s);
+  if (plan.path == MoePath::kW4a8Sm120Cutlass) {  // NEVER RUN ON ANY GPU
+    K3_RETURN_IF_ERROR(moe_detail::sm120_path_run(plan, *wi->sm120, act_params, in.x, counts, row_token, tile_expert,
+                                                  y, s));
+    return expert_rows(plan, workspace);
+  }
   if (plan.sm120_native) {
     auto* x_codes = at<uint8_t>(workspace, plan.ws_x_codes);
     auto* x_scales = at<uint8_t>(workspace, plan.ws_x_scales);
