@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_caps_util.hpp"
 #include "cuda/moe/moe_pack.hpp"
 #include "k3/cuda_moe.hpp"
 #include "k3/formats.hpp"
@@ -364,12 +365,7 @@ TEST(CudaMoePack, EmulatedCtaMatchesDotProducts) {
 // The decode-splitk launches stay within CUDA's grid limits for every plan up to max_tokens 65536,
 // top-32, E_local 4096, forced or chosen, and launch one CTA per row tile and 64-row group.
 TEST(CudaMoePack, SplitKGridsStayWithinLimitsUpToTheLargestPlan) {
-  DeviceCaps h200;
-  h200.name = "NVIDIA H200";
-  h200.cc_major = 9;
-  h200.sm_count = 132;
-  h200.smem_per_block_optin = 227 * 1024;
-  h200.compiled_archs = {90, 120};
+  const DeviceCaps h200 = test::h200_caps();
   struct S { int e, ep, top_k; int64_t k, n; };
   const S shapes[] = {{896, 32, 16, 3584, 3072}, {4096, 1, 32, 64, 32}, {32, 32, 1, 96, 160}, {4096, 4096, 32, 32, 64}};
   for (const auto& sh : shapes) {

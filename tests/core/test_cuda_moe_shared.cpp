@@ -14,6 +14,7 @@
 #include <random>
 #include <vector>
 
+#include "cuda_caps_util.hpp"
 #include "cuda/moe/moe_shared.hpp"
 #include "k3/cuda_moe.hpp"
 #include "k3/formats.hpp"
@@ -255,15 +256,7 @@ TEST(CudaMoeShared, TokenCountIsClampedToMaxM) {
 
 // ---- defect 3: launch geometry within CUDA's grid limits for every plan ---------------------
 
-DeviceCaps h200() {
-  DeviceCaps c;
-  c.name = "NVIDIA H200";
-  c.cc_major = 9;
-  c.sm_count = 132;
-  c.smem_per_block_optin = 227 * 1024;
-  c.compiled_archs = {90, 120};
-  return c;
-}
+DeviceCaps h200() { return test::h200_caps(); }
 
 void expect_within_limits(const Grid& g, const std::string& what) {
   EXPECT_GE(g.x, 1u) << what;

@@ -3,21 +3,13 @@
 
 #include <tuple>
 
+#include "cuda_caps_util.hpp"
 #include "k3/cuda_moe.hpp"
 
 namespace k3::cuda {
 namespace {
 
-DeviceCaps h200() {
-  DeviceCaps c;
-  c.name = "NVIDIA H200";
-  c.cc_major = 9;
-  c.cc_minor = 0;
-  c.sm_count = 132;
-  c.smem_per_block_optin = 227 * 1024;
-  c.compiled_archs = {90, 120};
-  return c;
-}
+DeviceCaps h200() { return test::h200_caps(); }
 
 MoeProblem kimi_rank7() {
   MoeProblem p;

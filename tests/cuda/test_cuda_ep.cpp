@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cuda_caps_util.hpp"
 #include "k3/comm.hpp"
 #include "k3/comm_nccl.hpp"
 #include "k3/cuda.hpp"
@@ -20,16 +21,7 @@
 namespace k3 {
 namespace {
 
-cuda::DeviceCaps h200() {
-  cuda::DeviceCaps c;
-  c.name = "NVIDIA H200";
-  c.cc_major = 9;
-  c.cc_minor = 0;
-  c.sm_count = 132;
-  c.smem_per_block_optin = 227 * 1024;
-  c.compiled_archs = {90, 120};
-  return c;
-}
+cuda::DeviceCaps h200() { return test::h200_caps(); }
 
 cuda::MoePlan host_plan(const MoeShape& shape, int64_t max_tokens) {
   MoeProblem p;

@@ -14,14 +14,6 @@
 namespace k3::cuda::moe_detail {
 namespace {
 
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // B fragments for one n-tile and one 32-wide k block of weight row `w_row` (16 packed bytes):
 // lane (g = lane/4, q = lane%4) needs k = 2q, 2q+1 (reg 0) and 8+2q, 9+2q (reg 1) of each 16-wide
 // k step s, i.e. bytes 8s + q and 8s + 4 + q.

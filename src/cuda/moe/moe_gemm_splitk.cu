@@ -32,14 +32,6 @@
 namespace k3::cuda::moe_detail {
 namespace {
 
-__device__ __forceinline__ void sk_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ void grid_dep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -148,7 +140,7 @@ __global__ void __launch_bounds__(kSkThreads, 2)
           sk_a_regs(w[s], t_lo, t_hi, ar);
 #pragma unroll
           for (int nt = 0; nt < kSkNTiles; ++nt) {
-            if (nt < nt_live) sk_mma(acc[mt][nt], ar, bw[nt][sk_b_word(s, 0)], bw[nt][sk_b_word(s, 1)]);
+            if (nt < nt_live) mma_bf16(acc[mt][nt], ar, bw[nt][sk_b_word(s, 0)], bw[nt][sk_b_word(s, 1)]);
           }
         }
       }

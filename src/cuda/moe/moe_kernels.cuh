@@ -73,6 +73,16 @@ void launch_fc2_sm120(const Dims& d, int block_n, const uint8_t* act_codes, cons
 
 namespace k3::cuda::moe_detail {
 
+// D += A x B on the tensor cores: mma.sync.m16n8k16, BF16 inputs, FP32 accumulators (sm_80+,
+// so one source serves sm_90a and sm_120a). a: the 4 A-fragment registers, b0 / b1: B's 2.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // Merges the MX block accumulators of the 4 lanes of a quad (lanes 4q .. 4q+3 hold the 32 columns
 // of one row in the mma.sync accumulator layout): every lane ends with the block's amax and NaN flag.
 __device__ inline void quad_merge(MxBlockAmax& block) {
