@@ -79,11 +79,15 @@ def _host(a):
     return a
 
 
-def prepare_moe(problem, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=8192, threads=0, isa="", device=None):
+def prepare_moe(problem, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=8192, threads=None, isa="", device=None):
     """Plans and prepacks one layer's experts and returns its integer handle for
     ``torch.ops.k3.moe_run``. Weights: uint8 tensors or arrays in the checkpoint layout.
     ``device``: None / "cpu" (k3.moe.CpuMoe) or a CUDA device (k3.moe.CudaMoe, the weights
-    uploaded to it, one workspace allocated; the CUDA backend has never run on a GPU)."""
+    uploaded to it, one workspace allocated; the CUDA backend has never run on a GPU).
+    ``threads``: None (default) takes torch's thread count (``torch.get_num_threads()``) so that
+    k3 and torch share the cores without oversubscription; 0 means all logical CPUs."""
+    if threads is None:
+        threads = torch.get_num_threads()
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cpu":
         layer = _moe.CpuMoe(problem, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=max_tokens, threads=threads,
@@ -180,6 +184,32 @@ def _moe_run_cuda(layer, x, topk_ids, topk_weights, out):
     lay.moe.run(_bits(x, "x"), topk_ids, topk_weights, o, lay.m_device, lay.workspace, _stream(x.device))
 
 
+_tls = threading.local()
+
+
+class kda_threads:
+    """Context manager: the thread count of the KDA ops called inside it (None: torch's,
+    ``torch.get_num_threads()``)."""
+
+    def __init__(self, threads):
+        self.threads = threads
+
+    def __enter__(self):
+        self.saved = getattr(_tls, "threads", None)
+        _tls.threads = self.threads
+        return self
+
+    def __exit__(self, *exc):
+        _tls.threads = self.saved
+        return False
+
+
+def _threads():
+    """k3 shares the cores with torch: by default the KDA ops use torch's thread count."""
+    t = getattr(_tls, "threads", None)
+    return torch.get_num_threads() if t is None else int(t)
+
+
 def _act(t, name):
     """q / k / v: float32 as is, bfloat16 as its uint16 bits (a view)."""
     return t if t.dtype == torch.float32 else _bits(t, name)
@@ -198,7 +228,7 @@ def _kda_prefill_cpu(q, k, v, g, beta, a_log, dt_bias, cu_seqlens, initial_state
                      beta_logits, l2norm_qk, scale, layout, o, final_state):
     _kda.prefill(_np(_act(q, "q")), _np(_act(k, "k")), _np(_act(v, "v")), _np(g), _np(beta), a_log=_opt_np(a_log),
                  dt_bias=_opt_np(dt_bias), cu_seqlens=_opt_np(cu_seqlens), initial_state=_opt_np(initial_state),
-                 o=_np(o), final_state=_opt_np(final_state), backend="cpu",
+                 o=_np(o), final_state=_opt_np(final_state), backend="cpu", threads=_threads(),
                  **_kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
 
 
@@ -206,14 +236,15 @@ def _kda_decode_cpu(q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices,
                     l2norm_qk, scale, layout, o):
     _kda.decode(_np(_act(q, "q")), _np(_act(k, "k")), _np(_act(v, "v")), _np(g), _np(beta), _np(state_pool),
                 _np(state_indices), a_log=_opt_np(a_log), dt_bias=_opt_np(dt_bias), o=_np(o), backend="cpu",
-                **_kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
+                threads=_threads(), **_kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
 
 
 def _kda_verify_cpu(q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices, num_accepted, gate,
                     gate_lower_bound, beta_logits, l2norm_qk, scale, layout, o):
     _kda.verify(_np(_act(q, "q")), _np(_act(k, "k")), _np(_act(v, "v")), _np(g), _np(beta), _np(state_pool),
                 _np(state_indices), _np(num_accepted), a_log=_opt_np(a_log), dt_bias=_opt_np(dt_bias), o=_np(o),
-                backend="cpu", **_kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
+                backend="cpu", threads=_threads(),
+                **_kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
 
 
 # One k3.kda.CudaKda (plan + workspace) per configuration, device and batch-size bound, made on
@@ -322,7 +353,7 @@ class FusedMoE(torch.nn.Module):
     """
 
     def __init__(self, problem, fc1_q, fc1_scale, fc2_q, fc2_scale, router_bias=None, top_k=None, n_group=1,
-                 topk_group=1, renormalize=True, routed_scaling_factor=1.0, max_tokens=8192, threads=0, isa="",
+                 topk_group=1, renormalize=True, routed_scaling_factor=1.0, max_tokens=8192, threads=None, isa="",
                  device=None):
         super().__init__()
         if top_k is not None and top_k != problem.top_k:
@@ -348,3 +379,7 @@ class FusedMoE(torch.nn.Module):
             out = torch.empty((m, self.problem.hidden), dtype=self.out_dtype, device=hidden_states.device)
         torch.ops.k3.moe_run(self.handle, hidden_states, ids, wts, out)
         return out
+
+from .fla import chunk_kda, fused_recurrent_kda  # noqa: E402,F401  (fla-compatible entry points)
+
+__all__ += ["chunk_kda", "fused_recurrent_kda", "kda_threads"]

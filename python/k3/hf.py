@@ -1,0 +1,440 @@
+"""Put a Hugging Face transformers Kimi-Linear model on k3's CPU kernels.
+
+``k3.hf.patch(model, recipe="w4a16")`` takes a ``KimiLinearForCausalLM`` (or ``KimiLinearModel``)
+from transformers >= 5.17 and, in place:
+
+- every KDA layer (``KimiLinearDeltaAttention``) runs its core on k3: the chunked prefill, the
+  single-token decode and the multi-token continuation with the cache (the module functions
+  ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention`` are served by k3 for the
+  patched layers only; the projections, the short convolution, the gate and the output norm stay
+  torch);
+- every MoE block (``KimiLinearMoE``) routes with k3's router (sigmoid + correction bias + group
+  top-k + renormalize + routed scaling) and runs its routed experts with k3's fused MoE on MXFP4
+  weights, quantized once here with k3's codec (W4A16: BF16 activations; W4A8: MXFP8
+  activations). The stock expert weights are released (moved to the ``meta`` device), so the
+  experts take about 3.8x less memory than BF16 (7.5x less than FP32); ``keep_original=True``
+  keeps them, so that ``unpatch`` can restore the model exactly;
+- the shared experts, attention (MLA), norms, embeddings and the LM head stay torch.
+
+``k3.hf.unpatch(model)`` undoes it (needs ``keep_original=True`` for the experts; otherwise
+reload the model). What k3 cannot serve is refused here with an error naming it: a model that
+is not Kimi-Linear, training mode, a model not on the CPU, head dims or widths outside k3's
+limits, more than 4096 experts, an activation other than SiLU. At call time, inputs that require
+grad (k3 has no backward) are left on the stock path with a warning (KDA, and the MoE when the
+original weights were kept) or refused (the MoE without them). Threads: k3 uses torch's thread
+count (``torch.get_num_threads()``) unless ``threads=`` is given.
+"""
+
+import threading
+import types
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import mx
+from . import moe as _moe
+from . import torch as _k3torch
+
+__all__ = ["patch", "unpatch", "is_patched", "mxfp4_roundtrip_", "TESTED_TRANSFORMERS"]
+
+#: transformers releases the integration is tested with (the oldest and the newest pip serves here).
+TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")
+
+_MAX_EXPERTS = 4096
+_MAX_TOP_K = 32
+_MAX_HEAD_DIM = 512
+_EMPTY_F32 = torch.empty(0, dtype=torch.float32)
+_EMPTY_I64 = torch.empty(0, dtype=torch.int64)
+_CFG = ("log_decay", -5.0, False)  # gate mode, unused lower bound, beta given (not logits)
+
+_tls = threading.local()  # the KDA layer whose forward is running on this thread (None: not patched)
+_lock = threading.Lock()
+_installed = {}  # module function name -> the stock function, while any model is patched
+_patched_count = 0
+_warned = set()
+
+
+def _modeling():
+    try:
+        from transformers.models.kimi_linear import modeling_kimi_linear as m
+    except ImportError as e:
+        raise ImportError("k3.hf needs transformers >= 5.17 (it ships KimiLinearForCausalLM): "
+                          "pip install 'transformers>=5.17'") from e
+    return m
+
+
+def _warn_once(key, msg):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+# ---- KDA ------------------------------------------------------------------------------------
+
+
+class _KdaLayer:
+    def __init__(self, index, threads):
+        self.index, self.threads = index, threads
+        self.calls = {"prefill": 0, "decode": 0}
+
+
+def _needs_grad(*ts):
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
+
+
+def _act(t, rows, h, d):
+    """q / k / v rows for k3: bfloat16 read in place, anything else as float32 (what the stock
+    function computes in); always contiguous [rows, h, d]."""
+    if t.dtype != torch.bfloat16:
+        t = t.to(torch.float32)
+    return t.reshape(rows, h, d).contiguous()
+
+
+def _k3_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, **kwargs):
+    rec = getattr(_tls, "kda", None)
+    stock = _installed.get("chunk_kimi_delta_attention")
+    if rec is None or stock is None:
+        return stock(query, key, value, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     **kwargs)
+    if _needs_grad(query, key, value, g, beta, initial_state):
+        _warn_once(("kda-grad", rec.index), f"k3.hf: KDA layer {rec.index} got inputs that require grad; k3 has no "
+                   "backward, so this call runs the stock torch function (use torch.no_grad() for k3)")
+        return stock(query, key, value, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     **kwargs)
+    b, t, h, hk = query.shape
+    hv = value.shape[-1]
+    rows = b * t
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int64) if b > 1 else _EMPTY_I64
+    init = _EMPTY_F32 if initial_state is None else initial_state.to(torch.float32).contiguous()
+    final = torch.empty((b, h, hk, hv), dtype=torch.float32) if output_final_state else _EMPTY_F32
+    o = torch.empty((rows, h, hv), dtype=torch.float32)
+    with _k3torch.kda_threads(rec.threads):
+        torch.ops.k3.kda_prefill(_act(query, rows, h, hk), _act(key, rows, h, hk), _act(value, rows, h, hv),
+                                 g.to(torch.float32).reshape(rows, h, hk).contiguous(),
+                                 beta.to(torch.float32).reshape(rows, h).contiguous(), _EMPTY_F32, _EMPTY_F32, cu,
+                                 init, *_CFG, bool(use_qk_l2norm_in_kernel), 0.0, "k_first", o, final)
+    rec.calls["prefill"] += 1
+    return o.view(b, t, h, hv).to(query.dtype), (final if output_final_state else None)
+
+
+def _k3_recurrent(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel=False,
+                  **kwargs):
+    rec = getattr(_tls, "kda", None)
+    stock = _installed.get("recurrent_kimi_delta_attention")
+    b, t = query.shape[:2]
+    if rec is None or stock is None or _needs_grad(query, key, value, g, beta, initial_state) or t != 1:
+        if rec is not None and t == 1:
+            _warn_once(("kda-grad", rec.index), f"k3.hf: KDA layer {rec.index} got inputs that require grad; k3 has "
+                       "no backward, so this call runs the stock torch function (use torch.no_grad() for k3)")
+        if rec is not None and t != 1:  # the stock layer only calls it with one token; serve more with the prefill
+            return _k3_chunk(query, key, value, g, beta, initial_state=initial_state,
+                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return stock(query, key, value, g, beta, initial_state, output_final_state,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+    h, hk = query.shape[2:]
+    hv = value.shape[-1]
+    if initial_state is None:
+        pool = torch.zeros((b, h, hk, hv), dtype=torch.float32)
+    else:  # a copy: the caller's state stays as it was (the stock function returns a new tensor too)
+        pool = initial_state.to(torch.float32, copy=True).contiguous()
+    idx = torch.arange(b, dtype=torch.int32)
+    o = torch.empty((b, h, hv), dtype=torch.float32)
+    with _k3torch.kda_threads(rec.threads):
+        torch.ops.k3.kda_decode(_act(query, b, h, hk), _act(key, b, h, hk), _act(value, b, h, hv),
+                                g.to(torch.float32).reshape(b, h, hk).contiguous(),
+                                beta.to(torch.float32).reshape(b, h).contiguous(), _EMPTY_F32, _EMPTY_F32, pool, idx,
+                                *_CFG, bool(use_qk_l2norm_in_kernel), 0.0, "k_first", o)
+    rec.calls["decode"] += 1
+    return o.view(b, 1, h, hv).to(query.dtype), (pool if output_final_state else None)
+
+
+_K3_FUNCS = {"chunk_kimi_delta_attention": _k3_chunk, "recurrent_kimi_delta_attention": _k3_recurrent}
+
+
+def _install(m):
+    global _patched_count
+    with _lock:
+        if _patched_count == 0:
+            for name, fn in _K3_FUNCS.items():
+                _installed[name] = getattr(m, name)
+                setattr(m, name, fn)
+        _patched_count += 1
+
+
+def _uninstall(m):
+    global _patched_count
+    with _lock:
+        _patched_count -= 1
+        if _patched_count == 0:
+            for name, fn in list(_installed.items()):
+                if getattr(m, name) is _K3_FUNCS[name]:
+                    setattr(m, name, fn)
+            _installed.clear()
+
+
+def _wrap_kda_forward(layer, rec):
+    stock = layer.forward
+
+    def forward(*args, **kwargs):
+        saved = getattr(_tls, "kda", None)
+        _tls.kda = rec
+        try:
+            return stock(*args, **kwargs)
+        finally:
+            _tls.kda = saved
+
+    layer.forward = forward
+
+
+# ---- MoE ------------------------------------------------------------------------------------
+
+
+def _quantize_experts(w, rows, cols):
+    """[E, rows, cols] weights -> MXFP4 codes [E, rows, cols / 2] and E8M0 scales [E, rows, cols / 32],
+    one expert at a time (never a float32 copy of the whole tensor)."""
+    e = w.shape[0]
+    q = np.empty((e, rows, cols // 2), dtype=np.uint8)
+    s = np.empty((e, rows, cols // 32), dtype=np.uint8)
+    for i in range(e):
+        x = w[i].detach().to(torch.float32).contiguous().numpy()
+        mx.quantize(x, "mxfp4", "rceil", q=q[i], scales=s[i])
+    return q, s
+
+
+def mxfp4_roundtrip_(model):
+    """Replaces every routed expert weight of a Kimi-Linear model, in place, by its MXFP4
+    round trip (k3's codec, RCEIL scales: the values ``patch`` serves), keeping the dtype. The
+    stock model then computes with exactly the weights k3 holds: the reference for comparing a
+    patched model with stock. Returns the model."""
+    m = _modeling()
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, m.KimiLinearExperts):
+                for name in ("gate_up_proj", "down_proj"):
+                    p = getattr(mod, name)
+                    e, rows, cols = p.shape
+                    q, s = _quantize_experts(p, rows, cols)
+                    for i in range(e):
+                        deq = mx.dequantize(q[i], s[i], cols, "mxfp4")
+                        p[i].copy_(torch.from_numpy(deq).to(p.dtype))
+    return model
+
+
+class _MoeLayer:
+    def __init__(self, index, module, handle, problem, route_args, out_dtype, max_tokens, originals, threads):
+        self.index, self.handle, self.problem = index, handle, problem
+        self.route_args, self.out_dtype, self.max_tokens = route_args, out_dtype, max_tokens
+        self.originals, self.threads = originals, threads
+        self.calls = 0
+        gate = module.gate
+        self.bias = gate.e_score_correction_bias.detach().to(torch.float32).contiguous()
+
+    def release(self):
+        _k3torch.release_moe(self.handle)
+
+
+def _moe_forward(module, rec, stock_forward):
+    def forward(hidden_states):
+        if _needs_grad(hidden_states) or module.training:
+            why = "inputs that require grad" if _needs_grad(hidden_states) else "training mode"
+            if rec.originals is None:
+                raise RuntimeError(f"k3.hf: MoE layer {rec.index} got {why}, but k3 has no backward and the stock "
+                                   "expert weights were released by k3.hf.patch(keep_original=False); run under "
+                                   "torch.no_grad() in eval mode, or patch with keep_original=True")
+            _warn_once(("moe-grad", rec.index), f"k3.hf: MoE layer {rec.index} got {why}; k3 has no backward, so "
+                       "it runs the stock torch path")
+            return stock_forward(hidden_states)
+        if rec.threads is None and torch.get_num_threads() != rec.plan_threads:
+            _warn_once(("moe-threads", rec.index), f"k3.hf: torch now uses {torch.get_num_threads()} threads but the "
+                       f"MoE layers were prepared for {rec.plan_threads}; patch again to follow torch")
+        shape = hidden_states.shape
+        hid = shape[-1]
+        x = hidden_states.reshape(-1, hid)
+        m = x.shape[0]
+        gate = module.gate
+        logits = F.linear(x.to(torch.float32), gate.weight.to(torch.float32))
+        top_k = rec.route_args[0]
+        ids = torch.empty((m, top_k), dtype=torch.int32)
+        wts = torch.empty((m, top_k), dtype=torch.float32)
+        torch.ops.k3.route(logits, rec.bias, *rec.route_args, ids, wts)
+        xb = x.to(torch.bfloat16).contiguous()
+        out = torch.empty((m, hid), dtype=rec.out_dtype)
+        for r0 in range(0, m, rec.max_tokens):
+            r1 = min(m, r0 + rec.max_tokens)
+            torch.ops.k3.moe_run(rec.handle, xb[r0:r1], ids[r0:r1], wts[r0:r1], out[r0:r1])
+        rec.calls += 1
+        y = out.to(hidden_states.dtype).view(shape)
+        return y + module.shared_experts(hidden_states)
+
+    return forward
+
+
+# ---- patch / unpatch ------------------------------------------------------------------------
+
+
+class Patch:
+    """What ``patch`` did to a model (``model._k3_patch``): the KDA and MoE layers served by k3,
+    the recipe, the threads, the expert memory before and after, and call counters."""
+
+    def __init__(self, recipe, threads):
+        self.recipe, self.threads = recipe, threads
+        self.kda, self.moe = [], []
+        self.expert_bytes_stock = 0
+        self.expert_bytes_k3 = 0
+
+    def summary(self):
+        return (f"k3.hf: {len(self.kda)} KDA layers and {len(self.moe)} MoE blocks on k3 (recipe {self.recipe}, "
+                f"threads {self.threads if self.threads is not None else 'torch'}); routed experts "
+                f"{self.expert_bytes_stock / 2**20:.1f} MiB stock -> {self.expert_bytes_k3 / 2**20:.1f} MiB MXFP4")
+
+    def __repr__(self):
+        return self.summary()
+
+
+def is_patched(model):
+    return getattr(model, "_k3_patch", None) is not None
+
+
+def _check_config(cfg, moe, kda):
+    def bad(key, limit, value):
+        raise ValueError(f"k3.hf.patch: config.{key} = {value} is outside k3's limit ({limit})")
+
+    if kda:
+        for key in ("linear_head_dim",):
+            v = getattr(cfg, key)
+            if not 1 <= v <= _MAX_HEAD_DIM:
+                bad(key, f"1 <= head dim <= {_MAX_HEAD_DIM}", v)
+        if not 1 <= cfg.linear_num_heads <= 1024:
+            bad("linear_num_heads", "1 <= heads <= 1024", cfg.linear_num_heads)
+    if moe:
+        if cfg.num_local_experts > _MAX_EXPERTS:
+            bad("num_experts", f"at most {_MAX_EXPERTS} experts", cfg.num_local_experts)
+        if not 1 <= cfg.num_experts_per_tok <= min(_MAX_TOP_K, cfg.num_local_experts):
+            bad("num_experts_per_token", f"1 <= top-k <= {_MAX_TOP_K} and <= num_experts", cfg.num_experts_per_tok)
+        if cfg.hidden_size % 32:
+            bad("hidden_size", "a multiple of 32 (one MXFP4 scale per 32 weights)", cfg.hidden_size)
+        if cfg.moe_intermediate_size % 32:
+            bad("moe_intermediate_size", "a multiple of 32 (one MXFP4 scale per 32 weights)",
+                cfg.moe_intermediate_size)
+        if cfg.hidden_act != "silu":
+            bad("hidden_act", "'silu' (the SiLU-gated experts k3 computes)", repr(cfg.hidden_act))
+        if cfg.n_group < 1 or cfg.num_local_experts % cfg.n_group:
+            bad("n_group", "a divisor of num_experts", cfg.n_group)
+
+
+def patch(model, recipe="w4a16", kda=True, moe=True, threads=None, keep_original=False, max_tokens=4096):
+    """Serves a transformers Kimi-Linear model's KDA layers and routed experts with k3 (in place).
+
+    ``recipe``: "w4a16" (BF16 activations) or "w4a8" (MXFP8 activations) for the experts.
+    ``kda`` / ``moe``: which parts to serve. ``threads``: k3's thread count (None: torch's, read
+    per KDA call and at patch time for the MoE). ``keep_original``: keep the stock expert weights
+    (so that ``unpatch`` restores the model exactly and grad-requiring calls can fall back).
+    ``max_tokens``: rows per fused-MoE call (longer inputs are split). Returns a :class:`Patch`."""
+    m = _modeling()
+    if recipe not in ("w4a16", "w4a8"):
+        raise ValueError(f"k3.hf.patch: recipe = {recipe!r} must be 'w4a16' or 'w4a8'")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"k3.hf.patch: model must be a transformers Kimi-Linear model, got {type(model).__name__}")
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "model_type", None) != "kimi_linear":
+        raise TypeError(f"k3.hf.patch: model is {type(model).__name__} (model_type "
+                        f"{getattr(cfg, 'model_type', None)!r}), not a Kimi-Linear model (model_type 'kimi_linear')")
+    if is_patched(model):
+        raise ValueError("k3.hf.patch: model is already patched (k3.hf.unpatch(model) first)")
+    if model.training:
+        raise ValueError("k3.hf.patch: model is in training mode (model.training = True); k3 has no backward: "
+                         "call model.eval() first")
+    for name, p in model.named_parameters():
+        if p.device.type != "cpu":
+            raise ValueError(f"k3.hf.patch: parameter {name} is on {p.device}; k3.hf serves models on the CPU")
+        break
+    if threads is not None and (not isinstance(threads, int) or threads < 0):
+        raise ValueError(f"k3.hf.patch: threads = {threads!r} must be None (torch's count) or an int >= 0")
+    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 1 << 20:
+        raise ValueError(f"k3.hf.patch: max_tokens = {max_tokens!r} must be an int in [1, 1048576]")
+    _check_config(cfg, moe, kda)
+
+    rec = Patch(recipe, threads)
+    kda_layers = [mod for mod in model.modules() if isinstance(mod, m.KimiLinearDeltaAttention)] if kda else []
+    moe_blocks = [mod for mod in model.modules() if isinstance(mod, m.KimiLinearMoE)] if moe else []
+    plan_threads = torch.get_num_threads() if threads is None else threads
+    try:
+        for mod in moe_blocks:
+            rec.moe.append(_patch_moe(mod, len(rec.moe), cfg, recipe, threads, plan_threads, keep_original,
+                                      max_tokens, rec))
+    except Exception:
+        for r in rec.moe:
+            r.release()
+        raise
+    for mod in kda_layers:
+        r = _KdaLayer(mod.layer_idx, threads)
+        _wrap_kda_forward(mod, r)
+        rec.kda.append((mod, r))
+    if kda_layers:
+        _install(m)
+    # Release (or keep) the stock expert weights only once everything above succeeded.
+    for r in rec.moe:
+        mod = r.module
+        if not keep_original:
+            with torch.no_grad():
+                for name in ("gate_up_proj", "down_proj"):
+                    p = getattr(mod.experts, name)
+                    setattr(mod.experts, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                                  requires_grad=False))
+        mod.forward = _moe_forward(mod, r, r.stock_forward)
+    model._k3_patch = rec
+    return rec
+
+
+def _patch_moe(mod, index, cfg, recipe, threads, plan_threads, keep_original, max_tokens, rec):
+    experts = mod.experts
+    w1, w2 = experts.gate_up_proj, experts.down_proj
+    e, two_i, hid = w1.shape
+    inter = two_i // 2
+    dtype = w1.dtype
+    out_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    p = _moe.problem(hidden=hid, intermediate=inter, num_experts=e, top_k=cfg.num_experts_per_tok, recipe=recipe,
+                     activation="silu", out_dtype=out_name)
+    fc1_q, fc1_s = _quantize_experts(w1, two_i, hid)
+    fc2_q, fc2_s = _quantize_experts(w2, hid, inter)
+    handle = _k3torch.prepare_moe(p, fc1_q, fc1_s, fc2_q, fc2_s, max_tokens=max_tokens, threads=plan_threads)
+    rec.expert_bytes_stock += (w1.numel() + w2.numel()) * w1.element_size()
+    rec.expert_bytes_k3 += sum(a.nbytes for a in (fc1_q, fc1_s, fc2_q, fc2_s))
+    route_args = (cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, bool(cfg.norm_topk_prob),
+                  float(cfg.routed_scaling_factor))
+    originals = (w1, w2) if keep_original else None
+    r = _MoeLayer(index, mod, handle, p, route_args, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        out_name, torch.float32), max_tokens, originals, threads)
+    r.module, r.plan_threads = mod, plan_threads
+    r.stock_forward = types.MethodType(type(mod).forward, mod)
+    return r
+
+
+def unpatch(model):
+    """Undoes :func:`patch`: the stock functions and forwards again, the stock expert weights back
+    (only possible with ``keep_original=True``; otherwise this raises before changing anything:
+    reload the model). Frees k3's packed weights."""
+    rec = getattr(model, "_k3_patch", None)
+    if rec is None:
+        raise ValueError("k3.hf.unpatch: model is not patched by k3.hf.patch")
+    missing = [r.index for r in rec.moe if r.originals is None]
+    if missing:
+        raise ValueError(f"k3.hf.unpatch: the stock expert weights of MoE blocks {missing} were released by "
+                         "k3.hf.patch(keep_original=False); reload the model (from_pretrained), or patch with "
+                         "keep_original=True to be able to unpatch")
+    m = _modeling()
+    for mod, _ in rec.kda:
+        del mod.forward
+    if rec.kda:
+        _uninstall(m)
+    for r in rec.moe:
+        del r.module.forward
+        r.module.experts.gate_up_proj, r.module.experts.down_proj = r.originals
+        r.release()
+    model._k3_patch = None
+    return model
