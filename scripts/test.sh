@@ -34,10 +34,24 @@ echo "== python package (pip install . into a virtual environment, then pytest)"
 venv="$root/build-venv"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/pip" install -q --upgrade pip
-"$venv/bin/pip" install -q numpy pytest "scikit-build-core>=0.10" "nanobind>=2.4"
-# torch is optional (its PyPI wheel with the CUDA libraries is several GB): K3_TEST_TORCH=1 installs
-# it and runs the torch tests (custom ops, opcheck, torch.compile); otherwise they skip, saying so.
-if [ "${K3_TEST_TORCH:-0}" = "1" ]; then "$venv/bin/pip" install -q torch; fi
+# torch and transformers are part of the suite (the custom ops, the fla-compatible entry points,
+# the transformers Kimi-Linear integration): installed here, and K3_REQUIRE_TORCH=1 makes their
+# tests fail rather than skip when either is missing. fla-core 0.6.0 is installed without its
+# dependencies only so that a test can read its real signatures (it has no CPU path).
+"$venv/bin/pip" install -q numpy pytest "scikit-build-core>=0.10" "nanobind>=2.4" torch "transformers>=5.17,<6"
+"$venv/bin/pip" install -q --no-deps fla-core==0.6.0
 CMAKE_BUILD_PARALLEL_LEVEL="$jobs" "$venv/bin/pip" install -q --no-build-isolation "$root"
+export K3_REQUIRE_TORCH=1
 (cd "$root/python/tests" && "$venv/bin/python" -m pytest -q -rs)
+# The oldest transformers k3.hf supports (5.17, the first with Kimi-Linear), in a second virtual
+# environment layered over the first (its own site-packages first, then the first's: torch, k3).
+old="$root/build-venv-tf517"
+if [ ! -x "$old/bin/python" ]; then
+  python3 -m venv "$old"
+  "$venv/bin/python" -c "import site; print(site.getsitepackages()[0])" \
+    >"$("$old/bin/python" -c "import site; print(site.getsitepackages()[0])")/zz_k3_base_venv.pth"
+fi
+"$old/bin/pip" install -q "transformers==5.17.0"
+echo "== transformers $("$old/bin/python" -c "import transformers; print(transformers.__version__)") (oldest supported)"
+(cd "$root/python/tests" && "$old/bin/python" -m pytest -q -rs test_hf.py)
 echo "== all tests passed"

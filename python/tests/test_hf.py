@@ -1,0 +1,599 @@
+"""k3.hf: a transformers Kimi-Linear model on k3, against stock transformers (installed from PyPI
+by scripts/test.sh, which sets K3_REQUIRE_TORCH=1 so these tests fail instead of skipping when
+torch or transformers is missing).
+
+Two references, both computed by transformers' own code:
+
+- the W4A16 contract: the stock model with its routed expert weights replaced by their MXFP4
+  round trip (k3.hf.mxfp4_roundtrip_, the weights k3 serves), and the experts' input and gated
+  intermediate rounded to BF16 (what W4A16 defines) with hooks on transformers' batched_mm
+  experts. What differs then is only FP32 summation order: the bounds are tight (1e-4);
+- the stock FP32 model with the MXFP4 weights and FP32 activations: k3 differs from it by the
+  BF16 activations (about 2e-3 relative), and where a router's 16th and 17th choices are nearly
+  tied, the two pick different experts (a routing flip). The test shows every larger deviation
+  follows such a flip at a near tie."""
+
+import copy
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+if os.environ.get("K3_REQUIRE_TORCH") == "1":
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (scripts/test.sh "
+                                       "installs it)")
+
+import k3  # noqa: E402
+import k3.hf  # noqa: E402
+import k3.torch  # noqa: E402
+from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
+from transformers.models.kimi_linear import modeling_kimi_linear as mkl  # noqa: E402
+
+# Stated bounds against the W4A16-contract reference (FP32 model). The two compute the same
+# function but sum in different orders (FP32, relative ~1e-6). Where an FP32 value lies within
+# that distance of a BF16 rounding boundary (the intermediate the recipe rounds) or a router
+# choice is tied that closely, one side rounds or routes the other way: an isolated deviation of
+# about one BF16 ulp of one intermediate element. So: most steps agree to FP32 order, every step
+# within one such flip.
+HIDDEN_TIGHT = 1e-5  # max |h_k3 - h_ref| / max |h_ref| of the last hidden state: >= 75 % of steps
+HIDDEN_REL_BOUND = 5e-3  # ... every step
+LOGIT_TIGHT = 1e-4  # max |logit_k3 - logit_ref| (logits are O(1) here): >= 75 % of steps
+LOGIT_BOUND = 2e-2  # ... every step
+# Against the stock FP32-activation model (the BF16 rounding of the experts' activations, 2^-9):
+BF16_REL_BOUND = 1e-2
+NEAR_TIE = 1e-2  # a router margin (16th - 17th choice score; scores lie in [0, 1] + bias) below this
+KDA_OP_TOL = 1e-5  # k3's KDA against transformers' torch functions, FP32, relative to max |o|
+
+
+def tiny_config(**over):
+    """>= 2 KDA layers, 1 MLA layer, 896 experts, top-16 sigmoid routing with correction bias,
+    routed scaling 2.446 and one shared expert; small widths so that CI runs it in seconds."""
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+              num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=None,
+              qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, num_experts=896, num_experts_per_token=16,
+              n_shared_experts=1, routed_scaling_factor=2.446,
+              layer_types=["linear_attention", "full_attention", "linear_attention"],
+              mlp_layer_types=["sparse", "sparse", "sparse"],
+              linear_attn_config={"head_dim": 32, "num_heads": 2, "short_conv_kernel_size": 4},
+              pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.2)
+    kw.update(over)
+    return KimiLinearConfig(**kw)
+
+
+def build(cfg, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    model = KimiLinearForCausalLM(cfg).eval().to(dtype)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, mkl.KimiLinearTopkRouter):
+                mod.e_score_correction_bias.normal_(0, 0.1)
+    return model
+
+
+def bf16_round(t):
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+def mxfp8_round(t):
+    """k3's MXFP8 (E4M3, RCEIL) quantization and exact dequantization per 32 along the last dim."""
+    x = t.detach().to(torch.float32).reshape(-1, t.shape[-1]).contiguous().numpy()
+    q, s = k3.mx.quantize(x, "mxfp8", "rceil")
+    return torch.from_numpy(k3.mx.dequantize(q, s, x.shape[1], "mxfp8")).reshape(t.shape).to(t.dtype)
+
+
+def w4a16_reference(model, act_round=bf16_round):
+    """The stock model computing k3's W4A16 contract (W4A8 with act_round=mxfp8_round) with
+    transformers' own expert code: MXFP4 round-tripped weights, the experts' input (BF16 first,
+    as k3 receives it) and the gated intermediate rounded as the recipe defines."""
+    from transformers.integrations.moe import _default_apply_gate
+    k3.hf.mxfp4_roundtrip_(model)
+    model.set_experts_implementation("batched_mm")
+    for mod in model.modules():
+        if isinstance(mod, mkl.KimiLinearExperts):
+            mod.register_forward_pre_hook(lambda m, a: (act_round(bf16_round(a[0])),) + tuple(a[1:]))
+            mod._apply_gate = (lambda m: lambda gu: act_round(_default_apply_gate(m, gu)))(mod)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(the W4A16-contract reference, the same model patched by k3.hf)."""
+    stock = k3.hf.mxfp4_roundtrip_(build(tiny_config()))
+    patched = copy.deepcopy(stock)
+    rec = k3.hf.patch(patched, recipe="w4a16")
+    return w4a16_reference(stock), patched, rec
+
+
+def incremental(model, prompt, tokens):
+    """Prefill `prompt`, then feed `tokens` one at a time through the cache (teacher forcing).
+    Returns the last hidden state and the logits of every step (prompt's last position first)."""
+    hs, logits = [], []
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=model.config)
+        out = model.model(input_ids=prompt, cache=cache, use_cache=True)
+        for i in range(len(tokens) + 1):
+            h = out.last_hidden_state[:, -1]
+            hs.append(h)
+            logits.append(model.lm_head(h))
+            if i < len(tokens):
+                out = model.model(input_ids=tokens[i].view(1, 1), cache=cache, use_cache=True)
+    return torch.stack(hs), torch.stack(logits)
+
+
+def test_greedy_generation_matches_stock_with_mxfp4_experts(pair):
+    stock, patched, rec = pair
+    prompt = torch.tensor([[5, 17, 99, 3, 42, 7, 200, 11]])
+    with torch.no_grad():
+        want = stock.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        before = {id(r): dict(r.calls) for _, r in rec.kda}
+        got = patched.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    # Every KDA layer ran on k3: one prefill, then 31 single-token decodes through the cache.
+    for _, r in rec.kda:
+        assert r.calls["prefill"] - before[id(r)]["prefill"] == 1
+        assert r.calls["decode"] - before[id(r)]["decode"] == 31
+    new = want[0, prompt.shape[1]:]
+    # Teacher-forced on the stock tokens: hidden states and logits at every step within the bounds.
+    h_s, l_s = incremental(stock, prompt, new)
+    h_k, l_k = incremental(patched, prompt, new)
+    tight = 0
+    for step in range(len(new) + 1):
+        rel = ((h_k[step] - h_s[step]).abs().max() / h_s[step].abs().max()).item()
+        assert rel <= HIDDEN_REL_BOUND, f"step {step}: last hidden state differs by {rel:.3g} (relative)"
+        err = (l_k[step] - l_s[step]).abs().max().item()
+        assert err <= LOGIT_BOUND, f"step {step}: logits differ by {err:.3g}"
+        tight += rel <= HIDDEN_TIGHT
+        top2 = l_s[step].topk(2).values[0]
+        if (top2[0] - top2[1]).item() > 2 * LOGIT_BOUND:  # a clear choice: the greedy tokens must agree
+            assert l_k[step].argmax().item() == l_s[step].argmax().item(), f"step {step}"
+    assert tight >= 0.75 * (len(new) + 1), f"only {tight} of {len(new) + 1} steps agree to FP32 order"
+    assert got.tolist() == want.tolist()
+
+
+def test_the_comparison_can_fail():
+    """Without k3's weights (the unquantized experts) the reference is far outside the bounds."""
+    raw = build(tiny_config())
+    ref = w4a16_reference(build(tiny_config()))
+    prompt = torch.tensor([[5, 17, 99, 3, 42, 7, 200, 11]])
+    h_raw, _ = incremental(raw, prompt, torch.tensor([9, 8]))
+    h_s, _ = incremental(ref, prompt, torch.tensor([9, 8]))
+    assert ((h_raw - h_s).abs().max() / h_s.abs().max()).item() > 2 * HIDDEN_REL_BOUND
+
+
+def test_against_fp32_activations_deviations_are_bf16_sized_or_follow_a_routing_flip_at_a_near_tie(pair):
+    _, patched, _ = pair
+    stock = k3.hf.mxfp4_roundtrip_(build(tiny_config()))  # FP32 activations, transformers' default experts
+    chosen = {"stock": [], "k3": []}
+
+    def stock_hook(mod, inp, out):
+        s = out[0][-1].sigmoid() + mod.e_score_correction_bias
+        top = s.topk(17).values
+        chosen["stock"].append((set(out[2][-1].tolist()), (top[15] - top[16]).item()))
+
+    def k3_hook(mod, args):
+        x = args[0].reshape(-1, args[0].shape[-1])[-1:]
+        logits = torch.nn.functional.linear(x.float(), mod.gate.weight.float())
+        ids, _ = k3.route(logits.numpy(), mod.gate.e_score_correction_bias.numpy(), top_k=16)
+        chosen["k3"].append(set(ids[0].tolist()))
+
+    hooks = [mod.register_forward_hook(stock_hook) for mod in stock.modules()
+             if isinstance(mod, mkl.KimiLinearTopkRouter)]
+    hooks += [mod.register_forward_pre_hook(k3_hook) for mod in patched.modules() if isinstance(mod, mkl.KimiLinearMoE)]
+    try:
+        prompt = torch.tensor([[5, 17, 99, 3, 42, 7, 200, 11]])
+        with torch.no_grad():
+            new = stock.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, prompt.shape[1]:]
+        chosen["stock"].clear()
+        h_s, _ = incremental(stock, prompt, new)
+        h_k, _ = incremental(patched, prompt, new)
+    finally:
+        for h in hooks:
+            h.remove()
+    layers = len(chosen["stock"]) // h_s.shape[0]
+    flipped = False
+    for step in range(h_s.shape[0]):
+        for layer in range(layers):
+            ids_s, margin = chosen["stock"][step * layers + layer]
+            if ids_s != chosen["k3"][step * layers + layer]:
+                assert margin < NEAR_TIE, f"step {step}, MoE {layer}: experts differ at a clear margin {margin}"
+                flipped = True
+        rel = ((h_k[step] - h_s[step]).abs().max() / h_s[step].abs().max()).item()
+        assert flipped or rel <= BF16_REL_BOUND, f"step {step}: {rel:.3g} without a routing flip"
+        assert rel > HIDDEN_TIGHT  # the BF16 activations are visible: this is not the contract reference
+
+
+def score_diff(a, b):
+    """max |a - b| over the finite scores (generate masks suppressed tokens with -inf in both)."""
+    fin = torch.isfinite(a)
+    assert torch.equal(fin, torch.isfinite(b))
+    return (a[fin] - b[fin]).abs().max().item()
+
+
+def test_batch_with_padding_and_a_one_token_prompt(pair):
+    stock, patched, _ = pair
+    ids = torch.tensor([[0, 0, 0, 31, 32, 33], [41, 42, 43, 44, 45, 46]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, output_scores=True,
+                  return_dict_in_generate=True)
+        want = stock.generate(ids, **kw)
+        got = patched.generate(ids, **kw)
+        diffs = [score_diff(s_w, s_g) for s_w, s_g in zip(want.scores, got.scores)]
+        assert max(diffs) <= LOGIT_BOUND and sum(d <= LOGIT_TIGHT for d in diffs) >= 0.75 * len(diffs), diffs
+        assert got.sequences.tolist() == want.sequences.tolist()
+        one = torch.tensor([[77]])
+        w1 = stock.generate(one, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_scores=True,
+                            return_dict_in_generate=True)
+        g1 = patched.generate(one, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True)
+        diffs = [score_diff(s_w, s_g) for s_w, s_g in zip(w1.scores, g1.scores)]
+        assert max(diffs) <= LOGIT_BOUND and sum(d <= LOGIT_TIGHT for d in diffs) >= 0.75 * len(diffs), diffs
+        assert g1.sequences.tolist() == w1.sequences.tolist()
+
+
+def test_multi_token_continuation_through_the_cache(pair):
+    """A second multi-token chunk after a prefill (the chunked path with the cache's state)."""
+    stock, patched, rec = pair
+    a, b = torch.tensor([[3, 4, 5, 6, 7]]), torch.tensor([[8, 9, 10]])
+    outs = []
+    for model in (stock, patched):
+        with torch.no_grad():
+            cache = transformers.DynamicCache(config=model.config)
+            model.model(input_ids=a, cache=cache, use_cache=True)
+            outs.append(model.model(input_ids=b, cache=cache, use_cache=True).last_hidden_state)
+    rel = ((outs[1] - outs[0]).abs().max() / outs[0].abs().max()).item()
+    assert rel <= HIDDEN_TIGHT
+
+
+def test_w4a8_matches_its_contract_reference():
+    ref = w4a16_reference(build(tiny_config(), seed=3), act_round=mxfp8_round)
+    patched = k3.hf.mxfp4_roundtrip_(build(tiny_config(), seed=3))
+    k3.hf.patch(patched, recipe="w4a8")
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        want = ref(prompt).logits
+        got = patched(prompt).logits
+    # MXFP8 rounding can flip at a tie where FP32 sums differ in the last bit: a looser bound.
+    assert (got - want).abs().max().item() <= 2e-2
+    w16 = w4a16_reference(build(tiny_config(), seed=3))
+    with torch.no_grad():
+        assert (w16(prompt).logits - want).abs().max().item() > 2e-2  # the recipes differ visibly
+
+
+def test_bf16_model_runs_on_k3_within_bf16_error_of_stock():
+    stock = k3.hf.mxfp4_roundtrip_(build(tiny_config(), seed=3, dtype=torch.bfloat16))
+    patched = copy.deepcopy(stock)
+    k3.hf.patch(patched)
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        ws = stock(prompt).logits
+        gs = patched(prompt).logits
+    assert gs.dtype == ws.dtype == torch.bfloat16
+    err = ((gs.float() - ws.float()).abs().max() / ws.float().abs().max()).item()
+    assert err <= 0.05, err  # stock BF16 rounds every intermediate to BF16, k3 accumulates in FP32
+
+
+def test_expert_memory_drops_and_unpatch_restores_exactly():
+    model = build(tiny_config(), seed=1, dtype=torch.bfloat16)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        before = model(prompt).logits
+    rec = k3.hf.patch(model, keep_original=True)
+    assert k3.hf.is_patched(model)
+    # BF16 weights (16 bits) against MXFP4 (4 bits + 8 bits per 32): 16 / 4.25 = 3.76
+    assert rec.expert_bytes_stock / rec.expert_bytes_k3 == pytest.approx(16 / 4.25, rel=1e-6)
+    with torch.no_grad():
+        during = model(prompt).logits
+    assert not torch.equal(during, before)
+    k3.hf.unpatch(model)
+    assert not k3.hf.is_patched(model)
+    for mod in model.modules():  # the stock forwards are back
+        assert "forward" not in mod.__dict__
+    with torch.no_grad():
+        after = model(prompt).logits
+    assert torch.equal(after, before)
+
+    released = build(tiny_config(), seed=1, dtype=torch.bfloat16)
+    k3.hf.patch(released)
+    for mod in released.modules():
+        if isinstance(mod, mkl.KimiLinearExperts):
+            assert mod.gate_up_proj.device.type == "meta" and mod.down_proj.device.type == "meta"
+    with pytest.raises(ValueError, match="keep_original=True"):
+        k3.hf.unpatch(released)
+    assert k3.hf.is_patched(released)  # nothing was changed
+
+
+def test_unpatched_models_in_the_same_process_stay_stock(pair):
+    stock, _, _ = pair
+    other = copy.deepcopy(stock)
+    prompt = torch.tensor([[5, 17, 99]])
+    with torch.no_grad():
+        assert torch.equal(other(prompt).logits, stock(prompt).logits)
+
+
+def test_router_matches_transformers_with_groups():
+    cfg = tiny_config(num_experts=64, num_experts_per_token=6, n_group=8, topk_group=3)
+    torch.manual_seed(4)
+    router = mkl.KimiLinearTopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.3)
+        router.e_score_correction_bias.normal_(0, 0.2)
+    x = torch.randn(33, cfg.hidden_size)
+    with torch.no_grad():
+        logits, w_ref, i_ref = router(x)
+    ids = torch.empty((33, 6), dtype=torch.int32)
+    w = torch.empty((33, 6), dtype=torch.float32)
+    torch.ops.k3.route(logits, router.e_score_correction_bias, 6, 8, 3, True, cfg.routed_scaling_factor, ids, w)
+    order_ref = i_ref.argsort(dim=1)  # transformers' top-k is unsorted: compare as sets with their weights
+    order = ids.long().argsort(dim=1)
+    assert torch.equal(i_ref.gather(1, order_ref), ids.long().gather(1, order))
+    torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref), rtol=1e-6, atol=1e-7)
+
+
+# ---- per-op agreement: k3's KDA against transformers' torch functions ----------------------------
+
+
+def kda_inputs(b, t, h=3, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, h, d, generator=g)
+    k = torch.randn(b, t, h, d, generator=g)
+    v = torch.randn(b, t, h, d, generator=g)
+    gl = -torch.rand(b, t, h, d, generator=g) * 0.5
+    beta = torch.rand(b, t, h, generator=g)
+    s0 = torch.randn(b, h, d, d, generator=g) * 0.1
+    return q, k, v, gl, beta, s0
+
+
+def close(got, want, tol=KDA_OP_TOL):
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= tol, f"relative error {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("t", [1, 7, 64, 150])
+def test_chunk_kda_matches_transformers(t):
+    q, k, v, g, beta, s0 = kda_inputs(2, t, seed=t)
+    with torch.no_grad():
+        o_ref, s_ref = mkl.chunk_kimi_delta_attention.__wrapped__(q, k, v, g, beta, initial_state=s0,
+                                                                  output_final_state=True,
+                                                                  use_qk_l2norm_in_kernel=True) \
+            if hasattr(mkl.chunk_kimi_delta_attention, "__wrapped__") else \
+            mkl.chunk_kimi_delta_attention(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True)
+        o, s = k3.torch.chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True)
+    close(o, o_ref)
+    close(s, s_ref)
+
+
+def test_chunk_kda_varlen_matches_per_sequence_transformers():
+    lens = [5, 0, 70, 1, 19]
+    t = sum(lens)
+    q, k, v, g, beta, _ = kda_inputs(1, t, seed=9)
+    s0 = torch.randn(len(lens), 3, 32, 32) * 0.1
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int64)
+    with torch.no_grad():
+        o, s = k3.torch.chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+        for n in range(len(lens)):
+            a, b = cu[n].item(), cu[n + 1].item()
+            if a == b:
+                torch.testing.assert_close(s[n], s0[n], rtol=0, atol=0)
+                continue
+            o_ref, s_ref = mkl.recurrent_kimi_delta_attention(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b],
+                                                              beta[:, a:b], s0[n:n + 1], True,
+                                                              use_qk_l2norm_in_kernel=True)
+            close(o[:, a:b], o_ref)
+            close(s[n:n + 1], s_ref)
+
+
+def test_fused_recurrent_decode_on_a_pool_matches_transformers():
+    q, k, v, g, beta, _ = kda_inputs(3, 1, seed=2)
+    pool = torch.randn(6, 3, 32, 32) * 0.1
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32)
+    want_pool = pool.clone()
+    with torch.no_grad():
+        o_ref, s_ref = mkl.recurrent_kimi_delta_attention(q, k, v, g, beta, pool[idx.long()], True,
+                                                          use_qk_l2norm_in_kernel=True)
+        want_pool[idx.long()] = s_ref
+        o, ret = k3.torch.fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=idx,
+                                              use_qk_l2norm_in_kernel=True)
+    assert ret is pool
+    close(o, o_ref)
+    close(pool, want_pool)
+    assert torch.equal(pool[[1, 3, 5]], want_pool[[1, 3, 5]])  # slots not named are untouched
+
+
+def test_fused_recurrent_verify_with_accepted_counts_matches_transformers():
+    n, t = 2, 3
+    q, k, v, g, beta, _ = kda_inputs(n, t, seed=3)
+    pool = torch.randn(8, 3, 32, 32) * 0.1
+    idx = torch.tensor([[1, 2, 3], [5, 6, 7]], dtype=torch.int32)
+    acc = torch.tensor([2, 1], dtype=torch.int32)
+    start = pool[[2, 5]].clone()  # slot idx[n, acc[n] - 1]
+    with torch.no_grad():
+        o_ref, _ = mkl.recurrent_kimi_delta_attention(q, k, v, g, beta, start, True, use_qk_l2norm_in_kernel=True)
+        states = []
+        s = start
+        for i in range(t):
+            _, s = mkl.recurrent_kimi_delta_attention(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], g[:, i:i + 1],
+                                                      beta[:, i:i + 1], s, True, use_qk_l2norm_in_kernel=True)
+            states.append(s)
+        o, _ = k3.torch.fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=idx,
+                                            num_accepted_tokens=acc, use_qk_l2norm_in_kernel=True)
+    close(o, o_ref)
+    for i in range(t):
+        close(pool[idx[:, i].long()], states[i])
+
+
+def test_gates_beta_logits_scale_and_v_first_layout():
+    q, k, v, f, beta_logit, s0 = kda_inputs(1, 40, seed=6)
+    a_log = torch.tensor([0.5, -1.0, 1.5])
+    dt_bias = torch.randn(3 * 32) * 0.3
+    with torch.no_grad():
+        fb = f + dt_bias.view(1, 1, 3, 32)
+        g_soft = -a_log.exp().view(1, 1, 3, 1) * torch.nn.functional.softplus(fb)
+        g_safe = -4.0 * torch.sigmoid(a_log.exp().view(1, 1, 3, 1) * fb)
+        beta = torch.sigmoid(beta_logit)
+        for g_ref, extra in ((g_soft, {}), (g_safe, dict(lower_bound=-4.0, safe_gate=True))):
+            o_ref, s_ref = mkl.recurrent_kimi_delta_attention(q * 0.7 * 32 ** 0.5, k, v, g_ref, beta, s0, True,
+                                                              use_qk_l2norm_in_kernel=False)
+            o, s = k3.torch.chunk_kda(q, k, v, f, beta_logit, scale=0.7, initial_state=s0.transpose(-1, -2),
+                                      output_final_state=True, use_gate_in_kernel=True, A_log=a_log,
+                                      dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, state_v_first=True, **extra)
+            close(o, o_ref, 1e-4)
+            close(s.transpose(-1, -2), s_ref, 1e-4)
+
+
+def test_outputs_keep_v_dtype_and_bf16_reads_in_place():
+    q, k, v, g, beta, s0 = kda_inputs(1, 9, seed=8)
+    qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
+    with torch.no_grad():
+        o, _ = k3.torch.chunk_kda(qb, kb, vb, g, beta, use_qk_l2norm_in_kernel=True)
+        o_ref, _ = mkl.chunk_kimi_delta_attention(qb, kb, vb, g, beta, use_qk_l2norm_in_kernel=True)
+    assert o.dtype == torch.bfloat16
+    close(o.float(), o_ref.float(), 1e-2)
+
+
+# ---- refusals ------------------------------------------------------------------------------------
+
+
+def test_patch_refuses_what_it_cannot_serve():
+    model = build(tiny_config())
+    model.train()
+    with pytest.raises(ValueError, match="training mode"):
+        k3.hf.patch(model)
+    model.eval()
+    with pytest.raises(ValueError, match="recipe"):
+        k3.hf.patch(model, recipe="w8a8")
+    with pytest.raises(TypeError, match="not a Kimi-Linear model"):
+        k3.hf.patch(torch.nn.Linear(4, 4))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=32, hidden_size=16,
+                                                                   intermediate_size=32, num_hidden_layers=1,
+                                                                   num_attention_heads=2))
+    with pytest.raises(TypeError, match="model_type 'llama'"):
+        k3.hf.patch(llama)
+    with pytest.raises(ValueError, match=r"linear_head_dim = 1024 .*512"):
+        k3.hf.patch(build(tiny_config(linear_attn_config={"head_dim": 1024, "num_heads": 1,
+                                                          "short_conv_kernel_size": 4}, num_experts=16,
+                                      num_experts_per_token=4)))
+    with pytest.raises(ValueError, match=r"num_experts = 4100 .*4096"):
+        k3.hf.patch(build(tiny_config(num_experts=4100, num_hidden_layers=2, layer_types=["linear_attention",
+                                                                                          "full_attention"],
+                                      mlp_layer_types=["sparse", "dense"])))
+    with pytest.raises(ValueError, match="hidden_act = 'gelu'"):
+        k3.hf.patch(build(tiny_config(hidden_act="gelu", num_experts=16, num_experts_per_token=4)))
+    k3.hf.patch(model)
+    with pytest.raises(ValueError, match="already patched"):
+        k3.hf.patch(model)
+
+
+def test_inputs_that_require_grad_take_the_stock_path_or_are_refused():
+    kept = build(tiny_config(num_experts=16, num_experts_per_token=4), seed=2)
+    stock = copy.deepcopy(kept)
+    k3.hf.patch(kept, keep_original=True)
+    prompt = torch.tensor([[3, 4, 5]])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = kept(prompt).logits  # grad enabled, parameters require grad: the stock path, differentiable
+    assert any("no backward" in str(x.message) for x in w)
+    assert out.requires_grad
+    torch.testing.assert_close(out, stock(prompt).logits, rtol=0, atol=0)
+
+    released = build(tiny_config(num_experts=16, num_experts_per_token=4), seed=2)
+    k3.hf.patch(released)
+    with pytest.raises(RuntimeError, match=r"MoE layer 0 got inputs that require grad.*keep_original"):
+        released(prompt)
+
+
+def test_fla_entry_points_refuse_what_k3_cannot_honour():
+    q, k, v, g, beta, s0 = kda_inputs(2, 4)
+    cases = [
+        (dict(allow_neg_eigval=True), "allow_neg_eigval"),
+        (dict(return_intermediate_states=True), "return_intermediate_states"),
+        (dict(cp_context=object()), "cp_context"),
+        (dict(some_flag=1), "'some_flag'"),
+        (dict(cu_seqlens=torch.tensor([0, 2, 4])), "cu_seqlens needs B = 1"),
+        (dict(initial_state=s0.double()), "initial_state has dtype torch.float64"),
+        (dict(scale=-1.0), "scale = -1.0"),
+        (dict(use_gate_in_kernel=True), "needs A_log"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            k3.torch.chunk_kda(q, k, v, g, beta, **kw)
+    with pytest.raises(ValueError, match="grouped value heads"):
+        k3.torch.chunk_kda(q, k, torch.randn(2, 4, 6, 32), g, beta)
+    with pytest.raises(ValueError, match="head-wise beta"):
+        k3.torch.chunk_kda(q, k, v, g, torch.rand(2, 4, 3, 32))
+    with pytest.raises(ValueError, match="q requires grad"):
+        k3.torch.chunk_kda(q.requires_grad_(), k, v, g, beta)
+    q.requires_grad_(False)
+    pool = torch.zeros(4, 3, 32, 32)
+    with pytest.raises(ValueError, match="ssm_state_indices needs initial_state"):
+        k3.torch.fused_recurrent_kda(q, k, v, g, beta, ssm_state_indices=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="inplace_final_state = False"):
+        k3.torch.fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=torch.tensor([0, 1]),
+                                     inplace_final_state=False)
+    with pytest.raises(ValueError, match="holds B \\* T = 8 tokens"):
+        k3.torch.fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="num_accepted_tokens needs ssm_state_indices"):
+        k3.torch.fused_recurrent_kda(q, k, v, g, beta, num_accepted_tokens=torch.tensor([1, 1]))
+
+
+def fla_signature(name):
+    """fla-core 0.6.0's own signature of `name`, read from its installed source (fla's modules
+    import Triton's GPU driver, so the source is parsed rather than imported)."""
+    import ast
+    import importlib.util
+    spec = importlib.util.find_spec("fla")
+    if spec is None:
+        if os.environ.get("K3_REQUIRE_TORCH") == "1":
+            raise AssertionError("fla-core is not installed (scripts/test.sh installs fla-core==0.6.0)")
+        pytest.skip("fla-core is not installed")
+    root = os.path.dirname(spec.origin)
+    path = os.path.join(root, "ops", "kda", "chunk.py" if name == "chunk_kda" else "fused_recurrent.py")
+    tree = ast.parse(open(path).read())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    args = fn.args.args
+    defaults = [None] * (len(args) - len(fn.args.defaults)) + list(fn.args.defaults)
+    return {a.arg: (ast.literal_eval(d) if isinstance(d, ast.Constant) else d) for a, d in zip(args, defaults)}
+
+
+@pytest.mark.parametrize("name", ["chunk_kda", "fused_recurrent_kda"])
+def test_every_fla_keyword_is_honoured_or_refused_by_name(name):
+    import inspect
+    ours = inspect.signature(getattr(k3.torch, name)).parameters
+    theirs = fla_signature(name)
+    for arg, default in theirs.items():
+        if arg in ours:
+            if isinstance(default, (bool, int, float, type(None))) and ours[arg].default is not inspect.Parameter.empty:
+                assert ours[arg].default == default, f"{arg}: k3 default {ours[arg].default}, fla {default}"
+            continue
+        assert arg in k3.fla._IGNORED, f"fla's argument {arg} is neither a parameter of k3's {name} nor ignored"
+    # the issue's list, and the decode / verify arguments of the forward
+    for arg in ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                "A_log", "dt_bias", "lower_bound", "use_beta_sigmoid_in_kernel", "cu_seqlens", "state_v_first"):
+        assert arg in ours
+    if name == "fused_recurrent_kda":
+        assert "ssm_state_indices" in ours and "num_accepted_tokens" in ours
+
+
+# ---- threads ------------------------------------------------------------------------------------
+
+
+def test_k3_follows_torchs_thread_count():
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        model = build(tiny_config(num_experts=16, num_experts_per_token=4), seed=5)
+        rec = k3.hf.patch(model)
+        plan = k3.torch._layer(rec.moe[0].handle).plan
+        assert " 1 thread(s)" in plan, plan
+        assert k3.torch._threads() == 1
+        with k3.torch.kda_threads(3):
+            assert k3.torch._threads() == 3
+    finally:
+        torch.set_num_threads(saved)
