@@ -36,10 +36,17 @@ venv="$root/build-venv"
 "$venv/bin/pip" install -q --upgrade pip
 # torch and transformers are part of the suite (the custom ops, the fla-compatible entry points,
 # the transformers Kimi-Linear integration): installed here, and K3_REQUIRE_TORCH=1 makes their
-# tests fail rather than skip when either is missing. fla-core 0.6.0 is installed without its
-# dependencies only so that a test can read its real signatures (it has no CPU path).
+# tests fail rather than skip when either is missing. fla-core 0.6.0's released wheel is downloaded and its
+# source is unpacked (not installed: transformers would pick it up, and it has no CPU path) so
+# that a test reads its real signatures.
 "$venv/bin/pip" install -q numpy pytest "scikit-build-core>=0.10" "nanobind>=2.4" torch "transformers>=5.17,<6"
-"$venv/bin/pip" install -q --no-deps fla-core==0.6.0
+fla="$venv/fla-core-0.6.0"
+if [ ! -d "$fla/fla" ]; then
+  rm -rf "$fla" && mkdir -p "$fla"
+  "$venv/bin/pip" download -q --no-deps -d "$fla" fla-core==0.6.0
+  "$venv/bin/python" -m zipfile -e "$fla"/fla_core-0.6.0-*.whl "$fla"
+fi
+export K3_FLA_SOURCE="$fla"
 CMAKE_BUILD_PARALLEL_LEVEL="$jobs" "$venv/bin/pip" install -q --no-build-isolation "$root"
 export K3_REQUIRE_TORCH=1
 (cd "$root/python/tests" && "$venv/bin/python" -m pytest -q -rs)

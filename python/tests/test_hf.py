@@ -544,17 +544,16 @@ def test_fla_entry_points_refuse_what_k3_cannot_honour():
 
 
 def fla_signature(name):
-    """fla-core 0.6.0's own signature of `name`, read from its installed source (fla's modules
-    import Triton's GPU driver, so the source is parsed rather than imported)."""
+    """fla-core 0.6.0's own signature of `name`, read from its released source: the wheel that
+    scripts/test.sh downloads from PyPI and unpacks into $K3_FLA_SOURCE (not installed: fla has no
+    CPU path, and transformers would pick it up)."""
     import ast
-    import importlib.util
-    spec = importlib.util.find_spec("fla")
-    if spec is None:
+    root = os.environ.get("K3_FLA_SOURCE")
+    if not root:
         if os.environ.get("K3_REQUIRE_TORCH") == "1":
-            raise AssertionError("fla-core is not installed (scripts/test.sh installs fla-core==0.6.0)")
-        pytest.skip("fla-core is not installed")
-    root = os.path.dirname(spec.origin)
-    path = os.path.join(root, "ops", "kda", "chunk.py" if name == "chunk_kda" else "fused_recurrent.py")
+            raise AssertionError("K3_FLA_SOURCE is not set (scripts/test.sh unpacks fla-core==0.6.0 there)")
+        pytest.skip("K3_FLA_SOURCE is not set (the unpacked fla-core 0.6.0 wheel)")
+    path = os.path.join(root, "fla", "ops", "kda", "chunk.py" if name == "chunk_kda" else "fused_recurrent.py")
     tree = ast.parse(open(path).read())
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
     args = fn.args.args
