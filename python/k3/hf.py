@@ -14,7 +14,11 @@ from transformers >= 5.17 and, in place:
   activations). The stock expert weights are released (moved to the ``meta`` device), so the
   experts take about 3.8x less memory than BF16 (7.5x less than FP32); ``keep_original=True``
   keeps them, so that ``unpatch`` can restore the model exactly;
-- the shared experts, attention (MLA), norms, embeddings and the LM head stay torch.
+- the MLA layers decode (one token with the cache) in the absorbed form, in torch: attention in
+  the latent space instead of re-expanding the whole cache through ``kv_b_proj`` at every step
+  as transformers does, so the step time no longer grows with the prefix (``mla=False`` keeps
+  the stock path);
+- the shared experts, MLA prefill, norms, embeddings and the LM head stay torch.
 
 ``k3.hf.unpatch(model)`` undoes it (needs ``keep_original=True`` for the experts; otherwise
 reload the model). What k3 cannot serve is refused here with an error naming it: a model that
@@ -274,6 +278,66 @@ def _moe_forward(module, rec, stock_forward):
     return forward
 
 
+# ---- MLA decode -----------------------------------------------------------------------------
+
+
+class _MlaLayer:
+    """Transformers' MLA re-expands the whole latent cache through kv_b_proj at every step, so its
+    decode time grows with the prefix (8x at 2048 tokens). The absorbed form computes the same
+    attention in the latent space: scores = (W_uk^T q_nope) . c + q_rope . k_rot, output =
+    W_uv (softmax . c): O(prefix x (kv_lora_rank + rope)) per head and step, in FP32."""
+
+    def __init__(self, mod):
+        self.index = mod.layer_idx
+        h, nope, vd = mod.num_heads, mod.qk_nope_head_dim, mod.v_head_dim
+        w = mod.kv_b_proj.weight.detach().to(torch.float32).view(h, nope + vd, mod.kv_lora_rank)
+        self.w_uk = w[:, :nope, :].contiguous()  # [H, nope, C]
+        self.w_uv = w[:, nope:, :].contiguous()  # [H, V, C]
+        self.calls = 0
+
+
+def _mla_forward(mod, rec, stock):
+    def forward(hidden_states, attention_mask=None, cache=None, **kwargs):
+        if "past_key_values" in kwargs and cache is None:
+            cache = kwargs.pop("past_key_values")
+        b, t = hidden_states.shape[:2]
+        if (cache is None or t != 1 or mod.training or _needs_grad(hidden_states)
+                or kwargs.get("output_attentions")):
+            return stock(hidden_states, attention_mask, cache=cache, **kwargs)
+        h, nope = mod.num_heads, mod.qk_nope_head_dim
+        if mod.q_lora_rank is None:
+            q = mod.q_proj(hidden_states)
+        else:
+            q = mod.q_b_proj(mod.q_a_layernorm(mod.q_a_proj(hidden_states)))
+        q = q.view(b, t, h, mod.qk_head_dim).transpose(1, 2).to(torch.float32)  # [B, H, T, D]
+        compressed = mod.kv_a_proj_with_mqa(hidden_states)
+        kv_nope, k_rot = torch.split(compressed, [mod.kv_lora_rank, mod.qk_rope_head_dim], dim=-1)
+        kv_nope = mod.kv_a_layernorm(kv_nope).view(b, 1, t, mod.kv_lora_rank)
+        k_rot = k_rot.view(b, 1, t, mod.qk_rope_head_dim)
+        kv_nope, k_rot = cache.update(kv_nope, k_rot, mod.layer_idx, kwargs=kwargs)
+        c = kv_nope[:, 0].to(torch.float32)  # [B, S, C]
+        r = k_rot[:, 0].to(torch.float32)  # [B, S, R]
+        q_lat = torch.matmul(q[..., :nope].unsqueeze(-2), rec.w_uk.unsqueeze(1)).squeeze(-2)  # [B, H, T, C]
+        # One GEMM per sequence over all heads (the cache is read once, not once per head).
+        scores = (torch.matmul(q_lat.reshape(b, h * t, -1), c.transpose(1, 2))
+                  + torch.matmul(q[..., nope:].reshape(b, h * t, -1), r.transpose(1, 2))).view(b, h, t, -1)
+        scores = scores * mod.scaling
+        if attention_mask is not None:
+            mask = attention_mask[..., : scores.shape[-1]]
+            if mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            else:
+                scores = scores + mask.to(torch.float32)
+        p = torch.softmax(scores, dim=-1)
+        ctx = torch.matmul(p.reshape(b, h * t, -1), c).view(b, h, t, -1)  # [B, H, T, C]
+        o = torch.matmul(ctx.unsqueeze(-2), rec.w_uv.transpose(-1, -2).unsqueeze(1)).squeeze(-2)  # [B, H, T, V]
+        o = o.transpose(1, 2).reshape(b, t, h * mod.v_head_dim).to(hidden_states.dtype)
+        rec.calls += 1
+        return mod.o_proj(o), None
+
+    return forward
+
+
 # ---- patch / unpatch ------------------------------------------------------------------------
 
 
@@ -283,12 +347,13 @@ class Patch:
 
     def __init__(self, recipe, threads):
         self.recipe, self.threads = recipe, threads
-        self.kda, self.moe = [], []
+        self.kda, self.moe, self.mla = [], [], []
         self.expert_bytes_stock = 0
         self.expert_bytes_k3 = 0
 
     def summary(self):
-        return (f"k3.hf: {len(self.kda)} KDA layers and {len(self.moe)} MoE blocks on k3 (recipe {self.recipe}, "
+        return (f"k3.hf: {len(self.kda)} KDA layers and {len(self.moe)} MoE blocks on k3, {len(self.mla)} MLA "
+                f"layers decoding in the absorbed form (recipe {self.recipe}, "
                 f"threads {self.threads if self.threads is not None else 'torch'}); routed experts "
                 f"{self.expert_bytes_stock / 2**20:.1f} MiB stock -> {self.expert_bytes_k3 / 2**20:.1f} MiB MXFP4")
 
@@ -327,11 +392,14 @@ def _check_config(cfg, moe, kda):
             bad("n_group", "a divisor of num_experts", cfg.n_group)
 
 
-def patch(model, recipe="w4a16", kda=True, moe=True, threads=None, keep_original=False, max_tokens=4096):
+def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, keep_original=False,
+          max_tokens=4096):
     """Serves a transformers Kimi-Linear model's KDA layers and routed experts with k3 (in place).
 
     ``recipe``: "w4a16" (BF16 activations) or "w4a8" (MXFP8 activations) for the experts.
-    ``kda`` / ``moe``: which parts to serve. ``threads``: k3's thread count (None: torch's, read
+    ``kda`` / ``moe``: which parts to serve. ``mla``: decode the MLA layers in the absorbed form
+    (torch, in the latent space: per-step time independent of the prefix but for reading the
+    cache). ``threads``: k3's thread count (None: torch's, read
     per KDA call and at patch time for the MoE). ``keep_original``: keep the stock expert weights
     (so that ``unpatch`` restores the model exactly and grad-requiring calls can fall back).
     ``max_tokens``: rows per fused-MoE call (longer inputs are split). Returns a :class:`Patch`."""
@@ -377,6 +445,12 @@ def patch(model, recipe="w4a16", kda=True, moe=True, threads=None, keep_original
         rec.kda.append((mod, r))
     if kda_layers:
         _install(m)
+    if mla:
+        for mod in model.modules():
+            if isinstance(mod, m.KimiLinearAttention):
+                r = _MlaLayer(mod)
+                mod.forward = _mla_forward(mod, r, mod.forward)
+                rec.mla.append((mod, r))
     # Release (or keep) the stock expert weights only once everything above succeeded.
     for r in rec.moe:
         mod = r.module
@@ -428,7 +502,7 @@ def unpatch(model):
                          "k3.hf.patch(keep_original=False); reload the model (from_pretrained), or patch with "
                          "keep_original=True to be able to unpatch")
     m = _modeling()
-    for mod, _ in rec.kda:
+    for mod, _ in rec.kda + rec.mla:
         del mod.forward
     if rec.kda:
         _uninstall(m)

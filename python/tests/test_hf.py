@@ -131,11 +131,13 @@ def test_greedy_generation_matches_stock_with_mxfp4_experts(pair):
     with torch.no_grad():
         want = stock.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
         before = {id(r): dict(r.calls) for _, r in rec.kda}
+        before_mla = rec.mla[0][1].calls
         got = patched.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
     # Every KDA layer ran on k3: one prefill, then 31 single-token decodes through the cache.
     for _, r in rec.kda:
         assert r.calls["prefill"] - before[id(r)]["prefill"] == 1
         assert r.calls["decode"] - before[id(r)]["decode"] == 31
+    assert [r.calls for _, r in rec.mla] == [before_mla + 31]  # the MLA layer decoded in the absorbed form
     new = want[0, prompt.shape[1]:]
     # Teacher-forced on the stock tokens: hidden states and logits at every step within the bounds.
     h_s, l_s = incremental(stock, prompt, new)

@@ -1,0 +1,483 @@
+"""``python -m k3 hf generate|bench``: a transformers Kimi-Linear model on k3 against stock.
+
+generate: builds a random model of a given config (saved and reloaded with ``from_pretrained``,
+as a user would load a checkpoint) or loads a local checkpoint directory (``--checkpoint``),
+generates with stock transformers and with the model patched by ``k3.hf.patch``, and prints
+tokens/s of both.
+
+bench: stock BF16, stock FP32 (both loaded with ``from_pretrained``, run with ``generate`` and its
+cache, as transformers' docs say) and k3 (the BF16 model patched), same threads, interleaved
+rounds. Prefill tokens/s at T = 128 and 1024, decode ms/token at batch 1 and 8 (and batch 1
+after a 2048-token prefix), for each decode figure the bytes one step reads and that time as a
+fraction of the read bandwidth measured in the same run (``k3 bench limits``), prefill FLOPs as a
+fraction of the FP32 FMA peak. Writes JSON and, with matplotlib, a plot.
+"""
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+__all__ = ["main", "bench_config", "step_bytes", "prefill_flops"]
+
+# Kimi-Linear-48B-A3B's layer widths (hidden 2304, 32 KDA heads of 128, MLA with kv_lora 512,
+# moe_intermediate 1024, one shared expert, top-8), with fewer experts, layers and a smaller
+# vocabulary by default so that the stock FP32 copy fits next to the others in 24 GB.
+PRESET = dict(hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024, num_attention_heads=32,
+              num_key_value_heads=32, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128,
+              v_head_dim=128, num_experts_per_token=8, n_shared_experts=1, routed_scaling_factor=2.446,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def bench_config(layers=4, experts=64, vocab=32000, top_k=8):
+    """A KimiLinearConfig with Kimi-Linear-48B-A3B's widths: KDA and MLA layers 3:1 (the last of
+    every four is MLA, at least one), every layer MoE."""
+    from transformers import KimiLinearConfig
+    types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
+    if "full_attention" not in types:
+        types[-1] = "full_attention"
+    kw = dict(PRESET, vocab_size=vocab, num_hidden_layers=layers, num_experts=experts,
+              num_experts_per_token=top_k, layer_types=types, mlp_layer_types=["sparse"] * layers,
+              linear_attn_config={"head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4})
+    return KimiLinearConfig(**kw)
+
+
+def _random_checkpoint(cfg, path, seed=0):
+    """Builds a random BF16 model of cfg and saves it with save_pretrained (safetensors)."""
+    import torch
+    from transformers import KimiLinearForCausalLM
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model = KimiLinearForCausalLM(cfg).to(torch.bfloat16)
+        for mod in model.modules():
+            if hasattr(mod, "e_score_correction_bias"):
+                mod.e_score_correction_bias.normal_(0, 0.05)
+    model.save_pretrained(path)
+    del model
+    return path
+
+
+def _load(path, dtype):
+    import torch
+    from transformers import KimiLinearForCausalLM
+    return KimiLinearForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+
+
+# ---- traffic and FLOP models ----------------------------------------------------------------
+
+
+def _linear_bytes(mod):
+    return sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
+
+
+def step_bytes(model, batch, prefix, distinct_experts):
+    """Bytes one decode step of `batch` sequences at prefix length `prefix` reads: every weight
+    the step touches (dense layers, LM head, one embedding row per sequence, the routed experts it
+    selects: `distinct_experts` per MoE block, in the form the model holds them) and the state
+    (KDA recurrent and conv states, the MLA latent cache). Returns a dict by part."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as m
+    import torch
+    cfg = model.config
+    parts = {"dense_weights": 0, "experts": 0, "lm_head": 0, "embedding": 0, "kda_state": 0, "mla_cache": 0}
+    rec = getattr(model, "_k3_patch", None)
+    k3_bytes_per_expert = None
+    if rec is not None and rec.moe:
+        k3_bytes_per_expert = rec.expert_bytes_k3 / (len(rec.moe) * cfg.num_local_experts)
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear) and mod is not model.lm_head:
+            parts["dense_weights"] += _linear_bytes(mod)
+        elif isinstance(mod, (m.KimiLinearRMSNorm, m.KimiLinearRMSNormGated, torch.nn.Conv1d)):
+            parts["dense_weights"] += _linear_bytes(mod)
+        elif isinstance(mod, m.KimiLinearTopkRouter):
+            parts["dense_weights"] += mod.weight.numel() * 4 + mod.e_score_correction_bias.numel() * 4
+        elif isinstance(mod, m.KimiLinearForgetGate):
+            parts["dense_weights"] += mod.dt_bias.numel() * 4 + mod.A_log.numel() * 4
+        elif isinstance(mod, m.KimiLinearExperts):
+            if k3_bytes_per_expert is not None:
+                per = k3_bytes_per_expert
+            else:
+                per = (mod.gate_up_proj[0].numel() + mod.down_proj[0].numel()) * mod.gate_up_proj.element_size()
+            parts["experts"] += per * distinct_experts
+        elif isinstance(mod, m.KimiLinearDeltaAttention):
+            parts["kda_state"] += batch * (mod.num_heads * mod.head_dim * mod.head_dim * 4
+                                           + mod.conv_dim * mod.conv_kernel_size * 4)
+        elif isinstance(mod, m.KimiLinearAttention):
+            esize = model.lm_head.weight.element_size()
+            parts["mla_cache"] += batch * prefix * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * esize
+    parts["lm_head"] = _linear_bytes(model.lm_head)
+    parts["embedding"] = batch * cfg.hidden_size * model.lm_head.weight.element_size()
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def prefill_flops(cfg, t):
+    """Model FLOPs of a T-token prefill (multiply-adds x 2): every linear layer a token passes
+    (dense, router, shared and top-k routed experts, LM head on the last token only, as generate
+    computes it), MLA's causal attention, and the KDA recurrence (about 8 K V per token and head:
+    decay, S^T k, the rank-1 write, S^T q)."""
+    h, i, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    hk, nh = cfg.linear_head_dim, cfg.linear_num_heads
+    qkv = hk * nh
+    kda_lin = 3 * h * qkv + h * hk + hk * qkv + h * nh + h * hk + hk * qkv + qkv * h  # q,k,v, f_a,f_b, b, g_a,g_b, o
+    mla_lin = (h * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+               + h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+               + cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+               + cfg.num_attention_heads * cfg.v_head_dim * h)
+    moe_lin = h * cfg.num_local_experts + (k + cfg.n_shared_experts) * 3 * h * i
+    flops = 0
+    for typ in cfg.layer_types:
+        if typ == "full_attention":
+            flops += 2 * t * mla_lin
+            flops += 2 * (t * (t + 1) // 2) * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+                                                                         + cfg.v_head_dim)
+        else:
+            flops += 2 * t * kda_lin + 8 * t * nh * hk * hk
+        flops += 2 * t * moe_lin
+    return flops + 2 * h * cfg.vocab_size
+
+
+# ---- timing --------------------------------------------------------------------------------
+
+
+class _Stamps:
+    """A logits processor that records when generate reaches each step's sampling."""
+
+    def __init__(self):
+        self.t = []
+
+    def __call__(self, input_ids, scores):
+        self.t.append(time.perf_counter())
+        return scores
+
+
+def _generate_times(model, ids, new_tokens, mask=None):
+    """(prefill seconds, per-step decode seconds) of model.generate (greedy, its cache)."""
+    import torch
+    from transformers import LogitsProcessorList
+    st = _Stamps()
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, logits_processor=LogitsProcessorList([st]))
+    return st.t[0] - t0, [b - a for a, b in zip(st.t, st.t[1:])]
+
+
+def _distinct_experts(model, ids):
+    """Mean number of distinct routed experts per MoE block in one decode step of `ids` (the
+    batch's last tokens), from the routers' choices."""
+    import torch
+    from transformers.models.kimi_linear import modeling_kimi_linear as m
+    counts = []
+
+    def hook(mod, args):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        logits = torch.nn.functional.linear(x.float(), mod.gate.weight.float())
+        s = logits.sigmoid() + mod.gate.e_score_correction_bias
+        counts.append(len(set(s.topk(mod.gate.top_k, dim=-1).indices.flatten().tolist())))
+
+    hooks = [mod.register_forward_pre_hook(hook) for mod in model.modules() if isinstance(mod, m.KimiLinearMoE)]
+    try:
+        with torch.no_grad():
+            model(ids[:, -1:])
+    finally:
+        for h in hooks:
+            h.remove()
+    return statistics.mean(counts)
+
+
+def _machine():
+    import torch
+    import k3
+    info = k3.info()
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return dict(cpu=cpu, isa=info.get("isa"), logical_cpus=os.cpu_count(), torch_threads=torch.get_num_threads(),
+                torch=torch.__version__, python=platform.python_version())
+
+
+def _limits(threads):
+    import k3
+    r = k3.bench("limits", threads=threads)
+    return dict(read_bandwidth_Bps=r["read_bandwidth_Bps"]["value"], fp32_fma_peak_flops=r["fp32_fma_peak_flops"]["value"],
+                dot_peak_flops=r.get("dot_peak_flops", {}).get("value"), what=r["read_bandwidth_Bps"]["what"])
+
+
+def _common_args(ap):
+    ap.add_argument("--checkpoint", help="a local Kimi-Linear checkpoint directory (config.json + safetensors); "
+                    "default: a random model of the preset config")
+    ap.add_argument("--layers", type=int, default=4, help="random model: decoder layers (KDA:MLA 3:1), default 4")
+    ap.add_argument("--experts", type=int, default=64, help="random model: routed experts, default 64")
+    ap.add_argument("--top-k", type=int, default=8, help="random model: experts per token, default 8")
+    ap.add_argument("--vocab", type=int, default=32000, help="random model: vocabulary, default 32000")
+    ap.add_argument("--threads", type=int, default=0, help="torch and k3 threads (default: torch's default)")
+    ap.add_argument("--recipe", choices=["w4a16", "w4a8"], default="w4a16")
+    ap.add_argument("--workdir", default=None, help="where the random model is saved (default: a temp dir)")
+
+
+def _model_dir(a, tmp):
+    if a.checkpoint:
+        if not os.path.isfile(os.path.join(a.checkpoint, "config.json")):
+            raise SystemExit(f"python -m k3 hf: --checkpoint {a.checkpoint} has no config.json")
+        return a.checkpoint
+    path = a.workdir or os.path.join(tmp, "kimi-linear-random")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        cfg = bench_config(a.layers, a.experts, a.vocab, a.top_k)
+        print(f"building a random Kimi-Linear model ({a.layers} layers, {a.experts} experts, top-{a.top_k}, "
+              f"vocab {a.vocab}) in {path} ...", flush=True)
+        _random_checkpoint(cfg, path)
+    return path
+
+
+def _cmd_generate(a):
+    import torch
+    import k3.hf
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _model_dir(a, tmp)
+        model = _load(path, a.dtype)
+        ids = torch.randint(3, model.config.vocab_size, (1, a.prompt_tokens), generator=torch.Generator().manual_seed(1))
+        results = {}
+        for name in ("stock", "k3"):
+            if name == "k3":
+                print(k3.hf.patch(model, recipe=a.recipe).summary())
+            prefill, steps = _generate_times(model, ids, a.new_tokens)
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False)
+            results[name] = out[0, ids.shape[1]:].tolist()
+            dec = statistics.median(steps)
+            print(f"{name:>5} ({a.dtype}): prefill {a.prompt_tokens} tokens {prefill * 1e3:.0f} ms "
+                  f"({a.prompt_tokens / prefill:.0f} tokens/s); decode {dec * 1e3:.1f} ms/token ({1 / dec:.1f} tokens/s)")
+        same = sum(x == y for x, y in zip(results["stock"], results["k3"]))
+        print(f"greedy tokens equal to stock: {same} of {a.new_tokens} (k3 serves MXFP4 experts; stock has the "
+              "unquantized weights)")
+        print("k3 tokens:", results["k3"])
+    return 0
+
+
+def _cmd_bench(a):
+    import torch
+    import k3.hf
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    threads = torch.get_num_threads()
+    record = dict(machine=_machine(), threads=threads, recipe=a.recipe, rounds=a.rounds)
+    print(f"machine: {record['machine']['cpu']}, isa {record['machine']['isa']}, {threads} threads", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _model_dir(a, tmp)
+        # One stock model in memory at a time (the FP32 copy of a 12 GB BF16 model would not fit next
+        # to the others): each round loads each stock form with from_pretrained, measures it and frees
+        # it. The patched model is small and stays loaded.
+        k3m = _load(path, "bfloat16")
+        patch = k3.hf.patch(k3m, recipe=a.recipe)
+        print(patch.summary(), flush=True)
+        cfg = k3m.config
+        record["config"] = {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_local_experts",
+                                                         "num_experts_per_tok", "moe_intermediate_size",
+                                                         "vocab_size", "linear_num_heads", "linear_head_dim",
+                                                         "layer_types")}
+        record["expert_bytes"] = dict(stock_bf16=patch.expert_bytes_stock, k3=patch.expert_bytes_k3)
+        gen = torch.Generator().manual_seed(7)
+        prompts = {t: torch.randint(3, cfg.vocab_size, (1, t), generator=gen) for t in a.prefill}
+        dec_prompts = {b: torch.randint(3, cfg.vocab_size, (b, 16), generator=gen) for b in a.batch}
+        long_prompt = torch.randint(3, cfg.vocab_size, (1, a.long_prefix), generator=gen) if a.long_prefix else None
+        names = [n for n in ("stock-fp32", "stock-bf16", "k3") if n not in a.skip]
+        raw = {n: {"prefill": {t: [] for t in a.prefill}, "decode": {b: [] for b in a.batch}, "decode_long": []}
+               for n in names}
+        distinct = {b: _distinct_experts(k3m, ids) for b, ids in dec_prompts.items()}
+        bytes_of = {}
+        record["limits"] = []
+        for r in range(a.rounds):
+            record["limits"].append(_limits(threads))
+            lim = record["limits"][-1]
+            print(f"round {r + 1}/{a.rounds}: read bandwidth {lim['read_bandwidth_Bps'] / 1e9:.1f} GB/s, FP32 FMA "
+                  f"peak {lim['fp32_fma_peak_flops'] / 1e9:.0f} GFLOP/s", flush=True)
+            for n in names:
+                model = k3m if n == "k3" else _load(path, "float32" if n == "stock-fp32" else "bfloat16")
+                for t, ids in prompts.items():
+                    pre, _ = _generate_times(model, ids, 1)
+                    raw[n]["prefill"][t].append(pre)
+                    print(f"  {n:>10} prefill T={t}: {t / pre:.1f} tokens/s", flush=True)
+                for b, ids in dec_prompts.items():
+                    _, steps = _generate_times(model, ids, a.new_tokens)
+                    raw[n]["decode"][b].extend(steps)
+                    print(f"  {n:>10} decode batch {b}: {statistics.median(steps) * 1e3:.1f} ms/token", flush=True)
+                    bytes_of[(n, b, 16)] = step_bytes(model, b, 16 + a.new_tokens // 2, distinct[b])
+                if long_prompt is not None and r == 0:
+                    _, steps = _generate_times(model, long_prompt, a.new_tokens)
+                    raw[n]["decode_long"].extend(steps)
+                    print(f"  {n:>10} decode batch 1 after {a.long_prefix} tokens: "
+                          f"{statistics.median(steps) * 1e3:.1f} ms/token", flush=True)
+                    bytes_of[(n, 1, a.long_prefix)] = step_bytes(model, 1, a.long_prefix + a.new_tokens // 2,
+                                                                 distinct.get(1, cfg.num_experts_per_tok))
+                if model is not k3m:
+                    del model
+                    gc.collect()
+        bw = statistics.median(x["read_bandwidth_Bps"] for x in record["limits"])
+        peak = statistics.median(x["fp32_fma_peak_flops"] for x in record["limits"])
+        record["read_bandwidth_Bps"], record["fp32_fma_peak_flops"] = bw, peak
+        rows = []
+        for n in names:
+            for t in a.prefill:
+                sec = statistics.median(raw[n]["prefill"][t])
+                fl = prefill_flops(cfg, t)
+                rows.append(dict(variant=n, kind="prefill", tokens=t, median_s=sec, tokens_per_s=t / sec, flops=fl,
+                                 fraction_of_fp32_fma_peak=fl / sec / peak, samples=raw[n]["prefill"][t]))
+            for b in a.batch:
+                sec = statistics.median(raw[n]["decode"][b])
+                by = bytes_of[(n, b, 16)]
+                rows.append(dict(variant=n, kind="decode", batch=b, prefix=16, median_s=sec, ms_per_token=sec * 1e3,
+                                 bytes=by, bandwidth_time_s=by["total"] / bw,
+                                 fraction_of_read_bandwidth=by["total"] / bw / sec, distinct_experts=distinct[b],
+                                 samples=raw[n]["decode"][b]))
+            if raw[n]["decode_long"]:
+                sec = statistics.median(raw[n]["decode_long"])
+                by = bytes_of[(n, 1, a.long_prefix)]
+                rows.append(dict(variant=n, kind="decode", batch=1, prefix=a.long_prefix, median_s=sec,
+                                 ms_per_token=sec * 1e3, bytes=by, bandwidth_time_s=by["total"] / bw,
+                                 fraction_of_read_bandwidth=by["total"] / bw / sec, samples=raw[n]["decode_long"]))
+        record["rows"] = rows
+        _speedups(record)
+    _print_table(record)
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"JSON: {a.output}")
+        if a.plot:
+            try:
+                print(f"plot: {plot(record, a.plot)}")
+            except RuntimeError as e:
+                print(f"plot: skipped ({e})")
+    return 0
+
+
+def _key(r):
+    return (r["kind"], r.get("tokens"), r.get("batch"), r.get("prefix"))
+
+
+def _speedups(record):
+    """k3 against the faster of stock BF16 and stock FP32, and against stock FP32."""
+    by = {}
+    for r in record["rows"]:
+        by.setdefault(_key(r), {})[r["variant"]] = r
+    for variants in by.values():
+        k = variants.get("k3")
+        if k is None:
+            continue
+        stock = [v for n, v in variants.items() if n != "k3"]
+        if stock:
+            best = min(stock, key=lambda v: v["median_s"])
+            k["speedup_vs_best_stock"] = best["median_s"] / k["median_s"]
+            k["best_stock"] = best["variant"]
+        if "stock-fp32" in variants:
+            k["speedup_vs_stock_fp32"] = variants["stock-fp32"]["median_s"] / k["median_s"]
+
+
+def _print_table(record):
+    print()
+    print(f"{'variant':>10} {'what':<28} {'time':>12} {'rate':>16} {'bytes/step':>11} {'of BW / peak':>12} "
+          f"{'k3 speed-up':>12}")
+    for r in record["rows"]:
+        if r["kind"] == "prefill":
+            what = f"prefill T={r['tokens']}"
+            t = f"{r['median_s'] * 1e3:.0f} ms"
+            rate = f"{r['tokens_per_s']:.1f} tok/s"
+            by = ""
+            frac = f"{100 * r['fraction_of_fp32_fma_peak']:.0f} % FMA"
+        else:
+            what = f"decode batch {r['batch']} prefix {r['prefix']}"
+            t = f"{r['ms_per_token']:.1f} ms"
+            rate = f"{r['batch'] / r['median_s']:.1f} tok/s"
+            by = f"{r['bytes']['total'] / 1e6:.0f} MB"
+            frac = f"{100 * r['fraction_of_read_bandwidth']:.0f} % BW"
+        sp = ""
+        if "speedup_vs_best_stock" in r:
+            sp = f"{r['speedup_vs_best_stock']:.2f}x"
+        print(f"{r['variant']:>10} {what:<28} {t:>12} {rate:>16} {by:>11} {frac:>12} {sp:>12}")
+    print(f"read bandwidth {record['read_bandwidth_Bps'] / 1e9:.1f} GB/s, FP32 FMA peak "
+          f"{record['fp32_fma_peak_flops'] / 1e9:.0f} GFLOP/s (k3 bench limits, medians over the rounds); "
+          f"speed-up: against the faster stock form")
+
+
+def plot(record, output):
+    """Prefill tokens/s and decode ms/token per variant, and decode as % of the read bandwidth."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("plotting needs matplotlib (pip install matplotlib)") from e
+    if isinstance(record, str):
+        with open(record) as f:
+            record = json.load(f)
+    variants = []
+    for r in record["rows"]:
+        if r["variant"] not in variants:
+            variants.append(r["variant"])
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    groups = [("prefill", lambda r: f"T={r['tokens']}", lambda r: r["tokens_per_s"], "prefill tokens/s"),
+              ("decode", lambda r: f"B={r['batch']} p={r['prefix']}", lambda r: r["ms_per_token"], "decode ms/token"),
+              ("decode", lambda r: f"B={r['batch']} p={r['prefix']}", lambda r: 100 * r["fraction_of_read_bandwidth"],
+               "decode: % of read bandwidth (bytes/step / BW / time)")]
+    for ax, (kind, label, value, title) in zip(axes, groups):
+        rows = [r for r in record["rows"] if r["kind"] == kind]
+        cats = []
+        for r in rows:
+            if label(r) not in cats:
+                cats.append(label(r))
+        width = 0.8 / max(len(variants), 1)
+        for i, v in enumerate(variants):
+            vals = [next((value(r) for r in rows if r["variant"] == v and label(r) == c), 0) for c in cats]
+            ax.bar([j + i * width for j in range(len(cats))], vals, width, label=v)
+        ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(cats))], cats)
+        ax.set_title(title)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    m = record["machine"]
+    fig.suptitle(f"Kimi-Linear on transformers: stock vs k3 ({record['recipe']}) - {m['cpu']}, isa {m['isa']}, "
+                 f"{record['threads']} threads")
+    fig.tight_layout()
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
+    return output
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m k3 hf", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate with stock and with k3, print tokens/s")
+    _common_args(g)
+    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    g.add_argument("--prompt-tokens", type=int, default=32)
+    g.add_argument("--new-tokens", type=int, default=32)
+    b = sub.add_parser("bench", help="stock BF16 / stock FP32 / k3, interleaved; JSON and plot")
+    _common_args(b)
+    b.add_argument("--rounds", type=int, default=2)
+    b.add_argument("--prefill", type=lambda s: [int(x) for x in s.split(",")], default=[128, 1024])
+    b.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    b.add_argument("--new-tokens", type=int, default=16, help="decode steps per measurement")
+    b.add_argument("--long-prefix", type=int, default=2048, help="decode after this prefix too (0: skip)")
+    b.add_argument("--skip", default="", help="comma-separated variants to skip (stock-fp32, stock-bf16)")
+    b.add_argument("--output", "-o", default=None, help="JSON file")
+    b.add_argument("--plot", default=None, help="PNG file (needs matplotlib)")
+    a = ap.parse_args(argv)
+    if a.cmd == "generate":
+        return _cmd_generate(a)
+    a.skip = [s for s in a.skip.split(",") if s]
+    return _cmd_bench(a)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
