@@ -144,6 +144,12 @@ def _k3_recurrent(query, key, value, g, beta, initial_state, output_final_state,
     hv = value.shape[-1]
     if initial_state is None:
         pool = torch.zeros((b, h, hk, hv), dtype=torch.float32)
+    elif (output_final_state and initial_state.dtype == torch.float32 and initial_state.is_contiguous()
+          and tuple(initial_state.shape) == (b, h, hk, hv)):
+        # In place: the patched layer's caller (transformers' KDA forward) passes the cache's state
+        # and stores the returned final state straight back into it (a copy onto itself: no
+        # work), so the state is neither cloned nor copied back (16 MB per layer at batch 8).
+        pool = initial_state
     else:  # a copy: the caller's state stays as it was (the stock function returns a new tensor too)
         pool = initial_state.to(torch.float32, copy=True).contiguous()
     idx = torch.arange(b, dtype=torch.int32)
@@ -285,14 +291,16 @@ class _MlaLayer:
     """Transformers' MLA re-expands the whole latent cache through kv_b_proj at every step, so its
     decode time grows with the prefix (8x at 2048 tokens). The absorbed form computes the same
     attention in the latent space: scores = (W_uk^T q_nope) . c + q_rope . k_rot, output =
-    W_uv (softmax . c): O(prefix x (kv_lora_rank + rope)) per head and step, in FP32."""
+    W_uv (softmax . c): O(prefix x (kv_lora_rank + rope)) per head and step. The products with
+    W_uk / W_uv run in the model's dtype (as kv_b_proj does), the scores, softmax and the sums over
+    the cache in FP32."""
 
     def __init__(self, mod):
         self.index = mod.layer_idx
         h, nope, vd = mod.num_heads, mod.qk_nope_head_dim, mod.v_head_dim
-        w = mod.kv_b_proj.weight.detach().to(torch.float32).view(h, nope + vd, mod.kv_lora_rank)
-        self.w_uk = w[:, :nope, :].contiguous()  # [H, nope, C]
-        self.w_uv = w[:, nope:, :].contiguous()  # [H, V, C]
+        w = mod.kv_b_proj.weight.detach().view(h, nope + vd, mod.kv_lora_rank)
+        self.w_uk = w[:, :nope, :].contiguous()  # [H, nope, C], the model's dtype (as kv_b_proj computes)
+        self.w_uv_t = w[:, nope:, :].transpose(1, 2).contiguous()  # [H, C, V]
         self.calls = 0
 
 
@@ -309,7 +317,7 @@ def _mla_forward(mod, rec, stock):
             q = mod.q_proj(hidden_states)
         else:
             q = mod.q_b_proj(mod.q_a_layernorm(mod.q_a_proj(hidden_states)))
-        q = q.view(b, t, h, mod.qk_head_dim).transpose(1, 2).to(torch.float32)  # [B, H, T, D]
+        q = q.view(b, t, h, mod.qk_head_dim)  # [B, T, H, D]
         compressed = mod.kv_a_proj_with_mqa(hidden_states)
         kv_nope, k_rot = torch.split(compressed, [mod.kv_lora_rank, mod.qk_rope_head_dim], dim=-1)
         kv_nope = mod.kv_a_layernorm(kv_nope).view(b, 1, t, mod.kv_lora_rank)
@@ -317,10 +325,13 @@ def _mla_forward(mod, rec, stock):
         kv_nope, k_rot = cache.update(kv_nope, k_rot, mod.layer_idx, kwargs=kwargs)
         c = kv_nope[:, 0].to(torch.float32)  # [B, S, C]
         r = k_rot[:, 0].to(torch.float32)  # [B, S, R]
-        q_lat = torch.matmul(q[..., :nope].unsqueeze(-2), rec.w_uk.unsqueeze(1)).squeeze(-2)  # [B, H, T, C]
+        # W_uk^T q_nope per head, all tokens of the batch at once: [H, B T, nope] @ [H, nope, C]
+        q_nope = q[..., :nope].permute(2, 0, 1, 3).reshape(h, b * t, nope).to(rec.w_uk.dtype)
+        q_lat = torch.bmm(q_nope, rec.w_uk).view(h, b, t, -1).permute(1, 0, 2, 3).to(torch.float32)  # [B, H, T, C]
+        q_rope = q[..., nope:].transpose(1, 2).to(torch.float32)  # [B, H, T, R]
         # One GEMM per sequence over all heads (the cache is read once, not once per head).
         scores = (torch.matmul(q_lat.reshape(b, h * t, -1), c.transpose(1, 2))
-                  + torch.matmul(q[..., nope:].reshape(b, h * t, -1), r.transpose(1, 2))).view(b, h, t, -1)
+                  + torch.matmul(q_rope.reshape(b, h * t, -1), r.transpose(1, 2))).view(b, h, t, -1)
         scores = scores * mod.scaling
         if attention_mask is not None:
             mask = attention_mask[..., : scores.shape[-1]]
@@ -330,8 +341,9 @@ def _mla_forward(mod, rec, stock):
                 scores = scores + mask.to(torch.float32)
         p = torch.softmax(scores, dim=-1)
         ctx = torch.matmul(p.reshape(b, h * t, -1), c).view(b, h, t, -1)  # [B, H, T, C]
-        o = torch.matmul(ctx.unsqueeze(-2), rec.w_uv.transpose(-1, -2).unsqueeze(1)).squeeze(-2)  # [B, H, T, V]
-        o = o.transpose(1, 2).reshape(b, t, h * mod.v_head_dim).to(hidden_states.dtype)
+        ctx = ctx.permute(1, 0, 2, 3).reshape(h, b * t, -1).to(rec.w_uv_t.dtype)
+        o = torch.bmm(ctx, rec.w_uv_t).view(h, b, t, -1)  # W_uv per head: [H, B T, V]
+        o = o.permute(1, 2, 0, 3).reshape(b, t, h * mod.v_head_dim).to(hidden_states.dtype)
         rec.calls += 1
         return mod.o_proj(o), None
 
