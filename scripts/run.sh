@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # k3's main job on this machine: install dependencies, build, show the machine and build facts,
 # validate the kernels against their oracles (the MoE at the Kimi-K3 per-rank shape on the CPU
-# backend), and benchmark the Kimi-K3 MoE layer as fractions of the measured machine limits.
-# Takes a few minutes on 2 cores. Exits non-zero if any check fails.
+# backend), benchmark the Kimi-K3 MoE layer as fractions of the measured machine limits, and run a
+# transformers Kimi-Linear model on k3 against stock (K3_SKIP_HF=1 skips that step).
+# Takes about ten minutes on 2 cores (the first time: the torch download). Exits non-zero if any
+# check fails.
 # Usage: scripts/run.sh
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -47,6 +49,26 @@ if python3 -c "import matplotlib" >/dev/null 2>&1; then
     echo "plot: $out/bench_moe.png"
 else
   echo "plot: skipped (no matplotlib; pip install matplotlib, then python -m k3 plot $out/bench_moe.json -o bench.png)"
+fi
+# A real model through k3: a transformers Kimi-Linear model (random weights, Kimi-Linear-48B's widths,
+# 2 layers) generating with stock transformers and patched onto k3 (docs/transformers.md). Needs torch
+# and transformers from PyPI and the Python package, in build-venv/ (shared with scripts/test.sh).
+# K3_SKIP_HF=1 skips it.
+if [ "${K3_SKIP_HF:-0}" != 1 ]; then
+  echo
+  echo "== a real model: Kimi-Linear in transformers on k3 (python -m k3 hf generate; installs torch + transformers)"
+  venv="$root/build-venv"
+  if { [ -x "$venv/bin/python" ] || python3 -m venv "$venv"; } &&
+     "$venv/bin/pip" install -q --upgrade pip &&
+     "$venv/bin/pip" install -q numpy "scikit-build-core>=0.10" "nanobind>=2.4" torch "transformers>=5.17,<6" &&
+     CMAKE_BUILD_PARALLEL_LEVEL="$(nproc 2>/dev/null || echo 2)" "$venv/bin/pip" install -q --no-build-isolation "$root"; then
+    "$venv/bin/python" -m k3 hf generate --layers 2 --new-tokens 32 2>&1 |
+      grep -v -E 'falling back to its reference|Loading weights|Writing model shards'
+    [ "${PIPESTATUS[0]}" = 0 ] || failed=1
+  else
+    echo "main job: installing torch / transformers / the k3 package failed" >&2
+    failed=1
+  fi
 fi
 echo "JSON records in build/results/. Full matrices: k3 validate --op all; full sweep: k3 bench moe --recipe both"
 [ "$failed" = 0 ] && echo "main job: all checks passed" || echo "main job: SOME CHECKS FAILED"

@@ -52,8 +52,15 @@ def _random_checkpoint(cfg, path, seed=0):
     import torch
     from transformers import KimiLinearForCausalLM
     torch.manual_seed(seed)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in BF16 directly: no FP32 copy of the whole model
+    try:
+        with torch.no_grad():
+            model = KimiLinearForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(saved)
     with torch.no_grad():
-        model = KimiLinearForCausalLM(cfg).to(torch.bfloat16)
+        model = model.to(torch.bfloat16)
         for mod in model.modules():
             if hasattr(mod, "e_score_correction_bias"):
                 mod.e_score_correction_bias.normal_(0, 0.05)
@@ -248,7 +255,17 @@ def _cmd_generate(a):
     with tempfile.TemporaryDirectory() as tmp:
         path = _model_dir(a, tmp)
         model = _load(path, a.dtype)
-        ids = torch.randint(3, model.config.vocab_size, (1, a.prompt_tokens), generator=torch.Generator().manual_seed(1))
+        tok = None
+        if a.prompt is not None:
+            from transformers import AutoTokenizer
+            try:
+                tok = AutoTokenizer.from_pretrained(path, trust_remote_code=a.trust_remote_code)
+            except (OSError, ValueError) as e:
+                raise SystemExit(f"python -m k3 hf generate: --prompt needs a tokenizer in {path} ({e})")
+            ids = tok(a.prompt, return_tensors="pt").input_ids
+        else:
+            ids = torch.randint(3, model.config.vocab_size, (1, a.prompt_tokens),
+                                generator=torch.Generator().manual_seed(1))
         results = {}
         for name in ("stock", "k3"):
             if name == "k3":
@@ -258,12 +275,16 @@ def _cmd_generate(a):
                 out = model.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False)
             results[name] = out[0, ids.shape[1]:].tolist()
             dec = statistics.median(steps)
-            print(f"{name:>5} ({a.dtype}): prefill {a.prompt_tokens} tokens {prefill * 1e3:.0f} ms "
-                  f"({a.prompt_tokens / prefill:.0f} tokens/s); decode {dec * 1e3:.1f} ms/token ({1 / dec:.1f} tokens/s)")
+            print(f"{name:>5} ({a.dtype}): prefill {ids.shape[1]} tokens {prefill * 1e3:.0f} ms "
+                  f"({ids.shape[1] / prefill:.0f} tokens/s); decode {dec * 1e3:.1f} ms/token ({1 / dec:.1f} tokens/s)")
         same = sum(x == y for x, y in zip(results["stock"], results["k3"]))
         print(f"greedy tokens equal to stock: {same} of {a.new_tokens} (k3 serves MXFP4 experts; stock has the "
               "unquantized weights)")
-        print("k3 tokens:", results["k3"])
+        if tok is not None:
+            for name in ("stock", "k3"):
+                print(f"{name}: {tok.decode(results[name], skip_special_tokens=True)!r}")
+        else:
+            print("k3 tokens:", results["k3"])
     return 0
 
 
@@ -460,7 +481,9 @@ def main(argv=None):
     g = sub.add_parser("generate", help="generate with stock and with k3, print tokens/s")
     _common_args(g)
     g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    g.add_argument("--prompt-tokens", type=int, default=32)
+    g.add_argument("--prompt-tokens", type=int, default=32, help="random prompt length (without --prompt)")
+    g.add_argument("--prompt", default=None, help="a text prompt (needs the checkpoint's tokenizer)")
+    g.add_argument("--trust-remote-code", action="store_true", help="for the tokenizer of a hub checkpoint")
     g.add_argument("--new-tokens", type=int, default=32)
     b = sub.add_parser("bench", help="stock BF16 / stock FP32 / k3, interleaved; JSON and plot")
     _common_args(b)

@@ -598,3 +598,42 @@ def test_k3_follows_torchs_thread_count():
             assert k3.torch._threads() == 3
     finally:
         torch.set_num_threads(saved)
+
+
+# ---- python -m k3 hf --------------------------------------------------------------------------
+
+
+def test_hf_cli_generate_and_bench_on_a_saved_checkpoint(tmp_path, capsys):
+    from k3 import hf_cli
+    path = str(tmp_path / "tiny")
+    build(tiny_config(num_experts=32, num_experts_per_token=4), seed=6, dtype=torch.bfloat16).save_pretrained(path)
+    assert hf_cli.main(["generate", "--checkpoint", path, "--prompt-tokens", "5", "--new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "stock (bfloat16): prefill 5 tokens" in out and "k3 (bfloat16)" in out and "MoE blocks on k3" in out
+    js = str(tmp_path / "bench.json")
+    assert hf_cli.main(["bench", "--checkpoint", path, "--rounds", "1", "--prefill", "8", "--batch", "1,2",
+                        "--new-tokens", "3", "--long-prefix", "20", "-o", js]) == 0
+    with open(js) as f:
+        rec = __import__("json").load(f)
+    assert rec["read_bandwidth_Bps"] > 0 and rec["fp32_fma_peak_flops"] > 0
+    kinds = {(r["variant"], r["kind"], r.get("batch"), r.get("prefix"), r.get("tokens")) for r in rec["rows"]}
+    for v in ("stock-fp32", "stock-bf16", "k3"):
+        assert {(v, "prefill", None, None, 8), (v, "decode", 1, 16, None), (v, "decode", 2, 16, None),
+                (v, "decode", 1, 20, None)} <= kinds
+    for r in rec["rows"]:
+        assert r["median_s"] > 0
+        if r["kind"] == "decode":
+            assert r["bytes"]["total"] == sum(v for k, v in r["bytes"].items() if k != "total")
+            assert 0 < r["fraction_of_read_bandwidth"]
+        if r["variant"] == "k3":
+            assert r["speedup_vs_best_stock"] > 0 and r["best_stock"] in ("stock-fp32", "stock-bf16")
+    k3_dec = next(r for r in rec["rows"] if r["variant"] == "k3" and r["kind"] == "decode" and r["batch"] == 1)
+    bf16_dec = next(r for r in rec["rows"] if r["variant"] == "stock-bf16" and r["kind"] == "decode"
+                    and r["batch"] == 1 and r["prefix"] == 16)
+    assert k3_dec["bytes"]["experts"] < bf16_dec["bytes"]["experts"]  # MXFP4 against BF16 experts
+
+
+def test_hf_cli_refuses_a_directory_without_a_config(tmp_path):
+    from k3 import hf_cli
+    with pytest.raises(SystemExit, match="has no config.json"):
+        hf_cli.main(["generate", "--checkpoint", str(tmp_path)])
