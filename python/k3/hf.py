@@ -79,8 +79,8 @@ def _warn_once(key, msg):
 
 
 class _KdaLayer:
-    def __init__(self, index, threads):
-        self.index, self.threads = index, threads
+    def __init__(self, index, threads, isa):
+        self.index, self.threads, self.isa = index, threads, isa
         self.calls = {"prefill": 0, "decode": 0}
 
 
@@ -117,7 +117,7 @@ def _k3_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, out
     init = _EMPTY_F32 if initial_state is None else initial_state.to(torch.float32).contiguous()
     final = torch.empty((b, h, hk, hv), dtype=torch.float32) if output_final_state else _EMPTY_F32
     o = torch.empty((rows, h, hv), dtype=torch.float32)
-    with _k3torch.kda_threads(rec.threads):
+    with _k3torch.kda_options(rec.threads, rec.isa):
         torch.ops.k3.kda_prefill(_act(query, rows, h, hk), _act(key, rows, h, hk), _act(value, rows, h, hv),
                                  g.to(torch.float32).reshape(rows, h, hk).contiguous(),
                                  beta.to(torch.float32).reshape(rows, h).contiguous(), _EMPTY_F32, _EMPTY_F32, cu,
@@ -154,7 +154,7 @@ def _k3_recurrent(query, key, value, g, beta, initial_state, output_final_state,
         pool = initial_state.to(torch.float32, copy=True).contiguous()
     idx = torch.arange(b, dtype=torch.int32)
     o = torch.empty((b, h, hv), dtype=torch.float32)
-    with _k3torch.kda_threads(rec.threads):
+    with _k3torch.kda_options(rec.threads, rec.isa):
         torch.ops.k3.kda_decode(_act(query, b, h, hk), _act(key, b, h, hk), _act(value, b, h, hv),
                                 g.to(torch.float32).reshape(b, h, hk).contiguous(),
                                 beta.to(torch.float32).reshape(b, h).contiguous(), _EMPTY_F32, _EMPTY_F32, pool, idx,
@@ -357,8 +357,8 @@ class Patch:
     """What ``patch`` did to a model (``model._k3_patch``): the KDA and MoE layers served by k3,
     the recipe, the threads, the expert memory before and after, and call counters."""
 
-    def __init__(self, recipe, threads):
-        self.recipe, self.threads = recipe, threads
+    def __init__(self, recipe, threads, isa=""):
+        self.recipe, self.threads, self.isa = recipe, threads, isa
         self.kda, self.moe, self.mla = [], [], []
         self.expert_bytes_stock = 0
         self.expert_bytes_k3 = 0
@@ -366,7 +366,8 @@ class Patch:
     def summary(self):
         return (f"k3.hf: {len(self.kda)} KDA layers and {len(self.moe)} MoE blocks on k3, {len(self.mla)} MLA "
                 f"layers decoding in the absorbed form (recipe {self.recipe}, "
-                f"threads {self.threads if self.threads is not None else 'torch'}); routed experts "
+                f"threads {self.threads if self.threads is not None else 'torch'}, isa {self.isa or 'best'}); "
+                f"routed experts "
                 f"{self.expert_bytes_stock / 2**20:.1f} MiB stock -> {self.expert_bytes_k3 / 2**20:.1f} MiB MXFP4")
 
     def __repr__(self):
@@ -405,7 +406,7 @@ def _check_config(cfg, moe, kda):
 
 
 def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, keep_original=False,
-          max_tokens=4096):
+          max_tokens=4096, isa=""):
     """Serves a transformers Kimi-Linear model's KDA layers and routed experts with k3 (in place).
 
     ``recipe``: "w4a16" (BF16 activations) or "w4a8" (MXFP8 activations) for the experts.
@@ -414,7 +415,9 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
     cache). ``threads``: k3's thread count (None: torch's, read
     per KDA call and at patch time for the MoE). ``keep_original``: keep the stock expert weights
     (so that ``unpatch`` restores the model exactly and grad-requiring calls can fall back).
-    ``max_tokens``: rows per fused-MoE call (longer inputs are split). Returns a :class:`Patch`."""
+    ``max_tokens``: rows per fused-MoE call (longer inputs are split). ``isa``: k3's SIMD level
+    ("" the best the CPU has; "avx2", "avx512", "scalar" force a lower one, as ``K3_ISA`` does for
+    the k3 tool; torch's own kernels are not affected). Returns a :class:`Patch`."""
     m = _modeling()
     if recipe not in ("w4a16", "w4a8"):
         raise ValueError(f"k3.hf.patch: recipe = {recipe!r} must be 'w4a16' or 'w4a8'")
@@ -435,24 +438,34 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
         break
     if threads is not None and (not isinstance(threads, int) or threads < 0):
         raise ValueError(f"k3.hf.patch: threads = {threads!r} must be None (torch's count) or an int >= 0")
+    if not isinstance(isa, str):
+        raise ValueError(f"k3.hf.patch: isa = {isa!r} must be a string ('' for the best level)")
+    if isa:  # the library's own check (allowed names, what this CPU has), on a one-token KDA call
+        from . import kda as _kda
+        one = np.zeros((1, 1, 32), dtype=np.float32)
+        try:
+            _kda.prefill(one, one, one, one, np.zeros((1, 1), dtype=np.float32), gate="log_decay", isa=isa,
+                         backend="cpu")
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"k3.hf.patch: isa = {isa!r}: {e}") from None
     if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 1 << 20:
         raise ValueError(f"k3.hf.patch: max_tokens = {max_tokens!r} must be an int in [1, 1048576]")
     _check_config(cfg, moe, kda)
 
-    rec = Patch(recipe, threads)
+    rec = Patch(recipe, threads, isa)
     kda_layers = [mod for mod in model.modules() if isinstance(mod, m.KimiLinearDeltaAttention)] if kda else []
     moe_blocks = [mod for mod in model.modules() if isinstance(mod, m.KimiLinearMoE)] if moe else []
     plan_threads = torch.get_num_threads() if threads is None else threads
     try:
         for mod in moe_blocks:
             rec.moe.append(_patch_moe(mod, len(rec.moe), cfg, recipe, threads, plan_threads, keep_original,
-                                      max_tokens, rec))
+                                      max_tokens, rec, isa))
     except Exception:
         for r in rec.moe:
             r.release()
         raise
     for mod in kda_layers:
-        r = _KdaLayer(mod.layer_idx, threads)
+        r = _KdaLayer(mod.layer_idx, threads, isa)
         _wrap_kda_forward(mod, r)
         rec.kda.append((mod, r))
     if kda_layers:
@@ -477,7 +490,7 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
     return rec
 
 
-def _patch_moe(mod, index, cfg, recipe, threads, plan_threads, keep_original, max_tokens, rec):
+def _patch_moe(mod, index, cfg, recipe, threads, plan_threads, keep_original, max_tokens, rec, isa):
     experts = mod.experts
     w1, w2 = experts.gate_up_proj, experts.down_proj
     e, two_i, hid = w1.shape
@@ -488,7 +501,8 @@ def _patch_moe(mod, index, cfg, recipe, threads, plan_threads, keep_original, ma
                      activation="silu", out_dtype=out_name)
     fc1_q, fc1_s = _quantize_experts(w1, two_i, hid)
     fc2_q, fc2_s = _quantize_experts(w2, hid, inter)
-    handle = _k3torch.prepare_moe(p, fc1_q, fc1_s, fc2_q, fc2_s, max_tokens=max_tokens, threads=plan_threads)
+    handle = _k3torch.prepare_moe(p, fc1_q, fc1_s, fc2_q, fc2_s, max_tokens=max_tokens, threads=plan_threads,
+                                  isa=isa)
     rec.expert_bytes_stock += (w1.numel() + w2.numel()) * w1.element_size()
     rec.expert_bytes_k3 += sum(a.nbytes for a in (fc1_q, fc1_s, fc2_q, fc2_s))
     route_args = (cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, bool(cfg.norm_topk_prob),

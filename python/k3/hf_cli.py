@@ -230,6 +230,7 @@ def _common_args(ap):
     ap.add_argument("--vocab", type=int, default=32000, help="random model: vocabulary, default 32000")
     ap.add_argument("--threads", type=int, default=0, help="torch and k3 threads (default: torch's default)")
     ap.add_argument("--recipe", choices=["w4a16", "w4a8"], default="w4a16")
+    ap.add_argument("--isa", default="", help="k3's SIMD level (default: the best the CPU has; torch is not affected)")
     ap.add_argument("--workdir", default=None, help="where the random model is saved (default: a temp dir)")
 
 
@@ -269,7 +270,7 @@ def _cmd_generate(a):
         results = {}
         for name in ("stock", "k3"):
             if name == "k3":
-                print(k3.hf.patch(model, recipe=a.recipe).summary())
+                print(k3.hf.patch(model, recipe=a.recipe, isa=a.isa).summary())
             prefill, steps = _generate_times(model, ids, a.new_tokens)
             with torch.no_grad():
                 out = model.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False)
@@ -294,15 +295,17 @@ def _cmd_bench(a):
     if a.threads:
         torch.set_num_threads(a.threads)
     threads = torch.get_num_threads()
-    record = dict(machine=_machine(), threads=threads, recipe=a.recipe, rounds=a.rounds)
+    record = dict(machine=_machine(), threads=threads, recipe=a.recipe, rounds=a.rounds, k3_isa=a.isa or "best",
+                  k3_dtype=a.k3_dtype, env={k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                                       "OMP_WAIT_POLICY") if k in os.environ})
     print(f"machine: {record['machine']['cpu']}, isa {record['machine']['isa']}, {threads} threads", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = _model_dir(a, tmp)
         # One stock model in memory at a time (the FP32 copy of a 12 GB BF16 model would not fit next
         # to the others): each round loads each stock form with from_pretrained, measures it and frees
         # it. The patched model is small and stays loaded.
-        k3m = _load(path, "bfloat16")
-        patch = k3.hf.patch(k3m, recipe=a.recipe)
+        k3m = _load(path, a.k3_dtype)
+        patch = k3.hf.patch(k3m, recipe=a.recipe, isa=a.isa)
         print(patch.summary(), flush=True)
         cfg = k3m.config
         record["config"] = {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_local_experts",
@@ -467,8 +470,8 @@ def plot(record, output):
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     m = record["machine"]
-    fig.suptitle(f"Kimi-Linear on transformers: stock vs k3 ({record['recipe']}) - {m['cpu']}, isa {m['isa']}, "
-                 f"{record['threads']} threads")
+    fig.suptitle(f"Kimi-Linear on transformers: stock vs k3 ({record['recipe']}, {record.get('k3_dtype', 'bfloat16')} "
+                 f"model, k3 isa {record.get('k3_isa', 'best')}) - {m['cpu']}, isa {m['isa']}, {record['threads']} threads")
     fig.tight_layout()
     fig.savefig(output, dpi=110)
     plt.close(fig)
@@ -492,6 +495,8 @@ def main(argv=None):
     b.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     b.add_argument("--new-tokens", type=int, default=16, help="decode steps per measurement")
     b.add_argument("--long-prefix", type=int, default=2048, help="decode after this prefix too (0: skip)")
+    b.add_argument("--k3-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="the dtype of the model k3 patches (float32 where torch has no BF16 hardware: AVX2)")
     b.add_argument("--skip", default="", help="comma-separated variants to skip (stock-fp32, stock-bf16)")
     b.add_argument("--output", "-o", default=None, help="JSON file")
     b.add_argument("--plot", default=None, help="PNG file (needs matplotlib)")

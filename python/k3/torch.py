@@ -187,27 +187,37 @@ def _moe_run_cuda(layer, x, topk_ids, topk_weights, out):
 _tls = threading.local()
 
 
-class kda_threads:
-    """Context manager: the thread count of the KDA ops called inside it (None: torch's,
-    ``torch.get_num_threads()``)."""
+class kda_options:
+    """Context manager: the thread count (None: torch's, ``torch.get_num_threads()``) and the SIMD
+    level ("": the best the CPU has; "avx2", "scalar", ...) of the KDA ops called inside it on
+    this thread."""
 
-    def __init__(self, threads):
-        self.threads = threads
+    def __init__(self, threads=None, isa=""):
+        self.threads, self.isa = threads, isa
 
     def __enter__(self):
-        self.saved = getattr(_tls, "threads", None)
-        _tls.threads = self.threads
+        self.saved = (getattr(_tls, "threads", None), getattr(_tls, "isa", ""))
+        _tls.threads, _tls.isa = self.threads, self.isa
         return self
 
     def __exit__(self, *exc):
-        _tls.threads = self.saved
+        _tls.threads, _tls.isa = self.saved
         return False
+
+
+def kda_threads(threads):
+    """``kda_options(threads=threads)``."""
+    return kda_options(threads=threads)
 
 
 def _threads():
     """k3 shares the cores with torch: by default the KDA ops use torch's thread count."""
     t = getattr(_tls, "threads", None)
     return torch.get_num_threads() if t is None else int(t)
+
+
+def _isa():
+    return getattr(_tls, "isa", "")
 
 
 def _act(t, name):
@@ -228,7 +238,7 @@ def _kda_prefill_cpu(q, k, v, g, beta, a_log, dt_bias, cu_seqlens, initial_state
                      beta_logits, l2norm_qk, scale, layout, o, final_state):
     _kda.prefill(_np(_act(q, "q")), _np(_act(k, "k")), _np(_act(v, "v")), _np(g), _np(beta), a_log=_opt_np(a_log),
                  dt_bias=_opt_np(dt_bias), cu_seqlens=_opt_np(cu_seqlens), initial_state=_opt_np(initial_state),
-                 o=_np(o), final_state=_opt_np(final_state), backend="cpu", threads=_threads(),
+                 o=_np(o), final_state=_opt_np(final_state), backend="cpu", threads=_threads(), isa=_isa(),
                  **_kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
 
 
@@ -236,14 +246,14 @@ def _kda_decode_cpu(q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices,
                     l2norm_qk, scale, layout, o):
     _kda.decode(_np(_act(q, "q")), _np(_act(k, "k")), _np(_act(v, "v")), _np(g), _np(beta), _np(state_pool),
                 _np(state_indices), a_log=_opt_np(a_log), dt_bias=_opt_np(dt_bias), o=_np(o), backend="cpu",
-                threads=_threads(), **_kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
+                threads=_threads(), isa=_isa(), **_kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
 
 
 def _kda_verify_cpu(q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices, num_accepted, gate,
                     gate_lower_bound, beta_logits, l2norm_qk, scale, layout, o):
     _kda.verify(_np(_act(q, "q")), _np(_act(k, "k")), _np(_act(v, "v")), _np(g), _np(beta), _np(state_pool),
                 _np(state_indices), _np(num_accepted), a_log=_opt_np(a_log), dt_bias=_opt_np(dt_bias), o=_np(o),
-                backend="cpu", threads=_threads(),
+                backend="cpu", threads=_threads(), isa=_isa(),
                 **_kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
 
 
@@ -382,4 +392,4 @@ class FusedMoE(torch.nn.Module):
 
 from .fla import chunk_kda, fused_recurrent_kda  # noqa: E402,F401  (fla-compatible entry points)
 
-__all__ += ["chunk_kda", "fused_recurrent_kda", "kda_threads"]
+__all__ += ["chunk_kda", "fused_recurrent_kda", "kda_threads", "kda_options"]

@@ -488,9 +488,31 @@ def test_patch_refuses_what_it_cannot_serve():
                                       mlp_layer_types=["sparse", "dense"])))
     with pytest.raises(ValueError, match="hidden_act = 'gelu'"):
         k3.hf.patch(build(tiny_config(hidden_act="gelu", num_experts=16, num_experts_per_token=4)))
+    with pytest.raises(ValueError, match="isa = 'avx9'.*allowed"):
+        k3.hf.patch(model, isa="avx9")
+    with pytest.raises(ValueError, match="threads"):
+        k3.hf.patch(model, threads=-1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        k3.hf.patch(model, max_tokens=0)
+    assert not k3.hf.is_patched(model)  # nothing was changed by the refusals
     k3.hf.patch(model)
     with pytest.raises(ValueError, match="already patched"):
         k3.hf.patch(model)
+    with pytest.raises(ValueError, match="not patched"):
+        k3.hf.unpatch(build(tiny_config(num_experts=16, num_experts_per_token=4)))
+
+
+def test_a_forced_lower_simd_level_serves_the_same_model(pair):
+    """isa="avx2" (what a Zen 3 runs): the same function within the FP32-order bounds."""
+    stock, _, _ = pair
+    low = k3.hf.mxfp4_roundtrip_(build(tiny_config()))
+    rec = k3.hf.patch(low, isa="avx2")
+    assert "avx2" in k3.torch._layer(rec.moe[0].handle).plan
+    prompt = torch.tensor([[5, 17, 99, 3, 42, 7, 200, 11]])
+    h_s, l_s = incremental(stock, prompt, torch.tensor([9, 8, 7]))
+    h_k, l_k = incremental(low, prompt, torch.tensor([9, 8, 7]))
+    assert ((h_k - h_s).abs().max() / h_s.abs().max()).item() <= HIDDEN_REL_BOUND
+    assert (l_k - l_s).abs().max().item() <= LOGIT_BOUND
 
 
 def test_inputs_that_require_grad_take_the_stock_path_or_are_refused():
