@@ -632,6 +632,7 @@ def test_hf_cli_generate_and_bench_on_a_saved_checkpoint(tmp_path, capsys):
     assert hf_cli.main(["generate", "--checkpoint", path, "--prompt-tokens", "5", "--new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "stock (bfloat16): prefill 5 tokens" in out and "k3 (bfloat16)" in out and "MoE blocks on k3" in out
+    assert "stock-mxfp4 (bfloat16)" in out and "greedy tokens: k3 agrees" in out
     js = str(tmp_path / "bench.json")
     assert hf_cli.main(["bench", "--checkpoint", path, "--rounds", "1", "--prefill", "8", "--batch", "1,2",
                         "--new-tokens", "3", "--long-prefix", "20", "-o", js]) == 0
