@@ -660,3 +660,17 @@ def test_hf_cli_refuses_a_directory_without_a_config(tmp_path):
     from k3 import hf_cli
     with pytest.raises(SystemExit, match="has no config.json"):
         hf_cli.main(["generate", "--checkpoint", str(tmp_path)])
+
+
+def test_fp16_model_runs_on_k3_within_fp16_error_of_stock():
+    cfg = tiny_config(num_experts=64, num_experts_per_token=8)
+    stock = k3.hf.mxfp4_roundtrip_(build(cfg, seed=3, dtype=torch.float16))
+    patched = copy.deepcopy(stock)
+    k3.hf.patch(patched)  # the experts write FP16 (k3's fp16 output), KDA reads FP16 widened to FP32
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        ws = stock(prompt).logits.float()
+        gs = patched(prompt).logits
+    assert gs.dtype == torch.float16
+    err = ((gs.float() - ws).abs().max() / ws.abs().max()).item()
+    assert err <= 0.05, err
