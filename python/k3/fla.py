@@ -26,7 +26,7 @@ refused                       ``allow_neg_eigval=True``, ``return_intermediate_s
 q, k, v may be float32, bfloat16 (read in place as bit patterns) or float16 (widened exactly to
 float32 first). g and beta are computed in float32. The output has v's dtype; the final state
 is float32. Threads: torch's thread count (``torch.get_num_threads()``) unless ``threads=`` is
-given.
+given; ``isa=`` forces a lower SIMD level of k3's kernels ("avx2", ...).
 """
 
 import torch
@@ -173,7 +173,7 @@ def _out(fn, out, v, shape):
 
 
 def _prefill(fn, q, k, v, g, beta, b, t, h, hk, hv, sc, layout, cu_seqlens, initial_state, output_final_state,
-             l2norm, beta_logits, gate, threads, out):
+             l2norm, beta_logits, gate, threads, isa, out):
     cu, n = _cu(fn, cu_seqlens, b, t)
     shape = _state_shape(layout, n, h, hk, hv)
     init = _initial(fn, initial_state, shape)
@@ -183,25 +183,28 @@ def _prefill(fn, q, k, v, g, beta, b, t, h, hk, hv, sc, layout, cu_seqlens, init
     mode, lb, a_log, dt_bias = gate
     o = torch.empty((rows, h, hv), dtype=torch.float32)
     final = torch.empty(shape, dtype=torch.float32) if output_final_state else _EMPTY_F32
-    with _k3torch.kda_threads(threads):
+    with _k3torch.kda_options(threads, isa):
         torch.ops.k3.kda_prefill(qa.view(rows, h, hk), ka.view(rows, h, hk), va.view(rows, h, hv),
                                  g.detach().to(torch.float32).reshape(rows, h, hk).contiguous(),
                                  beta.detach().to(torch.float32).reshape(rows, h).contiguous(), a_log, dt_bias, cu,
                                  init, mode, lb, beta_logits, l2norm, sc, layout, o, final)
+    return _finish(o, out, v, b, t, h, hv), (final if output_final_state else None)
+
+
+def _finish(o, out, v, b, t, h, hv):
+    """k3's float32 [B T, H, V] output as [B, T, H, V] in v's dtype, or copied into ``out``."""
     o = o.view(b, t, h, hv)
     if out is not None:
         out.copy_(o)
-        o = out
-    elif v.dtype != torch.float32:
-        o = o.to(v.dtype)
-    return o, (final if output_final_state else None)
+        return out
+    return o if v.dtype == torch.float32 else o.to(v.dtype)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
               allow_neg_eigval=False, safe_gate=False, lower_bound=None, return_intermediate_states=False,
               state_v_first=False, cu_seqlens=None, cp_context=None, A_log=None, dt_bias=None, threads=None,
-              **kwargs):
+              isa="", **kwargs):
     """fla's ``chunk_kda`` on k3's CPU backend (chunked prefill, variable lengths). Returns
     ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None)``."""
     fn = "chunk_kda"
@@ -214,14 +217,14 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     b, t, h, hk, hv, sc, layout = _common(fn, q, k, v, g, beta, scale, allow_neg_eigval, state_v_first)
     gate = _gate(fn, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate, h, hk)
     return _prefill(fn, q, k, v, g, beta, b, t, h, hk, hv, sc, layout, cu_seqlens, initial_state, output_final_state,
-                    bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel), gate, threads, None)
+                    bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel), gate, threads, isa, None)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
                         output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
                         state_v_first=False, cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
-                        inplace_final_state=True, out=None, threads=None, **kwargs):
+                        inplace_final_state=True, out=None, threads=None, isa="", **kwargs):
     """fla's ``fused_recurrent_kda`` on k3's CPU backend.
 
     Without ``ssm_state_indices``: the recurrence over each sequence from ``initial_state``
@@ -248,7 +251,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
         if num_accepted_tokens is not None:
             raise ValueError(f"k3.fla.{fn}: num_accepted_tokens needs ssm_state_indices (a state pool)")
         return _prefill(fn, q, k, v, g, beta, b, t, h, hk, hv, sc, layout, cu_seqlens, initial_state,
-                        output_final_state, l2norm, beta_logits, gate, threads, out)
+                        output_final_state, l2norm, beta_logits, gate, threads, isa, out)
     if not inplace_final_state:
         raise ValueError(f"k3.fla.{fn}: inplace_final_state = False with ssm_state_indices (per-token states in a "
                          "new tensor) is not supported by k3; the pool is updated in place")
@@ -295,7 +298,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     gg = g.detach().to(torch.float32).reshape(rows, h, hk).contiguous()
     bb = beta.detach().to(torch.float32).reshape(rows, h).contiguous()
     o = torch.empty((rows, h, hv), dtype=torch.float32)
-    with _k3torch.kda_threads(threads):
+    with _k3torch.kda_options(threads, isa):
         if ssm_state_indices.dim() == 1:
             if num_accepted_tokens is not None:
                 raise ValueError(f"k3.fla.{fn}: num_accepted_tokens needs 2-D ssm_state_indices [N, T]")
@@ -312,10 +315,4 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                 acc = num_accepted_tokens.to(torch.int32).contiguous()
             torch.ops.k3.kda_verify(qa.view(rows, h, hk), ka.view(rows, h, hk), va.view(rows, h, hv), gg, bb, a_log,
                                     dt_bias, pool, idx, acc, *cfg, o)
-    o = o.view(b, t, h, hv)
-    if out is not None:
-        out.copy_(o)
-        o = out
-    elif v.dtype != torch.float32:
-        o = o.to(v.dtype)
-    return o, pool
+    return _finish(o, out, v, b, t, h, hv), pool

@@ -37,8 +37,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import mx
+from . import fla as _fla
 from . import moe as _moe
+from . import mx
 from . import torch as _k3torch
 
 __all__ = ["patch", "unpatch", "is_patched", "mxfp4_roundtrip_", "TESTED_TRANSFORMERS"]
@@ -49,9 +50,6 @@ TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")
 _MAX_EXPERTS = 4096
 _MAX_TOP_K = 32
 _MAX_HEAD_DIM = 512
-_EMPTY_F32 = torch.empty(0, dtype=torch.float32)
-_EMPTY_I64 = torch.empty(0, dtype=torch.int64)
-_CFG = ("log_decay", -5.0, False)  # gate mode, unused lower bound, beta given (not logits)
 
 _tls = threading.local()  # the KDA layer whose forward is running on this thread (None: not patched)
 _lock = threading.Lock()
@@ -88,42 +86,26 @@ def _needs_grad(*ts):
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
 
 
-def _act(t, rows, h, d):
-    """q / k / v rows for k3: bfloat16 read in place, anything else as float32 (what the stock
-    function computes in); always contiguous [rows, h, d]."""
-    if t.dtype != torch.bfloat16:
-        t = t.to(torch.float32)
-    return t.reshape(rows, h, d).contiguous()
-
-
 def _k3_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, **kwargs):
     rec = getattr(_tls, "kda", None)
     stock = _installed.get("chunk_kimi_delta_attention")
-    if rec is None or stock is None:
+    if rec is None or stock is None or _needs_grad(query, key, value, g, beta, initial_state):
+        if rec is not None:
+            _warn_once(("kda-grad", rec.index), f"k3.hf: KDA layer {rec.index} got inputs that require grad; k3 has "
+                       "no backward, so this call runs the stock torch function (use torch.no_grad() for k3)")
         return stock(query, key, value, g, beta, chunk_size=chunk_size, initial_state=initial_state,
                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                      **kwargs)
-    if _needs_grad(query, key, value, g, beta, initial_state):
-        _warn_once(("kda-grad", rec.index), f"k3.hf: KDA layer {rec.index} got inputs that require grad; k3 has no "
-                   "backward, so this call runs the stock torch function (use torch.no_grad() for k3)")
-        return stock(query, key, value, g, beta, chunk_size=chunk_size, initial_state=initial_state,
-                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     **kwargs)
-    b, t, h, hk = query.shape
-    hv = value.shape[-1]
-    rows = b * t
-    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int64) if b > 1 else _EMPTY_I64
-    init = _EMPTY_F32 if initial_state is None else initial_state.to(torch.float32).contiguous()
-    final = torch.empty((b, h, hk, hv), dtype=torch.float32) if output_final_state else _EMPTY_F32
-    o = torch.empty((rows, h, hv), dtype=torch.float32)
-    with _k3torch.kda_options(rec.threads, rec.isa):
-        torch.ops.k3.kda_prefill(_act(query, rows, h, hk), _act(key, rows, h, hk), _act(value, rows, h, hv),
-                                 g.to(torch.float32).reshape(rows, h, hk).contiguous(),
-                                 beta.to(torch.float32).reshape(rows, h).contiguous(), _EMPTY_F32, _EMPTY_F32, cu,
-                                 init, *_CFG, bool(use_qk_l2norm_in_kernel), 0.0, "k_first", o, final)
+    # The stock function's math is fla's chunk_kda with g the log decay and beta given: the
+    # fla-compatible entry point serves it (B equal sequences, the state [B, H, K, V]).
+    if initial_state is not None:
+        initial_state = initial_state.to(torch.float32).contiguous()
+    o, final = _fla.chunk_kda(query, key, value, g, beta, initial_state=initial_state,
+                              output_final_state=output_final_state,
+                              use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), threads=rec.threads, isa=rec.isa)
     rec.calls["prefill"] += 1
-    return o.view(b, t, h, hv).to(query.dtype), (final if output_final_state else None)
+    return o.to(query.dtype), final
 
 
 def _k3_recurrent(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel=False,
@@ -131,13 +113,13 @@ def _k3_recurrent(query, key, value, g, beta, initial_state, output_final_state,
     rec = getattr(_tls, "kda", None)
     stock = _installed.get("recurrent_kimi_delta_attention")
     b, t = query.shape[:2]
-    if rec is None or stock is None or _needs_grad(query, key, value, g, beta, initial_state) or t != 1:
-        if rec is not None and t == 1:
+    if rec is not None and t != 1:  # the stock layer only calls it with one token; serve more with the prefill
+        return _k3_chunk(query, key, value, g, beta, initial_state=initial_state,
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if rec is None or stock is None or _needs_grad(query, key, value, g, beta, initial_state):
+        if rec is not None:
             _warn_once(("kda-grad", rec.index), f"k3.hf: KDA layer {rec.index} got inputs that require grad; k3 has "
                        "no backward, so this call runs the stock torch function (use torch.no_grad() for k3)")
-        if rec is not None and t != 1:  # the stock layer only calls it with one token; serve more with the prefill
-            return _k3_chunk(query, key, value, g, beta, initial_state=initial_state,
-                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         return stock(query, key, value, g, beta, initial_state, output_final_state,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
     h, hk = query.shape[2:]
@@ -152,15 +134,13 @@ def _k3_recurrent(query, key, value, g, beta, initial_state, output_final_state,
         pool = initial_state
     else:  # a copy: the caller's state stays as it was (the stock function returns a new tensor too)
         pool = initial_state.to(torch.float32, copy=True).contiguous()
-    idx = torch.arange(b, dtype=torch.int32)
-    o = torch.empty((b, h, hv), dtype=torch.float32)
-    with _k3torch.kda_options(rec.threads, rec.isa):
-        torch.ops.k3.kda_decode(_act(query, b, h, hk), _act(key, b, h, hk), _act(value, b, h, hv),
-                                g.to(torch.float32).reshape(b, h, hk).contiguous(),
-                                beta.to(torch.float32).reshape(b, h).contiguous(), _EMPTY_F32, _EMPTY_F32, pool, idx,
-                                *_CFG, bool(use_qk_l2norm_in_kernel), 0.0, "k_first", o)
+    # Decode on a pool of B slots, sequence n in slot n: fla's continuous-batching call.
+    o, _ = _fla.fused_recurrent_kda(query, key, value, g, beta, initial_state=pool,
+                                    ssm_state_indices=torch.arange(b, dtype=torch.int32),
+                                    use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), threads=rec.threads,
+                                    isa=rec.isa)
     rec.calls["decode"] += 1
-    return o.view(b, 1, h, hv).to(query.dtype), (pool if output_final_state else None)
+    return o.to(query.dtype), (pool if output_final_state else None)
 
 
 _K3_FUNCS = {"chunk_kimi_delta_attention": _k3_chunk, "recurrent_kimi_delta_attention": _k3_recurrent}

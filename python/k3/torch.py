@@ -390,6 +390,13 @@ class FusedMoE(torch.nn.Module):
         torch.ops.k3.moe_run(self.handle, hidden_states, ids, wts, out)
         return out
 
-from .fla import chunk_kda, fused_recurrent_kda  # noqa: E402,F401  (fla-compatible entry points)
+
+def __getattr__(name):
+    """The fla-compatible entry points (k3.fla), imported on first use (k3.fla imports this module)."""
+    if name in ("chunk_kda", "fused_recurrent_kda"):
+        from . import fla
+        return getattr(fla, name)
+    raise AttributeError(f"module 'k3.torch' has no attribute '{name}'")
+
 
 __all__ += ["chunk_kda", "fused_recurrent_kda", "kda_threads", "kda_options"]
