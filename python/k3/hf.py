@@ -284,14 +284,25 @@ class _MlaLayer:
         self.calls = 0
 
 
+def _cache_kwarg(cls):
+    """The name transformers gives the cache argument of cls.forward: `cache` from 5.24,
+    `past_key_values` before."""
+    import inspect
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
 def _mla_forward(mod, rec, stock):
-    def forward(hidden_states, attention_mask=None, cache=None, **kwargs):
-        if "past_key_values" in kwargs and cache is None:
-            cache = kwargs.pop("past_key_values")
+    name = _cache_kwarg(type(mod))
+
+    def forward(hidden_states, attention_mask=None, **kwargs):
+        # transformers >= 5.24 names the cache `cache`, 5.17-5.23 `past_key_values`: pass it back
+        # to the stock forward under the name the caller used.
+        cache = kwargs.get(name)
         b, t = hidden_states.shape[:2]
         if (cache is None or t != 1 or mod.training or _needs_grad(hidden_states)
                 or kwargs.get("output_attentions")):
-            return stock(hidden_states, attention_mask, cache=cache, **kwargs)
+            return stock(hidden_states, attention_mask, **kwargs)
+        kwargs.pop(name)
         h, nope = mod.num_heads, mod.qk_nope_head_dim
         if mod.q_lora_rank is None:
             q = mod.q_proj(hidden_states)
@@ -302,7 +313,10 @@ def _mla_forward(mod, rec, stock):
         kv_nope, k_rot = torch.split(compressed, [mod.kv_lora_rank, mod.qk_rope_head_dim], dim=-1)
         kv_nope = mod.kv_a_layernorm(kv_nope).view(b, 1, t, mod.kv_lora_rank)
         k_rot = k_rot.view(b, 1, t, mod.qk_rope_head_dim)
-        kv_nope, k_rot = cache.update(kv_nope, k_rot, mod.layer_idx, kwargs=kwargs)
+        if name == "cache":
+            kv_nope, k_rot = cache.update(kv_nope, k_rot, mod.layer_idx, kwargs=kwargs)
+        else:
+            kv_nope, k_rot = cache.update(kv_nope, k_rot, mod.layer_idx)
         c = kv_nope[:, 0].to(torch.float32)  # [B, S, C]
         r = k_rot[:, 0].to(torch.float32)  # [B, S, R]
         # W_uk^T q_nope per head, all tokens of the batch at once: [H, B T, nope] @ [H, nope, C]

@@ -109,19 +109,25 @@ def pair():
     return w4a16_reference(stock), patched, rec
 
 
+def cache_kw(cache):
+    """The cache keyword of the installed transformers: `cache` from 5.24, `past_key_values` before
+    (an unknown keyword is passed down silently, so the wrong one would run without the cache)."""
+    return {k3.hf._cache_kwarg(mkl.KimiLinearModel): cache}
+
+
 def incremental(model, prompt, tokens):
     """Prefill `prompt`, then feed `tokens` one at a time through the cache (teacher forcing).
     Returns the last hidden state and the logits of every step (prompt's last position first)."""
     hs, logits = [], []
     with torch.no_grad():
         cache = transformers.DynamicCache(config=model.config)
-        out = model.model(input_ids=prompt, cache=cache, use_cache=True)
+        out = model.model(input_ids=prompt, use_cache=True, **cache_kw(cache))
         for i in range(len(tokens) + 1):
             h = out.last_hidden_state[:, -1]
             hs.append(h)
             logits.append(model.lm_head(h))
             if i < len(tokens):
-                out = model.model(input_ids=tokens[i].view(1, 1), cache=cache, use_cache=True)
+                out = model.model(input_ids=tokens[i].view(1, 1), use_cache=True, **cache_kw(cache))
     return torch.stack(hs), torch.stack(logits)
 
 
@@ -245,8 +251,8 @@ def test_multi_token_continuation_through_the_cache(pair):
     for model in (stock, patched):
         with torch.no_grad():
             cache = transformers.DynamicCache(config=model.config)
-            model.model(input_ids=a, cache=cache, use_cache=True)
-            outs.append(model.model(input_ids=b, cache=cache, use_cache=True).last_hidden_state)
+            model.model(input_ids=a, use_cache=True, **cache_kw(cache))
+            outs.append(model.model(input_ids=b, use_cache=True, **cache_kw(cache)).last_hidden_state)
     rel = ((outs[1] - outs[0]).abs().max() / outs[0].abs().max()).item()
     assert rel <= HIDDEN_TIGHT
 
