@@ -86,14 +86,18 @@ def _needs_grad(*ts):
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
 
 
+def _warn_grad(rec):
+    _warn_once(("kda-grad", rec.index), f"k3.hf: KDA layer {rec.index} got inputs that require grad; k3 has no "
+               "backward, so this call runs the stock torch function (use torch.no_grad() for k3)")
+
+
 def _k3_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, **kwargs):
     rec = getattr(_tls, "kda", None)
     stock = _installed.get("chunk_kimi_delta_attention")
     if rec is None or stock is None or _needs_grad(query, key, value, g, beta, initial_state):
         if rec is not None:
-            _warn_once(("kda-grad", rec.index), f"k3.hf: KDA layer {rec.index} got inputs that require grad; k3 has "
-                       "no backward, so this call runs the stock torch function (use torch.no_grad() for k3)")
+            _warn_grad(rec)
         return stock(query, key, value, g, beta, chunk_size=chunk_size, initial_state=initial_state,
                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                      **kwargs)
@@ -118,8 +122,7 @@ def _k3_recurrent(query, key, value, g, beta, initial_state, output_final_state,
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if rec is None or stock is None or _needs_grad(query, key, value, g, beta, initial_state):
         if rec is not None:
-            _warn_once(("kda-grad", rec.index), f"k3.hf: KDA layer {rec.index} got inputs that require grad; k3 has "
-                       "no backward, so this call runs the stock torch function (use torch.no_grad() for k3)")
+            _warn_grad(rec)
         return stock(query, key, value, g, beta, initial_state, output_final_state,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
     h, hk = query.shape[2:]

@@ -680,3 +680,17 @@ def test_fp16_model_runs_on_k3_within_fp16_error_of_stock():
     assert gs.dtype == torch.float16
     err = ((gs.float() - ws).abs().max() / ws.abs().max()).item()
     assert err <= 0.05, err
+
+
+def test_patched_generation_is_bit_identical_run_to_run(pair):
+    _, patched, _ = pair
+    prompt = torch.tensor([[5, 17, 99, 3, 42, 7, 200, 11]])
+    runs = []
+    for _ in range(2):
+        with torch.no_grad():
+            out = patched.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, output_scores=True,
+                                   return_dict_in_generate=True)
+        runs.append(out)
+    assert runs[0].sequences.tolist() == runs[1].sequences.tolist()
+    for a, b in zip(runs[0].scores, runs[1].scores):
+        assert torch.equal(a, b)
