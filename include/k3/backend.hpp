@@ -22,6 +22,7 @@
 #include <string_view>
 
 #include "k3/kda.hpp"
+#include "k3/linear.hpp"
 #include "k3/moe.hpp"
 #include "k3/status.hpp"
 #include "k3/system.hpp"
@@ -58,6 +59,26 @@ const MoeBackend& default_moe_backend();
 // Checks the buffers (validate_moe_buffers), out's size and supports(), then runs.
 Status run_moe(const MoeBackend& b, const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in,
                std::span<uint8_t> out, const BackendOptions& opt = {});
+
+// ---- dense linear (k3/linear.hpp) -------------------------------------------------------------
+struct LinearBackend {
+  std::string name;  // "reference" (the contract written plainly), "cpu"
+  int priority = 0;
+  std::function<Status()> available;
+  std::function<Status(const LinearProblem&)> supports;
+  // One call: out = M*N elements of the problem's out_dtype. Serving loops keep the plan, the
+  // packed weights and the workspace (k3/cpu_linear.hpp); this entry is for tools and bindings.
+  std::function<Status(const LinearProblem&, const LinearWeightsView&, int64_t m, std::span<const uint16_t> x,
+                       std::span<uint8_t> out, const BackendOptions&)>
+      run;
+};
+
+std::span<const LinearBackend> linear_backends();
+Result<const LinearBackend*> find_linear_backend(std::string_view name);
+const LinearBackend& default_linear_backend();
+// Checks the weights and buffers, available() and supports(), then runs.
+Status run_linear(const LinearBackend& b, const LinearProblem& p, const LinearWeightsView& w, int64_t m,
+                  std::span<const uint16_t> x, std::span<uint8_t> out, const BackendOptions& opt = {});
 
 // ---- Kimi Delta Attention --------------------------------------------------------------------
 struct KdaBackend {

@@ -10,6 +10,7 @@ namespace k3 {
 struct CpuFeatures {
   bool avx2 = false;
   bool fma = false;
+  bool f16c = false;  // VCVTPH2PS (every AVX2 CPU has it; the AVX2 level requires it)
   bool avx512f = false;
   bool avx512bw = false;
   bool avx512vl = false;
@@ -45,7 +46,7 @@ namespace k3 {
 enum class IsaLevel : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 const char* isa_level_name(IsaLevel level);  // "scalar", "avx2", "avx512", "avx512bf16"
-// The best level this CPU supports (AVX2 needs FMA; AVX-512 needs F+BW+VL; BF16 adds AVX512-BF16).
+// The best level this CPU supports (AVX2 needs FMA and F16C; AVX-512 needs F+BW+VL; BF16 adds AVX512-BF16).
 // What the library's CPU kernels use when a caller leaves the level unset.
 IsaLevel best_isa_level();
 // For tools, not read by the library: K3_ISA=scalar|avx2|avx512|avx512bf16 if set (for tests and

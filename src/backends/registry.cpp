@@ -6,6 +6,7 @@
 
 #include "k3/backend.hpp"
 #include "k3/cpu_kda.hpp"
+#include "k3/cpu_linear.hpp"
 #include "k3/cpu_moe.hpp"
 #include "k3/cuda.hpp"
 #include "k3/cuda_kda.hpp"
@@ -172,6 +173,56 @@ Status run_moe(const MoeBackend& b, const MoeProblem& p, const MoeWeightsView& w
   K3_RETURN_IF_ERROR(b.available());
   K3_RETURN_IF_ERROR(b.supports(p));
   return b.run(p, w, in, out, opt);
+}
+
+namespace {
+
+std::vector<LinearBackend> make_linear_backends() {
+  std::vector<LinearBackend> list;
+  list.push_back({"cpu", 50, always, [](const LinearProblem&) { return Status::ok(); },
+                  [](const LinearProblem& p, const LinearWeightsView& w, int64_t m, std::span<const uint16_t> x,
+                     std::span<uint8_t> out, const BackendOptions& opt) -> Status {
+                    cpu::LinearOptions o;
+                    o.threads = opt.threads;
+                    o.isa = opt.isa;
+                    o.max_tokens = std::max<int64_t>(1, m);
+                    K3_ASSIGN_OR_RETURN(auto plan, cpu::plan(p, o));
+                    K3_ASSIGN_OR_RETURN(auto packed, cpu::prepack(plan, w));
+                    std::vector<uint8_t> ws;
+                    try {
+                      ws.resize(static_cast<size_t>(plan.workspace_bytes));
+                    } catch (const std::bad_alloc&) {
+                      return unavailable("linear cpu backend: out of memory for a workspace of " +
+                                         std::to_string(plan.workspace_bytes) + " bytes");
+                    }
+                    return cpu::run(plan, packed, m, x, ws, out);
+                  }});
+  list.push_back({"reference", 0, always, [](const LinearProblem&) { return Status::ok(); },
+                  [](const LinearProblem& p, const LinearWeightsView& w, int64_t m, std::span<const uint16_t> x,
+                     std::span<uint8_t> out, const BackendOptions&) { return linear_reference(p, w, m, x, out); }});
+  return list;
+}
+
+}  // namespace
+
+std::span<const LinearBackend> linear_backends() {
+  static const std::vector<LinearBackend> list = make_linear_backends();
+  return list;
+}
+
+Result<const LinearBackend*> find_linear_backend(std::string_view name) {
+  return find_in(linear_backends(), name, "linear");
+}
+
+const LinearBackend& default_linear_backend() { return default_in(linear_backends()); }
+
+Status run_linear(const LinearBackend& b, const LinearProblem& p, const LinearWeightsView& w, int64_t m,
+                  std::span<const uint16_t> x, std::span<uint8_t> out, const BackendOptions& opt) {
+  K3_RETURN_IF_ERROR(validate_linear_weights(p, w));
+  K3_RETURN_IF_ERROR(validate_linear_io(p, m, x, out));
+  K3_RETURN_IF_ERROR(b.available());
+  K3_RETURN_IF_ERROR(b.supports(p));
+  return b.run(p, w, m, x, out, opt);
 }
 
 std::span<const KdaBackend> kda_backends() {

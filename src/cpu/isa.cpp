@@ -19,8 +19,8 @@ const char* isa_level_name(IsaLevel level) {
 
 IsaLevel best_isa_level() {
   const auto& f = cpu_info().features;
-  if (f.avx512f && f.avx512bw && f.avx512vl) return f.avx512_bf16 ? IsaLevel::kAvx512Bf16 : IsaLevel::kAvx512;
-  if (f.avx2 && f.fma) return IsaLevel::kAvx2;
+  if (f.avx2 && f.fma && f.f16c && f.avx512f && f.avx512bw && f.avx512vl) return f.avx512_bf16 ? IsaLevel::kAvx512Bf16 : IsaLevel::kAvx512;
+  if (f.avx2 && f.fma && f.f16c) return IsaLevel::kAvx2;
   return IsaLevel::kScalar;
 }
 

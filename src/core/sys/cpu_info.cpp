@@ -47,6 +47,7 @@ CpuInfo detect() {
   __get_cpuid(1, &a, &b, &c, &d);
   const bool osxsave = (c >> 27) & 1u;
   const bool fma = (c >> 12) & 1u;
+  const bool f16c = (c >> 29) & 1u;
   const uint64_t xcr0 = osxsave ? xgetbv0() : 0;
   const bool os_avx = (xcr0 & 0x6u) == 0x6u;     // XMM + YMM state
   const bool os_avx512 = (xcr0 & 0xE6u) == 0xE6u;  // + opmask, ZMM_Hi256, Hi16_ZMM
@@ -59,6 +60,7 @@ CpuInfo detect() {
   const bool avx512_bf16 = (a1 >> 5) & 1u;
   info.features.avx2 = os_avx && avx2;
   info.features.fma = os_avx && fma;
+  info.features.f16c = os_avx && f16c;
   info.features.avx512f = os_avx512 && avx512f;
   info.features.avx512bw = os_avx512 && avx512bw;
   info.features.avx512vl = os_avx512 && avx512vl;

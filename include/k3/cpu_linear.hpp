@@ -1,0 +1,98 @@
+// k3/cpu_linear.hpp — the CPU dense linear layer (docs/linear.md): Y[M, N] = X[M, K] · Wᵀ (+ bias)
+// with MXFP8 weights, recipes W8A16 (BF16 X) and W8A8 (X quantized per row to MXFP8).
+//
+// The grammar of every k3 op:
+//   plan     checks the problem, the ISA level and the thread count, picks the routes and sizes the
+//            workspace; describe() prints the choice.
+//   prepack  copies the checkpoint-layout MXFP8 weights ([N, K] codes, [N, K/32] scales) into the
+//            tiled layout of docs/linear.md (still 8 bits per weight + one scale per 32); refuses
+//            NaN codes and scales by row and block.
+//   run      computes out[M, N]: no allocation, no global state, safe to call from several
+//            threads at once with distinct workspaces and outputs.
+//
+// Routes (all give the bits of linear_reference(), on every ISA level and thread count):
+//   stream   M <= 8 (decode): the weights stream from memory once; each thread owns a contiguous
+//            range of output columns; W8A8 quantizes X inside the call ("fused").
+//   panel    M > 8: X is prepared once per chunk of rows (W8A8: by the separate quantizer,
+//            quantize_x), then per 16 output columns the weights are expanded once into a panel
+//            that register tiles of rows stream (FP32 FMAs; VDPBF16PS on the avx512bf16 level).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "k3/linear.hpp"
+#include "k3/status.hpp"
+#include "k3/system.hpp"
+
+namespace k3::cpu {
+
+struct LinearOptions {
+  int threads = 0;              // 0: all logical CPUs (hardware_thread_count()), at most 256
+  std::optional<IsaLevel> isa;  // unset: best_isa_level()
+  int64_t max_tokens = 4096;    // the largest M that run() accepts with this plan (1 .. 2^24)
+  int64_t chunk_tokens = 256;   // rows per panel pass: bounds the workspace (16 .. 4096)
+  int stream_max_rows = 8;      // M up to this takes the stream route (0 .. 8; 0: never)
+};
+
+struct LinearPlan {
+  LinearProblem problem;
+  IsaLevel isa = IsaLevel::kScalar;
+  int threads = 1;
+  int64_t max_tokens = 0;
+  int64_t chunk_tokens = 0;
+  int stream_max_rows = 8;
+  int64_t tiles = 0;            // ceil(N / 16): 16 output columns per tile
+  const char* stream_kernel = "";
+  const char* panel_kernel = "";
+  int64_t workspace_bytes = 0;  // what run() needs (any alignment; run aligns it)
+  std::string describe() const;
+};
+
+Result<LinearPlan> plan(const LinearProblem& problem, const LinearOptions& options = {});
+
+// The weights in the tiled layout. Movable, not copyable.
+class PackedLinear {
+ public:
+  PackedLinear() = default;
+  PackedLinear(PackedLinear&&) = default;
+  PackedLinear& operator=(PackedLinear&&) = default;
+  PackedLinear(const PackedLinear&) = delete;
+  PackedLinear& operator=(const PackedLinear&) = delete;
+
+  int64_t k() const { return k_; }
+  int64_t n() const { return n_; }
+  int64_t bytes() const { return static_cast<int64_t>(codes_.size() + scales_.size() + bias_.size() * 4); }
+  // Tile t: [K/32 blocks][32 k (pair-swapped: k = 1, 0, 3, 2, ...)][16 columns] E4M3 codes.
+  const uint8_t* tile_codes(int64_t t) const { return codes_.data() + t * k_ * 16; }
+  // Tile t: [K/32 blocks][16 columns] E8M0 codes (padding columns: 127).
+  const uint8_t* tile_scales(int64_t t) const { return scales_.data() + t * (k_ / 32) * 16; }
+  const float* bias() const { return bias_.empty() ? nullptr : bias_.data(); }
+
+ private:
+  friend Result<PackedLinear> prepack(const LinearPlan& plan, const LinearWeightsView& weights);
+  int64_t k_ = 0, n_ = 0;
+  std::vector<uint8_t> codes_, scales_;
+  std::vector<float> bias_;
+};
+
+Result<PackedLinear> prepack(const LinearPlan& plan, const LinearWeightsView& weights);
+
+// x: M x K BF16 bits; out: M x N elements of the output dtype; workspace: plan.workspace_bytes.
+Status run(const LinearPlan& plan, const PackedLinear& weights, int64_t m, std::span<const uint16_t> x,
+           std::span<uint8_t> workspace, std::span<uint8_t> out);
+
+// The W8A8 activation quantizer of run() (the codec of k3/mx.hpp: E4M3, RCEIL, RNE): codes
+// [rows, K], scales [rows, K/32]. Same bits as the quantization inside run().
+Status quantize_x(const LinearPlan& plan, int64_t rows, std::span<const uint16_t> x, std::span<uint8_t> codes,
+                  std::span<uint8_t> scales);
+
+// run() on X already quantized (W8A8 plans only): the result is the bits of run() on the X that
+// quantize_x came from.
+Status run_quantized(const LinearPlan& plan, const PackedLinear& weights, int64_t m, std::span<const uint8_t> x_codes,
+                     std::span<const uint8_t> x_scales, std::span<uint8_t> workspace, std::span<uint8_t> out);
+
+}  // namespace k3::cpu

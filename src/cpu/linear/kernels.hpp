@@ -1,0 +1,51 @@
+// Internal interface of the CPU linear kernels (docs/linear.md, "CPU kernels").
+//
+// Operands. Every kernel computes the contract of k3/linear.hpp for its rows. The FP32 kernels
+// use w' = w 2^-8 (an E4M3 code widened to FP16 bits by a shift is w 2^-8, exact, subnormals
+// included, and VCVTPH2PS makes it FP32) and x' = x 2^8 (exact for |x| < 2^120): w' x' = w x,
+// so every FMA has the exact product and rounding of the contract. Rows holding a finite
+// |x| >= 2^120 (kRowPortable) are computed by the portable body instead.
+// The BF16 kernel (VDPBF16PS, which flushes subnormal inputs and results) takes rows whose
+// nonzero magnitudes all lie in [2^-110, 2^114) and are finite (kRowBf16): then every product
+// is a multiple of 2^-126 and every 32-term partial sum is 0 or a normal FP32 below 2^128, so
+// VDPBF16PS (odd element then even, each an exact product added with RNE) gives the FMA chain.
+#pragma once
+
+#include <cstdint>
+
+#include "k3/cpu_linear.hpp"
+
+namespace k3::cpu::lin {
+
+inline constexpr int kLanes = 16;        // output columns per tile
+inline constexpr int kBlock = 32;        // K per MX block
+inline constexpr int kPanelBlocks = 8;   // blocks per panel pass (8 x 32 x 16 FP32 = 16 KiB)
+
+enum RowClass : uint8_t { kRowPortable = 0, kRowFp32 = 1, kRowBf16 = 2 };
+
+// Operand rows of one call (or chunk of rows).
+struct Operand {
+  const float* xs = nullptr;     // [rows][ldx] x' = x 2^8, pair-swapped (k = 1, 0, 3, 2, ...)
+  const uint32_t* xb = nullptr;  // [rows][ldb] BF16 pairs of x' (low: even k, high: odd k); bf16 level
+  const uint8_t* cls = nullptr;  // [rows] RowClass
+  int rows = 0;
+  int64_t ldx = 0;  // row stride of xs in floats (K plus padding: rows 2^n bytes apart share L1 sets)
+  int64_t ldb = 0;  // row stride of xb in pairs
+};
+
+// Stream route (rows <= 8): tiles [t0, t1) for all rows; tot: [rows][(t1 - t0) * 16] FP32 totals.
+void stream_avx2(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot);
+void stream_avx512(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot);
+
+// Panel route: one tile for rows [0, x.rows); panel: per-thread scratch of kPanelBytes;
+// tot: [rows][16] FP32 totals (overwritten).
+inline constexpr int64_t kPanelBytes = int64_t{kPanelBlocks} * kBlock * kLanes * 4;
+void panel_avx2(const PackedLinear& w, const Operand& x, int64_t tile, void* panel, float* tot);
+void panel_avx512(const PackedLinear& w, const Operand& x, int64_t tile, void* panel, float* tot);
+void panel_bf16(const PackedLinear& w, const Operand& x, int64_t tile, void* panel, float* tot);
+
+// The portable body: one tile for one row of exact operand values (natural order); tot16: 16
+// FP32 totals. The scalar level uses it for everything, the others for kRowPortable rows.
+void tile_portable(const PackedLinear& w, int64_t tile, const float* x_exact, float* tot16);
+
+}  // namespace k3::cpu::lin

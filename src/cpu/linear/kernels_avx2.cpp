@@ -1,0 +1,70 @@
+// The FP32 linear kernels on AVX2 + FMA + F16C (8-lane YMM, 16 registers). See kernels_fp32_impl.hpp.
+#include <immintrin.h>
+
+#include "cpu/linear/kernels.hpp"
+
+#define K3_LIN_TARGET __attribute__((target("avx2,fma,f16c")))
+#define K3_LIN_NS avx2
+
+namespace k3::cpu::lin::avx2 {
+namespace {
+using vf = __m256;
+constexpr int kVw = 8;
+constexpr int kPanelRows = 6;  // 6 rows x 2 vectors = 12 accumulators + 2 weights + 1 broadcast
+K3_LIN_TARGET inline vf zero() { return _mm256_setzero_ps(); }
+K3_LIN_TARGET inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+K3_LIN_TARGET inline vf bcast(const float* p) { return _mm256_broadcast_ss(p); }
+K3_LIN_TARGET inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+K3_LIN_TARGET inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+K3_LIN_TARGET inline void decode16(const uint8_t* c, vf (&w)[2]) {
+  __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+  h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  w[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  w[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+// 2^(s-127) from E8M0 codes (code 0: 2^-127, the FP32 subnormal 0x00400000).
+K3_LIN_TARGET inline vf scale8(const uint8_t* s) {
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))), 23);
+  return _mm256_castsi256_ps(_mm256_max_epi32(e, _mm256_set1_epi32(0x00400000)));
+}
+K3_LIN_TARGET inline void scales16(const uint8_t* s, vf (&sc)[2]) {
+  sc[0] = scale8(s);
+  sc[1] = scale8(s + 8);
+}
+}  // namespace
+}  // namespace k3::cpu::lin::avx2
+
+#include "cpu/linear/kernels_fp32_impl.hpp"
+
+namespace k3::cpu::lin {
+
+// Accumulators per pass: rows x 2 vectors x tiles in flight, at most 8, so that one row has 8
+// independent FMA chains (the FMA latency is 4 cycles at 2 per cycle).
+K3_LIN_TARGET void stream_avx2(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
+  using namespace avx2;
+  const int64_t ldt = (t1 - t0) * kLanes;
+  switch (x.rows) {
+    case 1: return stream_range<1, 4>(w, x, 0, t0, t1, tot, ldt);
+    case 2: return stream_range<2, 2>(w, x, 0, t0, t1, tot, ldt);
+    case 3: return stream_range<3, 1>(w, x, 0, t0, t1, tot, ldt);
+    case 4: return stream_range<4, 1>(w, x, 0, t0, t1, tot, ldt);
+    default: break;
+  }
+  // 5..8 rows: per tile, rows 0-3 then the rest; the tile (16 K bytes) is in L2 for the second pass.
+  for (int64_t t = t0; t < t1; ++t) {
+    float* base = tot + (t - t0) * kLanes;
+    stream_rows<4, 1>(w, x, 0, t, t + 1, t, base, ldt);
+    switch (x.rows) {
+      case 5: stream_rows<1, 1>(w, x, 4, t, t + 1, t, base, ldt); break;
+      case 6: stream_rows<2, 1>(w, x, 4, t, t + 1, t, base, ldt); break;
+      case 7: stream_rows<3, 1>(w, x, 4, t, t + 1, t, base, ldt); break;
+      default: stream_rows<4, 1>(w, x, 4, t, t + 1, t, base, ldt); break;
+    }
+  }
+}
+
+K3_LIN_TARGET void panel_avx2(const PackedLinear& w, const Operand& x, int64_t tile, void* panel, float* tot) {
+  avx2::panel(w, x, tile, panel, tot);
+}
+
+}  // namespace k3::cpu::lin

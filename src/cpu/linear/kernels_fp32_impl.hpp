@@ -1,0 +1,153 @@
+// The FP32 linear kernels (stream and panel), written once and compiled for AVX2 + FMA + F16C
+// (kernels_avx2.cpp, 8-lane YMM) and AVX-512 (kernels_avx512.cpp, 16-lane ZMM). The including
+// file defines K3_LIN_TARGET, K3_LIN_NS, the vector type `vf`, kVw (lanes per vector), and
+// zero(), fmadd(), bcast(), load(), store(), decode16() and scales16() (kernels.hpp: operands).
+//
+// Order of operations (identical to tile_portable, hence to linear_reference): per output
+// column, per 32-element block a partial sum from +0 over the stored k order (1, 0, 3, 2, ...),
+// one FMA per product; then total = fma(partial, 2^(s-127), total); blocks in order. Columns are
+// vector lanes, so vectorizing keeps every column's order.
+//
+// decode16: 16 E4M3 codes (one k, 16 columns) -> sign-extend to 16 bits, shift left by 7, clear
+// bit 14: the FP16 pattern of w 2^-8 (subnormal codes map to FP16 subnormals); VCVTPH2PS widens
+// it exactly.
+
+namespace k3::cpu::lin::K3_LIN_NS {
+namespace {
+
+constexpr int kNv = kLanes / kVw;  // vectors per tile
+
+// One block of G tiles for R rows: acc[r][g * kNv + v] = partial sums (from +0).
+template <int R, int G>
+K3_LIN_TARGET inline void stream_block(const uint8_t* const* codes, const float* const* xr, vf (&acc)[R][G * kNv]) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < G * kNv; ++v) acc[r][v] = zero();
+#pragma GCC unroll 4
+  for (int k = 0; k < kBlock; ++k) {
+    vf xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = bcast(xr[r] + k);
+    for (int g = 0; g < G; ++g) {
+      vf wv[kNv];
+      decode16(codes[g] + k * kLanes, wv);
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < kNv; ++v) acc[r][g * kNv + v] = fmadd(wv[v], xb[r], acc[r][g * kNv + v]);
+    }
+  }
+}
+
+// Tiles [t_begin, t_end) (a multiple of G of them) for rows [r0, r0 + R). tot: row r at
+// tot + r * ldt, column of tile t at (t - t_base) * 16.
+template <int R, int G>
+K3_LIN_TARGET void stream_rows(const PackedLinear& w, const Operand& x, int r0, int64_t t_begin, int64_t t_end,
+                               int64_t t_base, float* tot, int64_t ldt) {
+  const int64_t k_dim = w.k(), blocks = k_dim / kBlock;
+  for (int64_t t = t_begin; t < t_end; t += G) {
+    float* trow[R];
+    for (int r = 0; r < R; ++r) {
+      trow[r] = tot + static_cast<int64_t>(r0 + r) * ldt + (t - t_base) * kLanes;
+      for (int c = 0; c < G * kLanes; ++c) trow[r][c] = 0.0f;
+    }
+    const uint8_t* tc[G];
+    const uint8_t* ts[G];
+    for (int g = 0; g < G; ++g) {
+      tc[g] = w.tile_codes(t + g);
+      ts[g] = w.tile_scales(t + g);
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* codes[G];
+      for (int g = 0; g < G; ++g) {
+        codes[g] = tc[g] + b * (kBlock * kLanes);
+        if (b + 4 < blocks)
+          for (int l = 0; l < kBlock * kLanes; l += 64) __builtin_prefetch(codes[g] + 4 * kBlock * kLanes + l);
+      }
+      const float* xr[R];
+      for (int r = 0; r < R; ++r) xr[r] = x.xs + static_cast<int64_t>(r0 + r) * x.ldx + b * kBlock;
+      vf acc[R][G * kNv];
+      stream_block<R, G>(codes, xr, acc);
+      for (int g = 0; g < G; ++g) {
+        vf sc[kNv];
+        scales16(ts[g] + b * kLanes, sc);
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < kNv; ++v) {
+            float* p = trow[r] + g * kLanes + v * kVw;
+            store(p, fmadd(acc[r][g * kNv + v], sc[v], load(p)));
+          }
+      }
+    }
+  }
+}
+
+template <int R, int G>
+K3_LIN_TARGET void stream_range(const PackedLinear& w, const Operand& x, int r0, int64_t t0, int64_t t1, float* tot,
+                                int64_t ldt) {
+  const int64_t full = t0 + (t1 - t0) / G * G;
+  if (full > t0) stream_rows<R, G>(w, x, r0, t0, full, t0, tot, ldt);
+  if (full < t1) stream_rows<R, 1>(w, x, r0, full, t1, t0, tot, ldt);
+}
+
+// Panel: blocks [b0, b0 + nb) of one tile expanded to w' FP32, [block][k][16 columns].
+K3_LIN_TARGET void build_panel(const uint8_t* codes, int64_t b0, int64_t nb, float* panel) {
+  for (int64_t bb = 0; bb < nb; ++bb)
+    for (int k = 0; k < kBlock; ++k) {
+      vf wv[kNv];
+      decode16(codes + ((b0 + bb) * kBlock + k) * kLanes, wv);
+      for (int v = 0; v < kNv; ++v) store(panel + (bb * kBlock + k) * kLanes + v * kVw, wv[v]);
+    }
+}
+
+template <int R>
+K3_LIN_TARGET void panel_rows(const float* panel, const uint8_t* scales, const Operand& x, int64_t k_dim, int r0,
+                              int64_t b0, int64_t nb, float* tot) {
+  (void)k_dim;
+  for (int64_t bb = 0; bb < nb; ++bb) {
+    vf acc[R][kNv];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kNv; ++v) acc[r][v] = zero();
+    const float* xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = x.xs + static_cast<int64_t>(r0 + r) * x.ldx + (b0 + bb) * kBlock;
+    const float* pw = panel + bb * kBlock * kLanes;
+#pragma GCC unroll 4
+    for (int k = 0; k < kBlock; ++k) {
+      vf wv[kNv];
+      for (int v = 0; v < kNv; ++v) wv[v] = load(pw + k * kLanes + v * kVw);
+      for (int r = 0; r < R; ++r) {
+        const vf xb = bcast(xr[r] + k);
+        for (int v = 0; v < kNv; ++v) acc[r][v] = fmadd(wv[v], xb, acc[r][v]);
+      }
+    }
+    vf sc[kNv];
+    scales16(scales + (b0 + bb) * kLanes, sc);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kNv; ++v) {
+        float* p = tot + static_cast<int64_t>(r0 + r) * kLanes + v * kVw;
+        store(p, fmadd(acc[r][v], sc[v], load(p)));
+      }
+  }
+}
+
+template <int R>
+K3_LIN_TARGET void panel_dispatch(int rr, const float* panel, const uint8_t* scales, const Operand& x, int64_t k_dim,
+                                  int r0, int64_t b0, int64_t nb, float* tot) {
+  if constexpr (R > 1) {
+    if (rr < R) return panel_dispatch<R - 1>(rr, panel, scales, x, k_dim, r0, b0, nb, tot);
+  }
+  panel_rows<R>(panel, scales, x, k_dim, r0, b0, nb, tot);
+}
+
+}  // namespace
+
+K3_LIN_TARGET void panel(const PackedLinear& w, const Operand& x, int64_t tile, void* panel_mem, float* tot) {
+  const int64_t k_dim = w.k(), blocks = k_dim / kBlock;
+  float* pan = static_cast<float*>(panel_mem);
+  for (int64_t i = 0; i < static_cast<int64_t>(x.rows) * kLanes; ++i) tot[i] = 0.0f;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kPanelBlocks) {
+    const int64_t nb = blocks - b0 < kPanelBlocks ? blocks - b0 : kPanelBlocks;
+    build_panel(w.tile_codes(tile), b0, nb, pan);
+    for (int r0 = 0; r0 < x.rows; r0 += kPanelRows) {
+      const int rr = x.rows - r0 < kPanelRows ? x.rows - r0 : kPanelRows;
+      panel_dispatch<kPanelRows>(rr, pan, w.tile_scales(tile), x, k_dim, r0, b0, nb, tot);
+    }
+  }
+}
+
+}  // namespace k3::cpu::lin::K3_LIN_NS
