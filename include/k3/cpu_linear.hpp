@@ -46,6 +46,7 @@ struct LinearPlan {
   int64_t chunk_tokens = 0;
   int stream_max_rows = 8;
   int64_t tiles = 0;            // ceil(N / 16): 16 output columns per tile
+  bool pair_layout = false;     // VDPBF16PS kernels (avx512bf16 level on a CPU with AVX512-VBMI)
   const char* stream_kernel = "";
   const char* panel_kernel = "";
   int64_t workspace_bytes = 0;  // what run() needs (any alignment; run aligns it)
@@ -65,8 +66,19 @@ class PackedLinear {
 
   int64_t k() const { return k_; }
   int64_t n() const { return n_; }
+  // The avx512bf16 layout (plans whose stream and panel kernels use VDPBF16PS): per tile and block,
+  // 8 groups of 64 codes, each two k-pairs x 16 columns in the byte order that VPUNPCK{L,H}BW
+  // turns into [column][even k, odd k] BF16 words (docs/linear.md). Otherwise the FP32 layout.
+  bool pair_layout() const { return pair_layout_; }
+  // Offset of the code of (block b, k within the block, column c) inside a tile.
+  int64_t code_offset(int64_t b, int k, int c) const {
+    if (!pair_layout_) return (b * 32 + (k ^ 1)) * 16 + c;
+    const int p = k / 2, j = c * 2 + (k & 1);
+    return (b * 8 + p / 2) * 64 + (j / 8) * 16 + (p & 1) * 8 + (j % 8);
+  }
   int64_t bytes() const { return static_cast<int64_t>(codes_.size() + scales_.size() + bias_.size() * 4); }
-  // Tile t: [K/32 blocks][32 k (pair-swapped: k = 1, 0, 3, 2, ...)][16 columns] E4M3 codes.
+  // Tile t: 16 K codes; FP32 layout: [K/32 blocks][32 k (pair-swapped: k = 1, 0, 3, 2, ...)][16
+  // columns] E4M3 codes; pair layout: see pair_layout().
   const uint8_t* tile_codes(int64_t t) const { return codes_.data() + t * k_ * 16; }
   // Tile t: [K/32 blocks][16 columns] E8M0 codes (padding columns: 127).
   const uint8_t* tile_scales(int64_t t) const { return scales_.data() + t * (k_ / 32) * 16; }
@@ -75,6 +87,7 @@ class PackedLinear {
  private:
   friend Result<PackedLinear> prepack(const LinearPlan& plan, const LinearWeightsView& weights);
   int64_t k_ = 0, n_ = 0;
+  bool pair_layout_ = false;
   std::vector<uint8_t> codes_, scales_;
   std::vector<float> bias_;
 };

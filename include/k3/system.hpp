@@ -16,6 +16,7 @@ struct CpuFeatures {
   bool avx512vl = false;
   bool avx512_bf16 = false;
   bool avx512_vnni = false;
+  bool avx512_vbmi = false;  // VPERMT2B (the linear layer's E4M3 -> BF16 lookup on the avx512bf16 level)
 };
 
 struct CpuInfo {

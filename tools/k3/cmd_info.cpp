@@ -50,7 +50,7 @@ nlohmann::json info_json() {
   j["cpu"]["features"] = {{"avx2", f.avx2},         {"fma", f.fma},
                           {"avx512f", f.avx512f},   {"avx512bw", f.avx512bw},
                           {"avx512vl", f.avx512vl}, {"avx512_bf16", f.avx512_bf16},
-                          {"avx512_vnni", f.avx512_vnni}};
+                          {"avx512_vnni", f.avx512_vnni}, {"avx512_vbmi", f.avx512_vbmi}};
   j["threads"] = default_thread_count();
   // Transports of the multi-rank ops (docs/distributed.md).
   j["transports"]["self"] = "ok (one process)";

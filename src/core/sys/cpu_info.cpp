@@ -55,6 +55,7 @@ CpuInfo detect() {
   const bool avx2 = (b >> 5) & 1u;
   const bool avx512f = (b >> 16) & 1u, avx512bw = (b >> 30) & 1u, avx512vl = (b >> 31) & 1u;
   const bool avx512_vnni = (c >> 11) & 1u;
+  const bool avx512_vbmi = (c >> 1) & 1u;
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
   __cpuid_count(7, 1, a1, b1, c1, d1);
   const bool avx512_bf16 = (a1 >> 5) & 1u;
@@ -66,6 +67,7 @@ CpuInfo detect() {
   info.features.avx512vl = os_avx512 && avx512vl;
   info.features.avx512_bf16 = os_avx512 && avx512_bf16;
   info.features.avx512_vnni = os_avx512 && avx512_vnni;
+  info.features.avx512_vbmi = os_avx512 && avx512_vbmi;
 #else
   info.model = "unknown (non-x86 CPU)";
 #endif

@@ -5,7 +5,8 @@
 // included, and VCVTPH2PS makes it FP32) and x' = x 2^8 (exact for |x| < 2^120): w' x' = w x,
 // so every FMA has the exact product and rounding of the contract. Rows holding a finite
 // |x| >= 2^120 (kRowPortable) are computed by the portable body instead.
-// The BF16 kernel (VDPBF16PS, which flushes subnormal inputs and results) takes rows whose
+// The BF16 kernels (VDPBF16PS, which flushes subnormal inputs and results; unscaled w and x,
+// E4M3 -> BF16 by two VPERMT2B lookups on the pair layout) take rows whose
 // nonzero magnitudes all lie in [2^-110, 2^114) and are finite (kRowBf16): then every product
 // is a multiple of 2^-126 and every 32-term partial sum is 0 or a normal FP32 below 2^128, so
 // VDPBF16PS (odd element then even, each an exact product added with RNE) gives the FMA chain.
@@ -26,7 +27,7 @@ enum RowClass : uint8_t { kRowPortable = 0, kRowFp32 = 1, kRowBf16 = 2 };
 // Operand rows of one call (or chunk of rows).
 struct Operand {
   const float* xs = nullptr;     // [rows][ldx] x' = x 2^8, pair-swapped (k = 1, 0, 3, 2, ...)
-  const uint32_t* xb = nullptr;  // [rows][ldb] BF16 pairs of x' (low: even k, high: odd k); bf16 level
+  const uint32_t* xb = nullptr;  // [rows][ldb] BF16 pairs of x (low: even k, high: odd k); bf16 level
   const uint8_t* cls = nullptr;  // [rows] RowClass
   int rows = 0;
   int64_t ldx = 0;  // row stride of xs in floats (K plus padding: rows 2^n bytes apart share L1 sets)
@@ -43,6 +44,10 @@ inline constexpr int64_t kPanelBytes = int64_t{kPanelBlocks} * kBlock * kLanes *
 void panel_avx2(const PackedLinear& w, const Operand& x, int64_t tile, void* panel, float* tot);
 void panel_avx512(const PackedLinear& w, const Operand& x, int64_t tile, void* panel, float* tot);
 void panel_bf16(const PackedLinear& w, const Operand& x, int64_t tile, void* panel, float* tot);
+// Stream route on the pair layout (rows <= 8, all kRowBf16 or recomputed after).
+void stream_bf16(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot);
+// True when this CPU runs the VDPBF16PS linear kernels (AVX512-BF16 and AVX512-VBMI).
+bool bf16_kernels_available();
 
 // The portable body: one tile for one row of exact operand values (natural order); tot16: 16
 // FP32 totals. The scalar level uses it for everything, the others for kRowPortable rows.

@@ -3,6 +3,8 @@
 #include <immintrin.h>
 
 #include "cpu/linear/kernels.hpp"
+#include "k3/formats.hpp"
+#include "k3/system.hpp"
 
 // GCC 12 reports its own _mm512_undefined_* helpers as "used uninitialized" (avx512fintrin.h).
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -60,31 +62,135 @@ K3_LIN_TARGET void panel_avx512(const PackedLinear& w, const Operand& x, int64_t
   avx512::panel(w, x, tile, panel, tot);
 }
 
-// ---- avx512bf16: VDPBF16PS panel -------------------------------------------------------------
-#define K3_LIN_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+// ---- avx512bf16: VDPBF16PS kernels on the pair layout ----------------------------------------
+#define K3_LIN_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c")))
+
+bool bf16_kernels_available() {
+  const auto& f = cpu_info().features;
+  return f.avx512_bf16 && f.avx512_vbmi && f.avx512bw && f.avx512vl && f.f16c && f.fma;
+}
 
 namespace {
 
-constexpr int kBf16Rows = 16;  // 16 accumulators + 1 weight vector + 1 broadcast
+constexpr int kBf16Rows = 16;  // panel: 16 accumulators + 1 weight vector + 1 broadcast
 
-// Blocks [b0, b0 + nb) of one tile as BF16 pairs of w' = w 2^-8: [block][pair][16 columns] u32,
-// low half the even k, high half the odd k (exact: w' has 4 significant bits and is >= 2^-17).
-K3_LIN_BF16 void build_panel_bf16(const uint8_t* codes, int64_t b0, int64_t nb, uint32_t* panel) {
-  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+// Low and high byte of the BF16 pattern of each E4M3 magnitude (0 .. 127; 127 is NaN, never
+// present after prepack), for VPERMT2B: [0, 64) in the first register, [64, 128) in the second.
+struct E4m3Tables {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+  E4m3Tables() {
+    for (int c = 0; c < 128; ++c) {
+      const uint16_t b = bf16_from_f32(e4m3_to_f32(static_cast<uint8_t>(c)));  // exact: normal BF16
+      lo[c] = static_cast<uint8_t>(b & 0xFF);
+      hi[c] = static_cast<uint8_t>(b >> 8);
+    }
+  }
+};
+const E4m3Tables kTables;
+
+struct Decoder {
+  __m512i lo_a, lo_b, hi_a, hi_b, sign;
+  K3_LIN_BF16 Decoder()
+      : lo_a(_mm512_load_si512(kTables.lo)),
+        lo_b(_mm512_load_si512(kTables.lo + 64)),
+        hi_a(_mm512_load_si512(kTables.hi)),
+        hi_b(_mm512_load_si512(kTables.hi + 64)),
+        sign(_mm512_set1_epi8(static_cast<char>(0x80))) {}
+  // 64 codes (one group: two k-pairs x 16 columns) -> the two pairs' BF16 words.
+  K3_LIN_BF16 inline void decode(const uint8_t* p, __m512i& pair0, __m512i& pair1) const {
+    const __m512i c = _mm512_loadu_si512(p);
+    const __m512i lo = _mm512_permutex2var_epi8(lo_a, c, lo_b);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi_a, c, hi_b), c, sign, 0xF8);  // hi | (c & 0x80)
+    pair0 = _mm512_unpacklo_epi8(lo, hi);
+    pair1 = _mm512_unpackhi_epi8(lo, hi);
+  }
+};
+
+K3_LIN_BF16 inline __m512 dp(__m512 acc, __m512i w, uint32_t xpair) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32(static_cast<int>(xpair)));
+}
+
+// One block of G tiles for R rows (pairs in order, each accumulator one chain).
+template <int R, int G>
+K3_LIN_BF16 inline void stream_block_bf16(const Decoder& d, const uint8_t* const* codes, const uint32_t* const* xr,
+                                          __m512 (&acc)[R][G]) {
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int grp = 0; grp < kBlock / 4; ++grp) {
+    for (int g = 0; g < G; ++g) {
+      __m512i w0, w1;
+      d.decode(codes[g] + grp * 64, w0, w1);
+      for (int r = 0; r < R; ++r) {
+        acc[r][g] = dp(acc[r][g], w0, xr[r][2 * grp]);
+        acc[r][g] = dp(acc[r][g], w1, xr[r][2 * grp + 1]);
+      }
+    }
+  }
+}
+
+template <int R, int G>
+K3_LIN_BF16 void stream_rows_bf16(const PackedLinear& w, const Operand& x, int64_t t_begin, int64_t t_end,
+                                  int64_t t_base, float* tot, int64_t ldt) {
+  const Decoder d;
+  const int64_t blocks = w.k() / kBlock;
+  for (int64_t t = t_begin; t < t_end; t += G) {
+    float* trow[R];
+    for (int r = 0; r < R; ++r) {
+      trow[r] = tot + static_cast<int64_t>(r) * ldt + (t - t_base) * kLanes;
+      for (int c = 0; c < G * kLanes; ++c) trow[r][c] = 0.0f;
+    }
+    const uint8_t* tc[G];
+    const uint8_t* ts[G];
+    for (int g = 0; g < G; ++g) {
+      tc[g] = w.tile_codes(t + g);
+      ts[g] = w.tile_scales(t + g);
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* codes[G];
+      for (int g = 0; g < G; ++g) {
+        codes[g] = tc[g] + b * (kBlock * kLanes);
+        if (b + 4 < blocks)
+          for (int l = 0; l < kBlock * kLanes; l += 64) __builtin_prefetch(codes[g] + 4 * kBlock * kLanes + l);
+      }
+      const uint32_t* xr[R];
+      for (int r = 0; r < R; ++r) xr[r] = x.xb + static_cast<int64_t>(r) * x.ldb + b * (kBlock / 2);
+      __m512 acc[R][G];
+      stream_block_bf16<R, G>(d, codes, xr, acc);
+      for (int g = 0; g < G; ++g) {
+        const __m512 sc = avx512::scale16(ts[g] + b * kLanes);
+        for (int r = 0; r < R; ++r) {
+          float* p = trow[r] + g * kLanes;
+          _mm512_storeu_ps(p, _mm512_fmadd_ps(acc[r][g], sc, _mm512_loadu_ps(p)));
+        }
+      }
+    }
+  }
+}
+
+template <int R, int G>
+K3_LIN_BF16 void stream_range_bf16(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
+  const int64_t ldt = (t1 - t0) * kLanes;
+  const int64_t full = t0 + (t1 - t0) / G * G;
+  if (full > t0) stream_rows_bf16<R, G>(w, x, t0, full, t0, tot, ldt);
+  if (full < t1) stream_rows_bf16<R, 1>(w, x, full, t1, t0, tot, ldt);
+}
+
+// Blocks [b0, b0 + nb) of one tile as BF16 pairs of w: [block][pair][16 columns] u32.
+K3_LIN_BF16 void build_panel_bf16(const Decoder& d, const uint8_t* codes, int64_t b0, int64_t nb, uint32_t* panel) {
   for (int64_t bb = 0; bb < nb; ++bb)
-    for (int p = 0; p < kBlock / 2; ++p) {
-      const uint8_t* c = codes + ((b0 + bb) * kBlock + 2 * p) * kLanes;  // stored k = 2p+1, then 2p
-      const __m512i odd = _mm512_castps_si512(_mm512_cvtph_ps(avx512::fp16_of(c)));
-      const __m512i even = _mm512_castps_si512(_mm512_cvtph_ps(avx512::fp16_of(c + kLanes)));
-      const __m512i pair = _mm512_or_si512(_mm512_and_si512(odd, hi), _mm512_srli_epi32(even, 16));
-      _mm512_storeu_si512(panel + (bb * (kBlock / 2) + p) * kLanes, pair);
+    for (int grp = 0; grp < kBlock / 4; ++grp) {
+      __m512i w0, w1;
+      d.decode(codes + ((b0 + bb) * 8 + grp) * 64, w0, w1);
+      _mm512_storeu_si512(panel + (bb * (kBlock / 2) + 2 * grp) * kLanes, w0);
+      _mm512_storeu_si512(panel + (bb * (kBlock / 2) + 2 * grp + 1) * kLanes, w1);
     }
 }
 
 template <int R>
-K3_LIN_BF16 void bf16_rows(const uint32_t* panel, const uint8_t* scales, const Operand& x, int64_t k_dim, int r0,
-                           int64_t b0, int64_t nb, float* tot) {
-  (void)k_dim;
+K3_LIN_BF16 void bf16_rows(const uint32_t* panel, const uint8_t* scales, const Operand& x, int r0, int64_t b0,
+                           int64_t nb, float* tot) {
   for (int64_t bb = 0; bb < nb; ++bb) {
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -93,9 +199,8 @@ K3_LIN_BF16 void bf16_rows(const uint32_t* panel, const uint8_t* scales, const O
     const uint32_t* pw = panel + bb * (kBlock / 2) * kLanes;
 #pragma GCC unroll 4
     for (int p = 0; p < kBlock / 2; ++p) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(pw + p * kLanes);
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[r][p])));
+      const __m512i wv = _mm512_loadu_si512(pw + p * kLanes);
+      for (int r = 0; r < R; ++r) acc[r] = dp(acc[r], wv, xr[r][p]);
     }
     const __m512 sc = avx512::scale16(scales + (b0 + bb) * kLanes);
     for (int r = 0; r < R; ++r) {
@@ -106,26 +211,40 @@ K3_LIN_BF16 void bf16_rows(const uint32_t* panel, const uint8_t* scales, const O
 }
 
 template <int R>
-K3_LIN_BF16 void bf16_dispatch(int rr, const uint32_t* panel, const uint8_t* scales, const Operand& x, int64_t k_dim,
-                               int r0, int64_t b0, int64_t nb, float* tot) {
+K3_LIN_BF16 void bf16_dispatch(int rr, const uint32_t* panel, const uint8_t* scales, const Operand& x, int r0,
+                               int64_t b0, int64_t nb, float* tot) {
   if constexpr (R > 1) {
-    if (rr < R) return bf16_dispatch<R - 1>(rr, panel, scales, x, k_dim, r0, b0, nb, tot);
+    if (rr < R) return bf16_dispatch<R - 1>(rr, panel, scales, x, r0, b0, nb, tot);
   }
-  bf16_rows<R>(panel, scales, x, k_dim, r0, b0, nb, tot);
+  bf16_rows<R>(panel, scales, x, r0, b0, nb, tot);
 }
 
 }  // namespace
 
+K3_LIN_BF16 void stream_bf16(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
+  switch (x.rows) {
+    case 1: return stream_range_bf16<1, 8>(w, x, t0, t1, tot);
+    case 2: return stream_range_bf16<2, 4>(w, x, t0, t1, tot);
+    case 3: return stream_range_bf16<3, 2>(w, x, t0, t1, tot);
+    case 4: return stream_range_bf16<4, 2>(w, x, t0, t1, tot);
+    case 5: return stream_range_bf16<5, 2>(w, x, t0, t1, tot);
+    case 6: return stream_range_bf16<6, 2>(w, x, t0, t1, tot);
+    case 7: return stream_range_bf16<7, 2>(w, x, t0, t1, tot);
+    default: return stream_range_bf16<8, 2>(w, x, t0, t1, tot);
+  }
+}
+
 K3_LIN_BF16 void panel_bf16(const PackedLinear& w, const Operand& x, int64_t tile, void* panel_mem, float* tot) {
-  const int64_t k_dim = w.k(), blocks = k_dim / kBlock;
+  const Decoder d;
+  const int64_t blocks = w.k() / kBlock;
   auto* pan = static_cast<uint32_t*>(panel_mem);
   for (int64_t i = 0; i < static_cast<int64_t>(x.rows) * kLanes; ++i) tot[i] = 0.0f;
   for (int64_t b0 = 0; b0 < blocks; b0 += kPanelBlocks) {
     const int64_t nb = blocks - b0 < kPanelBlocks ? blocks - b0 : kPanelBlocks;
-    build_panel_bf16(w.tile_codes(tile), b0, nb, pan);
+    build_panel_bf16(d, w.tile_codes(tile), b0, nb, pan);
     for (int r0 = 0; r0 < x.rows; r0 += kBf16Rows) {
       const int rr = x.rows - r0 < kBf16Rows ? x.rows - r0 : kBf16Rows;
-      bf16_dispatch<kBf16Rows>(rr, pan, w.tile_scales(tile), x, k_dim, r0, b0, nb, tot);
+      bf16_dispatch<kBf16Rows>(rr, pan, w.tile_scales(tile), x, r0, b0, nb, tot);
     }
   }
 }

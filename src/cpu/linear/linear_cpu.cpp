@@ -34,9 +34,9 @@ void tile_portable(const PackedLinear& w, int64_t tile, const float* x, float* t
     float total = 0.0f;
     for (int64_t b = 0; b < blocks; ++b) {
       float partial = 0.0f;
-      for (int j = 0; j < kBlock; ++j) {  // stored order k = 1, 0, 3, 2, ...
-        const uint8_t code = codes[(b * kBlock + j) * kLanes + c];
-        partial = std::fma(kE4m3[code], x[b * kBlock + (j ^ 1)], partial);
+      for (int k = 0; k < kBlock; k += 2) {  // per pair: odd element, then even
+        partial = std::fma(kE4m3[codes[w.code_offset(b, k + 1, c)]], x[b * kBlock + k + 1], partial);
+        partial = std::fma(kE4m3[codes[w.code_offset(b, k, c)]], x[b * kBlock + k], partial);
       }
       total = std::fma(partial, e8m0_to_f32(scales[b * kLanes + c]), total);
     }
@@ -75,7 +75,7 @@ Layout layout_of(const LinearPlan& p) {
   l.xs = off;
   off += align_up(l.rows_cap * ld_xs(k) * 4);
   l.xb = off;
-  if (p.isa == IsaLevel::kAvx512Bf16) off += align_up(l.rows_cap * ld_xb(k) * 4);
+  if (p.pair_layout) off += align_up(l.rows_cap * ld_xb(k) * 4);
   l.cls = off;
   off += align_up(l.rows_cap);
   l.qcodes = off;
@@ -92,19 +92,20 @@ Layout layout_of(const LinearPlan& p) {
   return l;
 }
 
-const char* stream_kernel_name(IsaLevel l) {
+const char* stream_kernel_name(IsaLevel l, bool pairs) {
+  if (pairs) return "avx512bf16 vdpbf16ps (e4m3 via vpermt2b)";
   switch (l) {
     case IsaLevel::kScalar: return "portable";
     case IsaLevel::kAvx2: return "avx2 fp32 fma (e4m3 via f16c)";
     default: return "avx512 fp32 fma (e4m3 via f16c)";
   }
 }
-const char* panel_kernel_name(IsaLevel l) {
+const char* panel_kernel_name(IsaLevel l, bool pairs) {
+  if (pairs) return "avx512bf16 vdpbf16ps, 16x16 register tile";
   switch (l) {
     case IsaLevel::kScalar: return "portable";
     case IsaLevel::kAvx2: return "avx2 fp32 fma, 6x16 register tile";
-    case IsaLevel::kAvx512: return "avx512 fp32 fma, 12x16 register tile";
-    default: return "avx512bf16 vdpbf16ps, 16x16 register tile";
+    default: return "avx512 fp32 fma, 12x16 register tile";
   }
 }
 
@@ -112,7 +113,7 @@ constexpr uint32_t kBits2p120 = 0x7B800000u;   // 2^120
 constexpr uint32_t kBits2p114 = 0x78800000u;   // 2^114
 constexpr uint32_t kBits2m110 = 0x08800000u;   // 2^-110
 
-// x' = x 2^8 in stored order, the BF16 pairs (bf16 level), and the row's class, from the exact
+// x' = x 2^8 in stored order (FP32 kernels), the BF16 pairs of x (VDPBF16PS kernels), and the row's class, from the exact
 // operand values v (natural order).
 uint8_t prep_row(const float* v, int64_t k, float* xs, uint32_t* xb) {
   uint32_t amax_finite = 0, amin_nonzero = 0xFFFFFFFFu;
@@ -129,9 +130,9 @@ uint8_t prep_row(const float* v, int64_t k, float* xs, uint32_t* xb) {
     xs[i + 1] = v[i] * 256.0f;
   }
   const bool bf16 = !nonfinite && amax_finite < kBits2p114 && (amin_nonzero == 0xFFFFFFFFu || amin_nonzero >= kBits2m110);
-  if (xb != nullptr) {
+  if (xb != nullptr) {  // unscaled x (exact in BF16: BF16 values or MXFP8 values in the window)
     for (int64_t i = 0; i < k; i += 2)
-      xb[i / 2] = bf16 ? ((f32_to_bits(xs[i]) & 0xFFFF0000u) | (f32_to_bits(xs[i + 1]) >> 16)) : 0u;
+      xb[i / 2] = bf16 ? ((f32_to_bits(v[i]) >> 16) | (f32_to_bits(v[i + 1]) & 0xFFFF0000u)) : 0u;
   }
   return bf16 ? lin::kRowBf16 : lin::kRowFp32;
 }
@@ -225,8 +226,9 @@ Result<LinearPlan> plan(const LinearProblem& problem, const LinearOptions& optio
   if (p.chunk_tokens < 16) p.chunk_tokens = 16;
   p.stream_max_rows = options.stream_max_rows;
   p.tiles = (problem.n + kLanes - 1) / kLanes;
-  p.stream_kernel = stream_kernel_name(p.isa);
-  p.panel_kernel = panel_kernel_name(p.isa);
+  p.pair_layout = p.isa == IsaLevel::kAvx512Bf16 && lin::bf16_kernels_available();
+  p.stream_kernel = stream_kernel_name(p.isa, p.pair_layout);
+  p.panel_kernel = panel_kernel_name(p.isa, p.pair_layout);
   p.workspace_bytes = layout_of(p).total;
   return p;
 }
@@ -238,6 +240,7 @@ Result<PackedLinear> prepack(const LinearPlan& plan, const LinearWeightsView& we
   PackedLinear w;
   w.k_ = k;
   w.n_ = n;
+  w.pair_layout_ = plan.pair_layout;
   w.codes_.assign(static_cast<size_t>(plan.tiles * k * kLanes), 0);
   w.scales_.assign(static_cast<size_t>(plan.tiles * blocks * kLanes), 127);
   for (int64_t row = 0; row < n; ++row) {
@@ -245,10 +248,7 @@ Result<PackedLinear> prepack(const LinearPlan& plan, const LinearWeightsView& we
     uint8_t* tc = w.codes_.data() + t * k * kLanes;
     uint8_t* ts = w.scales_.data() + t * blocks * kLanes;
     const uint8_t* src = weights.codes.data() + row * k;
-    for (int64_t kk = 0; kk < k; ++kk) {
-      const int64_t b = kk / kBlock, j = (kk % kBlock) ^ 1;  // stored order 1, 0, 3, 2, ...
-      tc[(b * kBlock + j) * kLanes + c] = src[kk];
-    }
+    for (int64_t kk = 0; kk < k; ++kk) tc[w.code_offset(kk / kBlock, static_cast<int>(kk % kBlock), static_cast<int>(c))] = src[kk];
     for (int64_t b = 0; b < blocks; ++b) ts[b * kLanes + c] = weights.scales[static_cast<size_t>(row * blocks + b)];
   }
   if (plan.problem.bias) w.bias_.assign(weights.bias.begin(), weights.bias.end());
@@ -260,7 +260,8 @@ namespace {
 // x (BF16) or pre-quantized codes + scales -> the result (shared by run and run_quantized).
 Status run_impl(const LinearPlan& p, const PackedLinear& w, int64_t m, const uint16_t* x, const uint8_t* xq,
                 const uint8_t* xqs, std::span<uint8_t> workspace, std::span<uint8_t> out) {
-  if (w.k() != p.problem.k || w.n() != p.problem.n || (w.bias() != nullptr) != p.problem.bias)
+  if (w.k() != p.problem.k || w.n() != p.problem.n || (w.bias() != nullptr) != p.problem.bias ||
+      w.pair_layout() != p.pair_layout)
     return invalid_argument("linear: the packed weights (K " + std::to_string(w.k()) + ", N " + std::to_string(w.n()) +
                             ") do not belong to this plan (K " + std::to_string(p.problem.k) + ", N " +
                             std::to_string(p.problem.n) + ")");
@@ -276,7 +277,7 @@ Status run_impl(const LinearPlan& p, const PackedLinear& w, int64_t m, const uin
   base += (kAlign - reinterpret_cast<uintptr_t>(base) % kAlign) % kAlign;
   const int64_t k = p.problem.k, n = p.problem.n, blocks = k / kBlock;
   float* xs = reinterpret_cast<float*>(base + l.xs);
-  uint32_t* xb = p.isa == IsaLevel::kAvx512Bf16 ? reinterpret_cast<uint32_t*>(base + l.xb) : nullptr;
+  uint32_t* xb = p.pair_layout ? reinterpret_cast<uint32_t*>(base + l.xb) : nullptr;
   uint8_t* cls = base + l.cls;
   uint8_t* qc = base + l.qcodes;
   uint8_t* qs = base + l.qscales;
@@ -312,7 +313,7 @@ Status run_impl(const LinearPlan& p, const PackedLinear& w, int64_t m, const uin
     }
   };
   // Rows the level's kernel cannot take exactly: the portable body.
-  const uint8_t need = p.isa == IsaLevel::kAvx512Bf16 ? lin::kRowBf16 : lin::kRowFp32;
+  const uint8_t need = p.pair_layout ? lin::kRowBf16 : lin::kRowFp32;
   const bool scalar = p.isa == IsaLevel::kScalar;
 
   if (m <= p.stream_max_rows) {
@@ -321,10 +322,11 @@ Status run_impl(const LinearPlan& p, const PackedLinear& w, int64_t m, const uin
     float* v = t_row(0);
     for (int64_t r = 0; r < m; ++r) {
       exact_row(r, v);
-      cls[r] = scalar ? static_cast<uint8_t>(lin::kRowPortable) : prep_row(v, k, xs + r * ld_xs(k), nullptr);
+      cls[r] = scalar ? static_cast<uint8_t>(lin::kRowPortable)
+                      : prep_row(v, k, xs + r * ld_xs(k), xb == nullptr ? nullptr : xb + r * ld_xb(k));
     }
     float* stot = reinterpret_cast<float*>(base + l.stream_tot);
-    const lin::Operand op{xs, nullptr, cls, static_cast<int>(m), ld_xs(k), ld_xb(k)};
+    const lin::Operand op{xs, xb, cls, static_cast<int>(m), ld_xs(k), ld_xb(k)};
     const int threads = static_cast<int>(std::min<int64_t>(p.threads, p.tiles));
 #pragma omp parallel num_threads(threads)
     {
@@ -333,11 +335,12 @@ Status run_impl(const LinearPlan& p, const PackedLinear& w, int64_t m, const uin
       if (t1 > t0) {
         float* tot = stot + t0 * kLanes * m;  // this thread's [m][(t1 - t0) * 16]
         const int64_t ldt = (t1 - t0) * kLanes;
-        if (p.isa == IsaLevel::kAvx2) lin::stream_avx2(w, op, t0, t1, tot);
+        if (p.pair_layout) lin::stream_bf16(w, op, t0, t1, tot);
+        else if (p.isa == IsaLevel::kAvx2) lin::stream_avx2(w, op, t0, t1, tot);
         else if (!scalar) lin::stream_avx512(w, op, t0, t1, tot);
         float* row = t_row(tid);
         for (int64_t r = 0; r < m; ++r) {
-          if (cls[r] >= lin::kRowFp32) continue;
+          if (cls[r] >= need) continue;
           exact_row(r, row);
           for (int64_t t = t0; t < t1; ++t) lin::tile_portable(w, t, row, tot + r * ldt + (t - t0) * kLanes);
         }
@@ -379,12 +382,9 @@ Status run_impl(const LinearPlan& p, const PackedLinear& w, int64_t m, const uin
       float* tot16 = t_tot16(tid);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t t = 0; t < p.tiles; ++t) {
-        switch (p.isa) {
-          case IsaLevel::kAvx2: lin::panel_avx2(w, op, t, t_panel(tid), tot); break;
-          case IsaLevel::kAvx512: lin::panel_avx512(w, op, t, t_panel(tid), tot); break;
-          case IsaLevel::kAvx512Bf16: lin::panel_bf16(w, op, t, t_panel(tid), tot); break;
-          case IsaLevel::kScalar: break;
-        }
+        if (p.pair_layout) lin::panel_bf16(w, op, t, t_panel(tid), tot);
+        else if (p.isa == IsaLevel::kAvx2) lin::panel_avx2(w, op, t, t_panel(tid), tot);
+        else if (!scalar) lin::panel_avx512(w, op, t, t_panel(tid), tot);
         const int64_t cols = std::min((t + 1) * kLanes, n) - t * kLanes;
         for (int64_t r = 0; r < rows; ++r) {
           const float* tr = tot + r * kLanes;
