@@ -6,16 +6,17 @@ allocated. Errors raise ``ValueError`` (bad argument: the message names it, the 
 value) or ``RuntimeError`` (anything else), carrying the library's message.
 
 Sub-modules: :mod:`k3.mx` (MXFP4 / MXFP8), :mod:`k3.moe` (fused MoE), :mod:`k3.kda`,
+:mod:`k3.linear` (dense MXFP8 linear layers),
 :mod:`k3.torch` (torch custom ops and the FusedMoE module; import it explicitly, it needs torch).
 """
 
 from . import _k3
-from . import kda, moe, mx
+from . import kda, linear, moe, mx
 from .checkpoint import MoeLayer, load_checkpoint_layer
 from .routing import route
 from .tools import bench, validate
 
-__all__ = ["info", "route", "load_checkpoint_layer", "MoeLayer", "validate", "bench", "mx", "moe", "kda",
+__all__ = ["info", "route", "load_checkpoint_layer", "MoeLayer", "validate", "bench", "mx", "moe", "kda", "linear",
            "__version__"]
 __version__ = "0.1.0"
 

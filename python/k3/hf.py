@@ -357,15 +357,20 @@ class Patch:
     def __init__(self, recipe, threads, isa=""):
         self.recipe, self.threads, self.isa = recipe, threads, isa
         self.kda, self.moe, self.mla = [], [], []
+        self.dense = []  # (parent module, attribute name, stock nn.Linear or None, k3 Linear)
         self.expert_bytes_stock = 0
         self.expert_bytes_k3 = 0
+        self.dense_bytes_stock = 0
+        self.dense_bytes_k3 = 0
 
     def summary(self):
         return (f"k3.hf: {len(self.kda)} KDA layers and {len(self.moe)} MoE blocks on k3, {len(self.mla)} MLA "
                 f"layers decoding in the absorbed form (recipe {self.recipe}, "
                 f"threads {self.threads if self.threads is not None else 'torch'}, isa {self.isa or 'best'}); "
                 f"routed experts "
-                f"{self.expert_bytes_stock / 2**20:.1f} MiB stock -> {self.expert_bytes_k3 / 2**20:.1f} MiB MXFP4")
+                f"{self.expert_bytes_stock / 2**20:.1f} MiB stock -> {self.expert_bytes_k3 / 2**20:.1f} MiB MXFP4"
+                + (f"; {len(self.dense)} dense projections on k3, {self.dense_bytes_stock / 2**20:.1f} MiB stock -> "
+                   f"{self.dense_bytes_k3 / 2**20:.1f} MiB MXFP8" if self.dense else ""))
 
     def __repr__(self):
         return self.summary()
@@ -403,7 +408,7 @@ def _check_config(cfg, moe, kda):
 
 
 def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, keep_original=False,
-          max_tokens=4096, isa=""):
+          max_tokens=4096, isa="", dense=False):
     """Serves a transformers Kimi-Linear model's KDA layers and routed experts with k3 (in place).
 
     ``recipe``: "w4a16" (BF16 activations) or "w4a8" (MXFP8 activations) for the experts.
@@ -414,7 +419,10 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
     (so that ``unpatch`` restores the model exactly and grad-requiring calls can fall back).
     ``max_tokens``: rows per fused-MoE call (longer inputs are split). ``isa``: k3's SIMD level
     ("" the best the CPU has; "avx2", "avx512", "scalar" force a lower one, as ``K3_ISA`` does for
-    the k3 tool; torch's own kernels are not affected). Returns a :class:`Patch`."""
+    the k3 tool; torch's own kernels are not affected). ``dense``: also serve the dense projections
+    (attention, shared experts, dense MLPs, the LM head: every ``nn.Linear`` whose input width is
+    a multiple of 32) with k3's linear layer on MXFP8 weights (half of BF16's bytes; recipe
+    "w8a16", or "w8a8" with ``recipe="w4a8"``); needs a bfloat16 model. Returns a :class:`Patch`."""
     m = _modeling()
     if recipe not in ("w4a16", "w4a8"):
         raise ValueError(f"k3.hf.patch: recipe = {recipe!r} must be 'w4a16' or 'w4a8'")
@@ -448,6 +456,11 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
     if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 1 << 20:
         raise ValueError(f"k3.hf.patch: max_tokens = {max_tokens!r} must be an int in [1, 1048576]")
     _check_config(cfg, moe, kda)
+    if dense:
+        dt = next(model.parameters()).dtype
+        if dt != torch.bfloat16:
+            raise ValueError(f"k3.hf.patch: dense=True needs a bfloat16 model (k3's linear layer takes BF16 "
+                             f"activations); this model is {dt}")
 
     rec = Patch(recipe, threads, isa)
     kda_layers = [mod for mod in model.modules() if isinstance(mod, m.KimiLinearDeltaAttention)] if kda else []
@@ -473,6 +486,16 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
                 r = _MlaLayer(mod)
                 mod.forward = _mla_forward(mod, r, mod.forward)
                 rec.mla.append((mod, r))
+    if dense:
+        try:
+            _patch_dense(model, m, rec, "w8a8" if recipe == "w4a8" else "w8a16", plan_threads, keep_original,
+                         max_tokens, isa)
+        except Exception:
+            for parent, name, stock, _ in rec.dense:
+                setattr(parent, name, stock)
+            for r in rec.moe:
+                r.release()
+            raise
     # Release (or keep) the stock expert weights only once everything above succeeded.
     for r in rec.moe:
         mod = r.module
@@ -512,6 +535,25 @@ def _patch_moe(mod, index, cfg, recipe, threads, plan_threads, keep_original, ma
     return r
 
 
+def _patch_dense(model, m, rec, recipe, threads, keep_original, max_tokens, isa):
+    """Every nn.Linear of the decoder layers and the LM head -> k3.torch.Linear (MXFP8 weights).
+    The routed experts are not nn.Linear (they are served by the MoE path); the router is not one."""
+    targets = []
+    for parent in model.modules():
+        if isinstance(parent, _k3torch.Linear):
+            continue
+        for name, child in parent.named_children():
+            if type(child) is torch.nn.Linear and child.in_features % 32 == 0:
+                targets.append((parent, name, child))
+    for parent, name, child in targets:
+        lin = _k3torch.Linear.from_linear(child, recipe=recipe, out_dtype="bf16", max_tokens=max_tokens,
+                                          threads=threads, isa=isa)
+        rec.dense_bytes_stock += child.weight.numel() * child.weight.element_size()
+        rec.dense_bytes_k3 += _k3torch._linear_layer(lin.handle).packed_bytes
+        setattr(parent, name, lin)
+        rec.dense.append((parent, name, child if keep_original else None, lin))
+
+
 def unpatch(model):
     """Undoes :func:`patch`: the stock functions and forwards again, the stock expert weights back
     (only possible with ``keep_original=True``; otherwise this raises before changing anything:
@@ -520,6 +562,9 @@ def unpatch(model):
     if rec is None:
         raise ValueError("k3.hf.unpatch: model is not patched by k3.hf.patch")
     missing = [r.index for r in rec.moe if r.originals is None]
+    if any(stock is None for _, _, stock, _ in rec.dense):
+        raise ValueError("k3.hf.unpatch: the stock dense projections were released by k3.hf.patch(dense=True, "
+                         "keep_original=False); reload the model (from_pretrained), or patch with keep_original=True")
     if missing:
         raise ValueError(f"k3.hf.unpatch: the stock expert weights of MoE blocks {missing} were released by "
                          "k3.hf.patch(keep_original=False); reload the model (from_pretrained), or patch with "
@@ -533,5 +578,7 @@ def unpatch(model):
         del r.module.forward
         r.module.experts.gate_up_proj, r.module.experts.down_proj = r.originals
         r.release()
+    for parent, name, stock, _ in rec.dense:
+        setattr(parent, name, stock)
     model._k3_patch = None
     return model

@@ -80,6 +80,9 @@ def _load(path, dtype):
 
 
 def _linear_bytes(mod):
+    import k3.torch as k3t
+    if isinstance(mod, k3t.Linear):  # dense=True: the prepacked MXFP8 weight (+ FP32 bias)
+        return k3t._linear_layer(mod.handle).packed_bytes
     return sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
 
 
@@ -96,8 +99,10 @@ def step_bytes(model, batch, prefix, distinct_experts):
     k3_bytes_per_expert = None
     if rec is not None and rec.moe:
         k3_bytes_per_expert = rec.expert_bytes_k3 / (len(rec.moe) * cfg.num_local_experts)
+    import k3.torch as k3t
+    esize = model.get_input_embeddings().weight.element_size()
     for mod in model.modules():
-        if isinstance(mod, torch.nn.Linear) and mod is not model.lm_head:
+        if isinstance(mod, (torch.nn.Linear, k3t.Linear)) and mod is not model.lm_head:
             parts["dense_weights"] += _linear_bytes(mod)
         elif isinstance(mod, (m.KimiLinearRMSNorm, m.KimiLinearRMSNormGated, torch.nn.Conv1d)):
             parts["dense_weights"] += _linear_bytes(mod)
@@ -115,10 +120,9 @@ def step_bytes(model, batch, prefix, distinct_experts):
             parts["kda_state"] += batch * (mod.num_heads * mod.head_dim * mod.head_dim * 4
                                            + mod.conv_dim * mod.conv_kernel_size * 4)
         elif isinstance(mod, m.KimiLinearAttention):
-            esize = model.lm_head.weight.element_size()
             parts["mla_cache"] += batch * prefix * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * esize
     parts["lm_head"] = _linear_bytes(model.lm_head)
-    parts["embedding"] = batch * cfg.hidden_size * model.lm_head.weight.element_size()
+    parts["embedding"] = batch * cfg.hidden_size * esize
     parts["total"] = sum(parts.values())
     return parts
 
@@ -232,6 +236,8 @@ def _common_args(ap):
     ap.add_argument("--threads", type=int, default=0, help="torch and k3 threads (default: torch's default)")
     ap.add_argument("--recipe", choices=["w4a16", "w4a8"], default="w4a16")
     ap.add_argument("--isa", default="", help="k3's SIMD level (default: the best the CPU has; torch is not affected)")
+    ap.add_argument("--dense", action="store_true",
+                    help="also serve the dense projections and the LM head on k3 (MXFP8 weights; bfloat16 models)")
     ap.add_argument("--workdir", default=None, help="where the random model is saved (default: a temp dir)")
 
 
@@ -273,7 +279,7 @@ def _cmd_generate(a):
             if name == "stock-mxfp4":  # stock transformers on the expert weights k3 will serve
                 k3.hf.mxfp4_roundtrip_(model)
             if name == "k3":
-                print(k3.hf.patch(model, recipe=a.recipe, isa=a.isa).summary())
+                print(k3.hf.patch(model, recipe=a.recipe, isa=a.isa, dense=a.dense).summary())
             prefill, steps = _generate_times(model, ids, a.new_tokens)
             with torch.no_grad():
                 out = model.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False)
@@ -326,7 +332,7 @@ def _cmd_bench(a):
         # to the others): each round loads each stock form with from_pretrained, measures it and frees
         # it. The patched model is small and stays loaded.
         k3m = _load(path, a.k3_dtype)
-        patch = k3.hf.patch(k3m, recipe=a.recipe, isa=a.isa)
+        patch = k3.hf.patch(k3m, recipe=a.recipe, isa=a.isa, dense=a.dense)
         print(patch.summary(), flush=True)
         cfg = k3m.config
         record["config"] = {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_local_experts",
@@ -334,6 +340,9 @@ def _cmd_bench(a):
                                                          "vocab_size", "linear_num_heads", "linear_head_dim",
                                                          "layer_types")}
         record["expert_bytes"] = dict(stock_bf16=patch.expert_bytes_stock, k3=patch.expert_bytes_k3)
+        record["dense_on_k3"] = bool(a.dense)
+        if a.dense:
+            record["dense_bytes"] = dict(stock_bf16=patch.dense_bytes_stock, k3=patch.dense_bytes_k3)
         gen = torch.Generator().manual_seed(7)
         prompts = {t: torch.randint(3, cfg.vocab_size, (1, t), generator=gen) for t in a.prefill}
         dec_prompts = {b: torch.randint(3, cfg.vocab_size, (b, 16), generator=gen) for b in a.batch}

@@ -31,11 +31,12 @@ import torch
 
 from . import _k3
 from . import kda as _kda
+from . import linear as _linear
 from . import moe as _moe
 from ._arrays import need
 from .routing import route as _route
 
-__all__ = ["FusedMoE", "prepare_moe", "release_moe"]
+__all__ = ["FusedMoE", "Linear", "prepare_moe", "release_moe", "prepare_linear", "release_linear"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _layers = {}
@@ -115,8 +116,37 @@ def release_moe(handle):
 def _layer(handle):
     with _lock:
         layer = _layers.get(handle)
-    if layer is None:
+    if layer is None or isinstance(layer, _linear.CpuLinear):
         raise ValueError(f"layer = {handle} is not a prepared k3 MoE layer (prepare_moe returns the handle)")
+    return layer
+
+
+def prepare_linear(codes, scales, bias=None, recipe="w8a16", out_dtype="bf16", max_tokens=4096, threads=None, isa=""):
+    """Plans and prepacks one dense layer (k3.linear.CpuLinear) and returns its integer handle for
+    ``torch.ops.k3.linear``. codes [N, K] / scales [N, K/32]: uint8 MXFP8 weights (see
+    k3.linear.quantize_weight); bias: float32 [N] or None. ``threads``: None takes
+    ``torch.get_num_threads()``; 0 means all logical CPUs."""
+    if threads is None:
+        threads = torch.get_num_threads()
+    args = [_np(a) if isinstance(a, torch.Tensor) else a for a in (codes, scales, bias)]
+    layer = _linear.CpuLinear(*args, recipe=recipe, out_dtype=out_dtype, max_tokens=max_tokens, threads=threads,
+                              isa=isa)
+    with _lock:
+        handle = next(_next_id)
+        _layers[handle] = layer
+    return handle
+
+
+def release_linear(handle):
+    """Frees a prepared dense layer."""
+    release_moe(handle)
+
+
+def _linear_layer(handle):
+    with _lock:
+        layer = _layers.get(handle)
+    if not isinstance(layer, _linear.CpuLinear):
+        raise ValueError(f"layer = {handle} is not a prepared k3 linear layer (prepare_linear returns the handle)")
     return layer
 
 
@@ -126,6 +156,7 @@ _lib = torch.library.Library("k3", "DEF")
 _lib.define("route(Tensor logits, Tensor bias, int top_k, int n_group, int topk_group, bool renormalize, "
             "float routed_scaling_factor, Tensor(a!) topk_ids, Tensor(b!) topk_weights) -> ()")
 _lib.define("moe_run(int layer, Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor(a!) out) -> ()")
+_lib.define("linear(int layer, Tensor x, Tensor(a!) out) -> ()")
 # KDA: the configuration as scalars (gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout);
 # a_log, dt_bias, cu_seqlens, initial_state and final_state may be empty tensors (absent).
 _KDA_CFG = "str gate, float gate_lower_bound, bool beta_logits, bool l2norm_qk, float scale, str layout"
@@ -149,6 +180,21 @@ def _moe_run_cpu(layer, x, topk_ids, topk_weights, out):
         raise ValueError(f"layer = {layer} was prepared for {lay.device}, but x is on the CPU")
     o = out if out.dtype == torch.float32 else _bits(out, "out")
     lay.run(_np(_bits(x, "x")), _np(topk_ids), _np(topk_weights), out=_np(o))
+
+
+def _linear_cpu(layer, x, out):
+    lay = _linear_layer(layer)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x has dtype {x.dtype}, expected torch.bfloat16 (the layer's activations are BF16)")
+    want = _DTYPES[lay.out_dtype]
+    if out.dtype != want:
+        raise ValueError(f"out has dtype {out.dtype}, expected {want} (the layer's out_dtype = '{lay.out_dtype}')")
+    if x.dim() != 2 or x.shape[1] != lay.k or not x.is_contiguous():
+        raise ValueError(f"x has shape {tuple(x.shape)}, expected a contiguous [M, {lay.k}]")
+    if tuple(out.shape) != (x.shape[0], lay.n) or not out.is_contiguous():
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected a contiguous [{x.shape[0]}, {lay.n}]")
+    o = out if out.dtype == torch.float32 else out.view(torch.uint16)
+    lay.run(_np(x.view(torch.uint16)), out=_np(o))
 
 
 def _stream(device):
@@ -333,12 +379,18 @@ def _(q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices, num_accepted,
 
 _lib.impl("route", _route_cpu, "CPU")
 _lib.impl("moe_run", _moe_run_cpu, "CPU")
+_lib.impl("linear", _linear_cpu, "CPU")
 _lib.impl("route", _route_cuda, "CUDA")
 _lib.impl("moe_run", _moe_run_cuda, "CUDA")
 
 
 @torch.library.register_fake("k3::route", lib=_lib)
 def _(logits, bias, top_k, n_group, topk_group, renormalize, routed_scaling_factor, topk_ids, topk_weights):
+    return None
+
+
+@torch.library.register_fake("k3::linear", lib=_lib)
+def _(layer, x, out):
     return None
 
 
@@ -389,6 +441,52 @@ class FusedMoE(torch.nn.Module):
             out = torch.empty((m, self.problem.hidden), dtype=self.out_dtype, device=hidden_states.device)
         torch.ops.k3.moe_run(self.handle, hidden_states, ids, wts, out)
         return out
+
+
+class Linear(torch.nn.Module):
+    """A dense layer on k3: ``forward(x [..., K] bfloat16) -> [..., N]`` in ``out_dtype``, with the
+    weight stored as MXFP8 (8.5 bits per weight, half of BF16) and the bias in FP32.
+
+    ``Linear.from_linear(torch_linear)`` quantizes an ``nn.Linear``'s weight once with k3's codec
+    (E4M3 + E8M0 per 32 along K, RCEIL). ``recipe``: "w8a16" (BF16 activations) or "w8a8"
+    (activations quantized per row to MXFP8)."""
+
+    def __init__(self, codes, scales, bias=None, recipe="w8a16", out_dtype="bf16", max_tokens=4096, threads=None,
+                 isa=""):
+        super().__init__()
+        self.handle = prepare_linear(codes, scales, bias, recipe, out_dtype, max_tokens, threads, isa)
+        lay = _linear_layer(self.handle)
+        self.in_features, self.out_features, self.recipe = lay.k, lay.n, recipe
+        self.out_dtype = _DTYPES[out_dtype]
+
+    @classmethod
+    def from_linear(cls, linear, recipe="w8a16", out_dtype="bf16", max_tokens=4096, threads=None, isa=""):
+        w = linear.weight.detach().to(torch.float32).contiguous()
+        codes, scales = _linear.quantize_weight(_np(w))
+        bias = None if linear.bias is None else _np(linear.bias.detach().to(torch.float32).contiguous())
+        return cls(codes, scales, bias, recipe, out_dtype, max_tokens, threads, isa)
+
+    @property
+    def plan(self):
+        return _linear_layer(self.handle).plan
+
+    def __del__(self):
+        release_moe(getattr(self, "handle", None))
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe}, k3"
+
+    def forward(self, x, out=None):
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x has shape {tuple(x.shape)}, expected [..., {self.in_features}]")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        if out is None:
+            out = torch.empty((x2.shape[0], self.out_features), dtype=self.out_dtype, device=x.device)
+        torch.ops.k3.linear(self.handle, x2, out)
+        return out.view(*lead, self.out_features)
 
 
 def __getattr__(name):

@@ -20,6 +20,7 @@
 
 #include "k3/backend.hpp"
 #include "k3/checkpoint.hpp"
+#include "k3/cpu_linear.hpp"
 #include "k3/cpu_moe.hpp"
 #include "k3/cuda.hpp"
 #include "k3/cuda_kda.hpp"
@@ -92,11 +93,13 @@ nb::dict info() {
     e["reason"] = a.message();
     return e;
   };
-  nb::list moe, kda;
+  nb::list moe, kda, lin;
   for (const auto& b : k3::moe_backends()) moe.append(entry(b.name, b.priority, b.available()));
   for (const auto& b : k3::kda_backends()) kda.append(entry(b.name, b.priority, b.available()));
+  for (const auto& b : k3::linear_backends()) lin.append(entry(b.name, b.priority, b.available()));
   d["moe_backends"] = moe;
   d["kda_backends"] = kda;
+  d["linear_backends"] = lin;
   // The CUDA part of this build: compiled in or not, and the devices (or why there are none).
   nb::dict c;
   c["compiled"] = k3::cuda::compiled();
@@ -237,6 +240,80 @@ void cpu_moe_run(CpuMoe& c, In<uint16_t> x, In<int32_t> ids, In<float> weights, 
   nb::gil_scoped_release release;
   std::lock_guard<std::mutex> lock(c.mu);
   check(k3::cpu::run(c.plan, c.packed, in, c.workspace, bytes(out)));
+}
+
+// ---- dense linear (k3/linear.hpp, k3/cpu_linear.hpp) ----------------------------------------
+k3::LinearProblem linear_problem(int64_t k, int64_t n, const std::string& recipe, const std::string& out_dtype,
+                                 bool bias) {
+  k3::LinearProblem p;
+  p.k = k;
+  p.n = n;
+  p.recipe = value(k3::parse_linear_recipe(recipe));
+  p.out_dtype = value(k3::parse_out_dtype(out_dtype));
+  p.bias = bias;
+  check(k3::validate_linear_problem(p));
+  return p;
+}
+
+void linear_run(int64_t k, int64_t n, const std::string& recipe, const std::string& out_dtype, In<uint8_t> codes,
+                In<uint8_t> scales, std::optional<In<float>> bias, In<uint16_t> x, int64_t m, const std::string& backend,
+                int threads, const std::string& isa, AnyOut out) {
+  const k3::LinearProblem p = linear_problem(k, n, recipe, out_dtype, bias.has_value());
+  const k3::LinearBackend* b = backend.empty() ? &k3::default_linear_backend() : value(k3::find_linear_backend(backend));
+  const k3::BackendOptions o = options(threads, isa);
+  const k3::LinearWeightsView w{span(codes), span(scales), bias ? span(*bias) : std::span<const float>{}};
+  nb::gil_scoped_release release;
+  check(k3::run_linear(*b, p, w, m, span(x), bytes(out), o));
+}
+
+// Plan once, prepack once, run per batch (one workspace per object; concurrent calls take turns).
+struct CpuLinear {
+  k3::cpu::LinearPlan plan;
+  k3::cpu::PackedLinear packed;
+  std::vector<uint8_t> workspace;
+  std::mutex mu;
+};
+
+CpuLinear* cpu_linear_prepare(int64_t k, int64_t n, const std::string& recipe, const std::string& out_dtype,
+                              In<uint8_t> codes, In<uint8_t> scales, std::optional<In<float>> bias, int64_t max_tokens,
+                              int threads, const std::string& isa) {
+  const k3::LinearProblem p = linear_problem(k, n, recipe, out_dtype, bias.has_value());
+  k3::cpu::LinearOptions o;
+  o.max_tokens = max_tokens;
+  o.threads = threads;
+  if (!isa.empty()) o.isa = value(k3::parse_isa_level(isa));
+  auto plan = value(k3::cpu::plan(p, o));
+  const k3::LinearWeightsView w{span(codes), span(scales), bias ? span(*bias) : std::span<const float>{}};
+  std::optional<k3::Result<k3::cpu::PackedLinear>> packed;
+  {
+    nb::gil_scoped_release release;
+    packed.emplace(k3::cpu::prepack(plan, w));
+  }
+  auto* c = new CpuLinear{std::move(plan), value(std::move(*packed)), {}, {}};
+  c->workspace.resize(static_cast<size_t>(c->plan.workspace_bytes));
+  return c;
+}
+
+void cpu_linear_run(CpuLinear& c, In<uint16_t> x, int64_t m, AnyOut out) {
+  nb::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(c.mu);
+  check(k3::cpu::run(c.plan, c.packed, m, span(x), c.workspace, bytes(out)));
+}
+
+double cpu_linear_time_native(CpuLinear& c, In<uint16_t> x, int64_t m, AnyOut out, int iters) {
+  if (iters < 1 || iters > 10000000) throw nb::value_error("iters must be in [1, 10^7]");
+  const std::span<uint8_t> o = bytes(out);
+  nb::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(c.mu);
+  check(k3::cpu::run(c.plan, c.packed, m, span(x), c.workspace, o));
+  std::vector<double> t;
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    check(k3::cpu::run(c.plan, c.packed, m, span(x), c.workspace, o));
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
 }
 
 // Seconds per call of the C++ run() alone (median of `iters` calls on the same buffers, after one
@@ -805,6 +882,16 @@ NB_MODULE(_k3, m) {
   m.def("cpu_moe_prepare", &cpu_moe_prepare, nb::rv_policy::take_ownership, "problem"_a, "max_tokens"_a,
         "threads"_a, "isa"_a, "fc1_q"_a, "fc1_scale"_a, "fc2_q"_a, "fc2_scale"_a);
 
+  m.def("linear_run", &linear_run, "k"_a, "n"_a, "recipe"_a, "out_dtype"_a, "codes"_a, "scales"_a, "bias"_a.none(),
+        "x"_a, "m"_a, "backend"_a, "threads"_a, "isa"_a, "out"_a);
+  nb::class_<CpuLinear>(m, "CpuLinear")
+      .def_prop_ro("describe", [](const CpuLinear& c) { return c.plan.describe(); })
+      .def_prop_ro("max_tokens", [](const CpuLinear& c) { return c.plan.max_tokens; })
+      .def_prop_ro("packed_bytes", [](const CpuLinear& c) { return c.packed.bytes(); })
+      .def("run", &cpu_linear_run, "x"_a, "m"_a, "out"_a)
+      .def("time_native", &cpu_linear_time_native, "x"_a, "m"_a, "out"_a, "iters"_a);
+  m.def("cpu_linear_prepare", &cpu_linear_prepare, nb::rv_policy::take_ownership, "k"_a, "n"_a, "recipe"_a,
+        "out_dtype"_a, "codes"_a, "scales"_a, "bias"_a.none(), "max_tokens"_a, "threads"_a, "isa"_a);
   m.def("load_checkpoint_layer", &load_checkpoint_layer, "dir"_a, "layer"_a, "ep_size"_a, "ep_rank"_a);
   nb::class_<k3::kda::KdaConfig>(m, "KdaConfig")
       .def_ro("num_heads", &k3::kda::KdaConfig::num_heads)

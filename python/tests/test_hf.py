@@ -694,3 +694,58 @@ def test_patched_generation_is_bit_identical_run_to_run(pair):
     assert runs[0].sequences.tolist() == runs[1].sequences.tolist()
     for a, b in zip(runs[0].scores, runs[1].scores):
         assert torch.equal(a, b)
+
+
+class _ExactLinear(torch.nn.Module):
+    """An nn.Linear computed in FP64 on its MXFP8 round-tripped weight, rounded once to BF16: what
+    k3's linear layer computes, up to FP32 accumulation order."""
+
+    def __init__(self, lin):
+        super().__init__()
+        self.w = mxfp8_round(lin.weight).double()
+        self.b = None if lin.bias is None else lin.bias.detach().double()
+
+    def forward(self, x):
+        y = x.double() @ self.w.T
+        return (y if self.b is None else y + self.b).to(torch.bfloat16)
+
+
+def test_dense_projections_on_k3_match_an_exact_reference_and_unpatch_restores():
+    model = build(tiny_config(), seed=4, dtype=torch.bfloat16)
+    prompt = torch.tensor([[3, 4, 5, 6, 7]])
+    stock_linears = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear and m.in_features % 32 == 0}
+    with torch.no_grad():
+        before = model(prompt).logits
+    reference = copy.deepcopy(model)
+    for parent in list(reference.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and child.in_features % 32 == 0:
+                setattr(parent, name, _ExactLinear(child))
+    rec = k3.hf.patch(model, dense=True, moe=False, kda=False, mla=False, keep_original=True)
+    served = {n for n, m in model.named_modules() if isinstance(m, k3.torch.Linear)}
+    assert served == stock_linears and "lm_head" in served
+    assert len(rec.dense) == len(stock_linears)
+    assert rec.dense_bytes_stock / rec.dense_bytes_k3 > 1.8  # 16 bits -> 8.25 (+ FP32 bias)
+    assert "dense projections on k3" in rec.summary()
+    with torch.no_grad():
+        got = model(prompt).logits
+        want = reference(prompt).logits
+    # FP32 accumulation against FP64: equal after the BF16 rounding but for rare flips (0 measured)
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert err <= 1e-2, err
+    assert not torch.equal(got, before)
+    k3.hf.unpatch(model)
+    assert not any(isinstance(m, k3.torch.Linear) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(prompt).logits, before)
+
+    # Everything on k3 (KDA, MoE, MLA, dense) generates.
+    full = build(tiny_config(), seed=4, dtype=torch.bfloat16)
+    k3.hf.patch(full, dense=True)
+    with torch.no_grad():
+        out = full.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 9)
+    with pytest.raises(ValueError, match="dense=True, keep_original=False"):
+        k3.hf.unpatch(full)
+    with pytest.raises(ValueError, match="dense=True needs a bfloat16 model"):
+        k3.hf.patch(build(tiny_config(), seed=4), dense=True)

@@ -283,3 +283,55 @@ def test_kda_verify_writes_every_prefix_state():
                                        return_final_state=True)
     np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(pool[idx[:, t - 1]], want_last, rtol=1e-4, atol=1e-5)
+
+
+def _linear_case(n=37, k=96, m=5, bias=True, seed=3):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+    codes, scales = k3.linear.quantize_weight(w)
+    x = (rng.standard_normal((m, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)  # BF16 bits
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    return w, codes, scales, x, b
+
+
+@pytest.mark.parametrize("recipe", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("out_dtype", ["bf16", "fp16", "fp32"])
+def test_linear_cpu_gives_the_contracts_bits_and_agrees_with_fp64(recipe, out_dtype):
+    w, codes, scales, x, b = _linear_case()
+    ref = k3.linear.run(codes, scales, x, bias=b, recipe=recipe, out_dtype=out_dtype, backend="reference")
+    for isa in [""] + (["avx2", "scalar"] if k3.info()["isa"] != "scalar" else []):
+        got = k3.linear.run(codes, scales, x, bias=b, recipe=recipe, out_dtype=out_dtype, backend="cpu", isa=isa)
+        np.testing.assert_array_equal(got, ref)
+    layer = k3.linear.CpuLinear(codes, scales, bias=b, recipe=recipe, out_dtype=out_dtype, max_tokens=8)
+    out = np.zeros_like(ref)
+    assert layer.run(x, out=out) is out
+    np.testing.assert_array_equal(out, ref)
+    assert "K 96 -> N 37" in layer.plan
+    # An independent FP64 computation (numpy) of W8A16 with the dequantized MXFP8 weights.
+    if recipe == "w8a16" and out_dtype == "fp32":
+        wq = k3.mx.dequantize(codes, scales, 96, "mxfp8").astype(np.float64)
+        xf = (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        y = xf @ wq.T + b
+        assert np.abs(got - y).max() <= 1e-5 * np.abs(y).max()
+
+
+def test_linear_refuses_bad_arguments_by_name():
+    w, codes, scales, x, b = _linear_case()
+    with pytest.raises(ValueError, match="recipe = 'w4a8'"):
+        k3.linear.run(codes, scales, x, recipe="w4a8")
+    with pytest.raises(ValueError, match="K = 40 columns"):
+        k3.linear.run(np.zeros((3, 40), np.uint8), np.zeros((3, 1), np.uint8), x)
+    with pytest.raises(ValueError, match="scales"):
+        k3.linear.run(codes, scales[:, :2], x)
+    with pytest.raises(ValueError, match="bias"):
+        k3.linear.run(codes, scales, x, bias=np.zeros(5, np.float32))
+    with pytest.raises(ValueError, match=r"x has shape \(5, 64\)"):
+        k3.linear.run(codes, scales, np.zeros((5, 64), np.uint16))
+    bad = codes.copy()
+    bad[4, 70] = 0x7F
+    with pytest.raises(ValueError, match="row 4, column 70 .block 2. is 0x7F"):
+        k3.linear.run(bad, scales, x)
+    layer = k3.linear.CpuLinear(codes, scales, max_tokens=4)
+    with pytest.raises(ValueError, match="m = 5 exceeds the plan's max_tokens = 4"):
+        layer.run(x)
+    assert [b_["name"] for b_ in k3.info()["linear_backends"]] == ["cpu", "reference"]

@@ -251,3 +251,50 @@ def test_kda_op_errors_carry_the_library_message():
     with pytest.raises(ValueError, match="gate"):
         torch.ops.k3.kda_decode(q, k, v, g, beta, empty, empty, pool, torch.arange(12, dtype=torch.int32) % 4 * 0 - 1,
                                 "sigmoid", -5.0, True, True, 0.0, "k_first", torch.zeros((12, 2, 32)))
+
+
+def _mxfp8_weight(lin):
+    codes, scales = k3.linear.quantize_weight(lin.weight.detach().float().numpy())
+    return torch.from_numpy(k3.mx.dequantize(codes, scales, lin.in_features, "mxfp8"))
+
+
+def test_linear_module_matches_fp64_to_one_bf16_rounding_and_passes_opcheck():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 50).to(torch.bfloat16)
+    mod = k3t.Linear.from_linear(lin, max_tokens=64)
+    x = torch.randn(2, 3, 96, dtype=torch.bfloat16)
+    y = mod(x)
+    assert y.shape == (2, 3, 50) and y.dtype == torch.bfloat16
+    ref = (x.double() @ _mxfp8_weight(lin).double().T + lin.bias.detach().double())
+    # one BF16 rounding of a value that is exact to FP32 accumulation: within 2^-8 relative
+    assert ((y.double() - ref).abs() <= ref.abs() * 2.0 ** -8 + 1e-6).all()
+    # the numpy path: the same bits
+    codes, scales = k3.linear.quantize_weight(lin.weight.detach().float().numpy())
+    np_out = k3.linear.run(codes, scales, x.reshape(6, 96).view(torch.uint16).numpy(),
+                           bias=lin.bias.detach().float().numpy(), backend="reference")
+    np.testing.assert_array_equal(y.reshape(6, 50).view(torch.uint16).numpy(), np_out)
+    out = torch.empty((6, 50), dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.k3.linear.default, (mod.handle, x.reshape(6, 96), out))
+    f = torch.compile(lambda t: mod(t), fullgraph=True)
+    assert torch.equal(f(x), y)
+    # w8a8 and an FP32 output
+    mod8 = k3t.Linear.from_linear(lin, recipe="w8a8", out_dtype="fp32")
+    assert mod8(x).dtype == torch.float32
+
+
+def test_linear_op_refuses_what_it_cannot_compute():
+    lin = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    mod = k3t.Linear.from_linear(lin, max_tokens=8)
+    with pytest.raises(ValueError, match="x has dtype torch.float16, expected torch.bfloat16"):
+        mod(torch.zeros(2, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"x has shape \(2, 63\)"):
+        mod(torch.zeros(2, 63, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out has dtype torch.float16, expected torch.bfloat16"):
+        torch.ops.k3.linear(mod.handle, torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2, 32, dtype=torch.float16))
+    with pytest.raises(ValueError, match="not a prepared k3 linear layer"):
+        torch.ops.k3.linear(10 ** 9, torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="not a prepared k3 MoE layer"):
+        torch.ops.k3.moe_run(mod.handle, torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
+                             torch.zeros(1, 1), torch.zeros(1, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="max_tokens = 8"):
+        mod(torch.zeros(9, 64, dtype=torch.bfloat16))
