@@ -43,7 +43,9 @@ void stream_avx512(const PackedLinear& w, const Operand& x, int64_t t0, int64_t 
 inline constexpr int64_t kPanelBytes = int64_t{kPanelBlocks} * kBlock * kLanes * 4;
 void panel_avx2(const PackedLinear& w, const Operand& x, int64_t tile, void* panel, float* tot);
 void panel_avx512(const PackedLinear& w, const Operand& x, int64_t tile, void* panel, float* tot);
-void panel_bf16(const PackedLinear& w, const Operand& x, int64_t tile, void* panel, float* tot);
+// VDPBF16PS panel: tiles [tile, tile + tiles), tiles 1 or 2 (2 x 12 rows register tile);
+// tot: [rows][tiles * 16].
+void panel_bf16(const PackedLinear& w, const Operand& x, int64_t tile, int tiles, void* panel, float* tot);
 // Stream route on the pair layout (rows <= 8, all kRowBf16 or recomputed after).
 void stream_bf16(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot);
 // True when this CPU runs the VDPBF16PS linear kernels (AVX512-BF16 and AVX512-VBMI).

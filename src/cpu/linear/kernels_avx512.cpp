@@ -188,35 +188,65 @@ K3_LIN_BF16 void build_panel_bf16(const Decoder& d, const uint8_t* codes, int64_
     }
 }
 
-template <int R>
-K3_LIN_BF16 void bf16_rows(const uint32_t* panel, const uint8_t* scales, const Operand& x, int r0, int64_t b0,
-                           int64_t nb, float* tot) {
+// R rows x G tiles (G panels side by side), blocks [b0, b0 + nb): R x G accumulators, one weight
+// vector per tile and one broadcast per row and pair (G = 2: a broadcast feeds two dot products).
+template <int R, int G>
+K3_LIN_BF16 void bf16_rows(const uint32_t* const* panel, const uint8_t* const* scales, const Operand& x, int r0,
+                           int64_t b0, int64_t nb, float* tot) {
   for (int64_t bb = 0; bb < nb; ++bb) {
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    __m512 acc[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
     const uint32_t* xr[R];
     for (int r = 0; r < R; ++r) xr[r] = x.xb + static_cast<int64_t>(r0 + r) * x.ldb + (b0 + bb) * (kBlock / 2);
-    const uint32_t* pw = panel + bb * (kBlock / 2) * kLanes;
-#pragma GCC unroll 4
+#pragma GCC unroll 2
     for (int p = 0; p < kBlock / 2; ++p) {
-      const __m512i wv = _mm512_loadu_si512(pw + p * kLanes);
-      for (int r = 0; r < R; ++r) acc[r] = dp(acc[r], wv, xr[r][p]);
+      __m512i wv[G];
+      for (int g = 0; g < G; ++g) wv[g] = _mm512_loadu_si512(panel[g] + (bb * (kBlock / 2) + p) * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[r][p]));
+        for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)wv[g], xb);
+      }
     }
-    const __m512 sc = avx512::scale16(scales + (b0 + bb) * kLanes);
-    for (int r = 0; r < R; ++r) {
-      float* t = tot + static_cast<int64_t>(r0 + r) * kLanes;
-      _mm512_storeu_ps(t, _mm512_fmadd_ps(acc[r], sc, _mm512_loadu_ps(t)));
+    for (int g = 0; g < G; ++g) {
+      const __m512 sc = avx512::scale16(scales[g] + (b0 + bb) * kLanes);
+      for (int r = 0; r < R; ++r) {
+        float* t = tot + static_cast<int64_t>(r0 + r) * G * kLanes + g * kLanes;
+        _mm512_storeu_ps(t, _mm512_fmadd_ps(acc[r][g], sc, _mm512_loadu_ps(t)));
+      }
     }
   }
 }
 
-template <int R>
-K3_LIN_BF16 void bf16_dispatch(int rr, const uint32_t* panel, const uint8_t* scales, const Operand& x, int r0,
-                               int64_t b0, int64_t nb, float* tot) {
+template <int R, int G>
+K3_LIN_BF16 void bf16_dispatch(int rr, const uint32_t* const* panel, const uint8_t* const* scales, const Operand& x,
+                               int r0, int64_t b0, int64_t nb, float* tot) {
   if constexpr (R > 1) {
-    if (rr < R) return bf16_dispatch<R - 1>(rr, panel, scales, x, r0, b0, nb, tot);
+    if (rr < R) return bf16_dispatch<R - 1, G>(rr, panel, scales, x, r0, b0, nb, tot);
   }
-  bf16_rows<R>(panel, scales, x, r0, b0, nb, tot);
+  bf16_rows<R, G>(panel, scales, x, r0, b0, nb, tot);
+}
+
+template <int G, int RT>
+K3_LIN_BF16 void panel_bf16_tiles(const PackedLinear& w, const Operand& x, int64_t tile, uint32_t* pan, float* tot) {
+  const Decoder d;
+  const int64_t blocks = w.k() / kBlock;
+  for (int64_t i = 0; i < static_cast<int64_t>(x.rows) * G * kLanes; ++i) tot[i] = 0.0f;
+  const uint32_t* panels[G];
+  const uint8_t* scales[G];
+  for (int g = 0; g < G; ++g) {
+    panels[g] = pan + g * kPanelBlocks * (kBlock / 2) * kLanes;
+    scales[g] = w.tile_scales(tile + g);
+  }
+  for (int64_t b0 = 0; b0 < blocks; b0 += kPanelBlocks) {
+    const int64_t nb = blocks - b0 < kPanelBlocks ? blocks - b0 : kPanelBlocks;
+    for (int g = 0; g < G; ++g)
+      build_panel_bf16(d, w.tile_codes(tile + g), b0, nb, pan + g * kPanelBlocks * (kBlock / 2) * kLanes);
+    for (int r0 = 0; r0 < x.rows; r0 += RT) {
+      const int rr = x.rows - r0 < RT ? x.rows - r0 : RT;
+      bf16_dispatch<RT, G>(rr, panels, scales, x, r0, b0, nb, tot);
+    }
+  }
 }
 
 }  // namespace
@@ -234,19 +264,12 @@ K3_LIN_BF16 void stream_bf16(const PackedLinear& w, const Operand& x, int64_t t0
   }
 }
 
-K3_LIN_BF16 void panel_bf16(const PackedLinear& w, const Operand& x, int64_t tile, void* panel_mem, float* tot) {
-  const Decoder d;
-  const int64_t blocks = w.k() / kBlock;
+// tiles: 1 or 2 (tot: [rows][tiles * 16]; panel: tiles x kPanelBytes / 2).
+K3_LIN_BF16 void panel_bf16(const PackedLinear& w, const Operand& x, int64_t tile, int tiles, void* panel_mem,
+                            float* tot) {
   auto* pan = static_cast<uint32_t*>(panel_mem);
-  for (int64_t i = 0; i < static_cast<int64_t>(x.rows) * kLanes; ++i) tot[i] = 0.0f;
-  for (int64_t b0 = 0; b0 < blocks; b0 += kPanelBlocks) {
-    const int64_t nb = blocks - b0 < kPanelBlocks ? blocks - b0 : kPanelBlocks;
-    build_panel_bf16(d, w.tile_codes(tile), b0, nb, pan);
-    for (int r0 = 0; r0 < x.rows; r0 += kBf16Rows) {
-      const int rr = x.rows - r0 < kBf16Rows ? x.rows - r0 : kBf16Rows;
-      bf16_dispatch<kBf16Rows>(rr, pan, w.tile_scales(tile), x, r0, b0, nb, tot);
-    }
-  }
+  if (tiles == 2) panel_bf16_tiles<2, 12>(w, x, tile, pan, tot);
+  else panel_bf16_tiles<1, kBf16Rows>(w, x, tile, pan, tot);
 }
 
 }  // namespace k3::cpu::lin

@@ -86,7 +86,8 @@ Layout layout_of(const LinearPlan& p) {
   off += align_up(int64_t{p.stream_max_rows} * p.tiles * kLanes * 4);
   l.per_thread = off;
   // panel + totals [rows_cap][16] + one exact operand row (K floats) + 16 totals
-  l.thread_bytes = align_up(lin::kPanelBytes) + align_up(l.rows_cap * kLanes * 4) + align_up(k * 4) + align_up(kLanes * 4);
+  // (the BF16 panel of two tiles is the size of one FP32 panel; their totals take [rows_cap][32])
+  l.thread_bytes = align_up(lin::kPanelBytes) + align_up(l.rows_cap * 2 * kLanes * 4) + align_up(k * 4) + align_up(kLanes * 4);
   off += l.thread_bytes * p.threads;
   l.total = off + kAlign;  // room to align the caller's pointer
   return l;
@@ -113,7 +114,7 @@ constexpr uint32_t kBits2p120 = 0x7B800000u;   // 2^120
 constexpr uint32_t kBits2p114 = 0x78800000u;   // 2^114
 constexpr uint32_t kBits2m110 = 0x08800000u;   // 2^-110
 
-// x' = x 2^8 in stored order (FP32 kernels), the BF16 pairs of x (VDPBF16PS kernels), and the row's class, from the exact
+// x' = x 2^8 in stored order (FP32 kernels; xs null on the pair layout), the BF16 pairs of x (VDPBF16PS kernels), and the row's class, from the exact
 // operand values v (natural order).
 uint8_t prep_row(const float* v, int64_t k, float* xs, uint32_t* xb) {
   uint32_t amax_finite = 0, amin_nonzero = 0xFFFFFFFFu;
@@ -125,9 +126,11 @@ uint8_t prep_row(const float* v, int64_t k, float* xs, uint32_t* xb) {
     if (a != 0 && a < amin_nonzero) amin_nonzero = a;
   }
   if (amax_finite >= kBits2p120) return lin::kRowPortable;
-  for (int64_t i = 0; i < k; i += 2) {
-    xs[i] = v[i + 1] * 256.0f;
-    xs[i + 1] = v[i] * 256.0f;
+  if (xs != nullptr) {
+    for (int64_t i = 0; i < k; i += 2) {
+      xs[i] = v[i + 1] * 256.0f;
+      xs[i + 1] = v[i] * 256.0f;
+    }
   }
   const bool bf16 = !nonfinite && amax_finite < kBits2p114 && (amin_nonzero == 0xFFFFFFFFu || amin_nonzero >= kBits2m110);
   if (xb != nullptr) {  // unscaled x (exact in BF16: BF16 values or MXFP8 values in the window)
@@ -137,26 +140,27 @@ uint8_t prep_row(const float* v, int64_t k, float* xs, uint32_t* xb) {
   return bf16 ? lin::kRowBf16 : lin::kRowFp32;
 }
 
+// One rounding per element, 16 columns at a time; the dtype switch is outside the inner loops so
+// that they vectorize.
 void store_row(const LinearPlan& p, const PackedLinear& w, int64_t row, int64_t col0, int64_t cols, const float* tot,
                uint8_t* out) {
   const float* bias = w.bias();
-  const int64_t n = p.problem.n;
-  for (int64_t c = 0; c < cols; ++c) {
-    float v = tot[c];
-    if (bias != nullptr) v = v + bias[col0 + c];
-    const int64_t idx = row * n + col0 + c;
+  for (int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+    const int64_t nc = std::min<int64_t>(kLanes, cols - c0);
+    float v[kLanes];
+    for (int64_t c = 0; c < nc; ++c) v[c] = bias != nullptr ? tot[c0 + c] + bias[col0 + c0 + c] : tot[c0 + c];
+    const int64_t idx = row * p.problem.n + col0 + c0;
+    uint16_t h[kLanes];
     switch (p.problem.out_dtype) {
-      case OutDType::kFP32: std::memcpy(out + idx * 4, &v, 4); break;
-      case OutDType::kBF16: {
-        const uint16_t h = bf16_from_f32(v);
-        std::memcpy(out + idx * 2, &h, 2);
+      case OutDType::kFP32: std::memcpy(out + idx * 4, v, static_cast<size_t>(nc) * 4); break;
+      case OutDType::kBF16:
+        for (int64_t c = 0; c < nc; ++c) h[c] = bf16_from_f32(v[c]);
+        std::memcpy(out + idx * 2, h, static_cast<size_t>(nc) * 2);
         break;
-      }
-      case OutDType::kFP16: {
-        const uint16_t h = fp16_from_f32(v);
-        std::memcpy(out + idx * 2, &h, 2);
+      case OutDType::kFP16:
+        for (int64_t c = 0; c < nc; ++c) h[c] = fp16_from_f32(v[c]);
+        std::memcpy(out + idx * 2, h, static_cast<size_t>(nc) * 2);
         break;
-      }
     }
   }
 }
@@ -289,10 +293,10 @@ Status run_impl(const LinearPlan& p, const PackedLinear& w, int64_t m, const uin
   auto t_panel = [&](int tid) { return static_cast<void*>(thread_mem(tid)); };
   auto t_tot = [&](int tid) { return reinterpret_cast<float*>(thread_mem(tid) + align_up(lin::kPanelBytes)); };
   auto t_row = [&](int tid) {
-    return reinterpret_cast<float*>(thread_mem(tid) + align_up(lin::kPanelBytes) + align_up(l.rows_cap * kLanes * 4));
+    return reinterpret_cast<float*>(thread_mem(tid) + align_up(lin::kPanelBytes) + align_up(l.rows_cap * 2 * kLanes * 4));
   };
   auto t_tot16 = [&](int tid) {
-    return reinterpret_cast<float*>(thread_mem(tid) + align_up(lin::kPanelBytes) + align_up(l.rows_cap * kLanes * 4) +
+    return reinterpret_cast<float*>(thread_mem(tid) + align_up(lin::kPanelBytes) + align_up(l.rows_cap * 2 * kLanes * 4) +
                                     align_up(k * 4));
   };
   // The exact operand row r of the call (for the portable body).
@@ -323,7 +327,7 @@ Status run_impl(const LinearPlan& p, const PackedLinear& w, int64_t m, const uin
     for (int64_t r = 0; r < m; ++r) {
       exact_row(r, v);
       cls[r] = scalar ? static_cast<uint8_t>(lin::kRowPortable)
-                      : prep_row(v, k, xs + r * ld_xs(k), xb == nullptr ? nullptr : xb + r * ld_xb(k));
+                      : prep_row(v, k, xb == nullptr ? xs + r * ld_xs(k) : nullptr, xb == nullptr ? nullptr : xb + r * ld_xb(k));
     }
     float* stot = reinterpret_cast<float*>(base + l.stream_tot);
     const lin::Operand op{xs, xb, cls, static_cast<int>(m), ld_xs(k), ld_xb(k)};
@@ -373,27 +377,35 @@ Status run_impl(const LinearPlan& p, const PackedLinear& w, int64_t m, const uin
         }
         if (rc != nullptr) operand_values(p, nullptr, rc, rs, v);
         else operand_values(p, x + (c0 + r) * k, nullptr, nullptr, v);
-        cls[r] = scalar ? static_cast<uint8_t>(lin::kRowPortable) : prep_row(v, k, xs + r * ld_xs(k), xb == nullptr ? nullptr : xb + r * ld_xb(k));
+        cls[r] = scalar ? static_cast<uint8_t>(lin::kRowPortable) : prep_row(v, k, xb == nullptr ? xs + r * ld_xs(k) : nullptr, xb == nullptr ? nullptr : xb + r * ld_xb(k));
       }
       // (implicit barrier)
       const lin::Operand op{xs, xb, cls, static_cast<int>(rows), ld_xs(k), ld_xb(k)};
       float* tot = t_tot(tid);
       float* row = t_row(tid);
       float* tot16 = t_tot16(tid);
+// Tasks of one tile (two on the VDPBF16PS kernel, which shares each broadcast between them).
+      const int64_t per = p.pair_layout ? 2 : 1;
+      const int64_t tasks = (p.tiles + per - 1) / per;
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < p.tiles; ++t) {
-        if (p.pair_layout) lin::panel_bf16(w, op, t, t_panel(tid), tot);
-        else if (p.isa == IsaLevel::kAvx2) lin::panel_avx2(w, op, t, t_panel(tid), tot);
-        else if (!scalar) lin::panel_avx512(w, op, t, t_panel(tid), tot);
-        const int64_t cols = std::min((t + 1) * kLanes, n) - t * kLanes;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* tr = tot + r * kLanes;
-          if (cls[r] < need) {
-            exact_row(c0 + r, row);
-            lin::tile_portable(w, t, row, tot16);
-            tr = tot16;
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t t0 = task * per;
+        const int nt = static_cast<int>(std::min(per, p.tiles - t0));
+        if (p.pair_layout) lin::panel_bf16(w, op, t0, nt, t_panel(tid), tot);
+        else if (p.isa == IsaLevel::kAvx2) lin::panel_avx2(w, op, t0, t_panel(tid), tot);
+        else if (!scalar) lin::panel_avx512(w, op, t0, t_panel(tid), tot);
+        for (int g = 0; g < nt; ++g) {
+          const int64_t t = t0 + g;
+          const int64_t cols = std::min((t + 1) * kLanes, n) - t * kLanes;
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* tr = tot + (r * nt + g) * kLanes;
+            if (cls[r] < need) {
+              exact_row(c0 + r, row);
+              lin::tile_portable(w, t, row, tot16);
+              tr = tot16;
+            }
+            store_row(p, w, c0 + r, t * kLanes, cols, tr, out.data());
           }
-          store_row(p, w, c0 + r, t * kLanes, cols, tr, out.data());
         }
       }
     }
