@@ -10,10 +10,22 @@
 namespace k3 {
 
 struct MeasuredRate {
-  double value = 0;      // bytes/s or FLOP/s (median of the repetitions)
+  double value = 0;      // bytes/s or FLOP/s: the best trial (a limit is an upper bound; a busy
+                         // machine only ever makes a trial slower)
   double min = 0, max = 0;
+  double median = 0;     // of the trials
   std::string what;      // e.g. "read bandwidth, 1 GiB buffer, 2 threads"
+  // FMA peaks: clock x width arithmetic where the CPU reports its frequency (GHz x lanes x 2 FLOP
+  // x 2 FMA pipes x threads; 0 when unknown), and a note when the probe disagrees with it
+  // ("" when it agrees): above it the frequency reading is wrong; below 60 % of it the machine
+  // was busy, or the CPU has half-width FMA units (Zen 1) or one FMA pipe.
+  double arithmetic = 0;
+  std::string note;
 };
+
+// The highest frequency this CPU reports (cpufreq's cpuinfo_max_freq, else /proc/cpuinfo's
+// "cpu MHz"), in GHz; 0 when neither is readable.
+double cpu_max_ghz();
 
 // Streaming read bandwidth over a buffer far larger than the last-level cache (default 1 GiB),
 // with `threads` threads (AVX-512 / AVX2 loads where available).

@@ -56,7 +56,20 @@ inline nlohmann::json to_json(const Timing& t) {
   return {{"median_s", t.median}, {"min_s", t.min}, {"max_s", t.max}, {"iterations", t.iterations}};
 }
 inline nlohmann::json to_json(const MeasuredRate& r) {
-  return {{"value", r.value}, {"min", r.min}, {"max", r.max}, {"what", r.what}};
+  nlohmann::json j = {{"value", r.value}, {"median", r.median}, {"min", r.min}, {"max", r.max}, {"what", r.what}};
+  if (r.arithmetic > 0) j["clock_x_width"] = r.arithmetic;
+  if (!r.note.empty()) j["note"] = r.note;
+  return j;
+}
+
+// A probe's disagreement with clock x width, printed under the limits line ("" prints nothing).
+inline void print_probe_note(const MeasuredRate& r) {
+  if (!r.note.empty()) std::printf("  note: %s\n", r.note.c_str());
+}
+
+// The flag printed after a fraction above 100 % of a measured limit.
+inline const char* over_limit_flag(double fraction) {
+  return fraction > 1.0 ? "  <- above a measured limit: the probe read low (busy machine)" : "";
 }
 
 // Machine description for JSON records (CPU, SIMD level, threads, build).

@@ -108,6 +108,7 @@ Status run(const Args& a) {
   std::printf("limits (same run): %s %.2f GB/s [%.2f, %.2f]; %s %.1f GFLOP/s [%.1f, %.1f]\n", bw.what.c_str(),
               bw.value / 1e9, bw.min / 1e9, bw.max / 1e9, peak.what.c_str(), peak.value / 1e9, peak.min / 1e9,
               peak.max / 1e9);
+  print_probe_note(peak);
   std::printf("%s\n\n", layers.front().plan.describe().c_str());
 
   // x for the largest M, shared (BF16 values of magnitude ~1).
@@ -164,7 +165,7 @@ Status run(const Args& a) {
       std::printf("%5lldx%-5lld %-6s %5lld | %9.3f [%7.3f, %7.3f] | %9.2f %6.1f%% | %9.1f %6.1f%%%s\n",
                   static_cast<long long>(l.p.k), static_cast<long long>(l.p.n), linear_recipe_name(l.p.recipe),
                   static_cast<long long>(m), tm.median * 1e3, tm.min * 1e3, tm.max * 1e3, gbs / 1e9, 100 * fbw,
-                  flops / 1e9, 100 * fpk, (fbw > 1.0 || fpk > 1.0) ? "  <- above a measured limit: probe too low" : "");
+                  flops / 1e9, 100 * fpk, over_limit_flag(std::max(fbw, fpk)));
       records.push_back({{"k", l.p.k},
                          {"n", l.p.n},
                          {"recipe", linear_recipe_name(l.p.recipe)},
@@ -177,7 +178,7 @@ Status run(const Args& a) {
     }
   }
   if (over)
-    std::printf("\nA fraction above 100%% means the limit probe read low (a busy machine); rerun on a quiet one.\n");
+    std::printf("\nA fraction above 100%% means a limit probe read low (a busy machine); rerun on a quiet one.\n");
   if (!a.output.empty()) {
     nlohmann::json j = {{"machine", machine_json(threads)},
                         {"isa", isa_level_name(isa.value())},

@@ -176,9 +176,10 @@ Result<nlohmann::json> measure_m(const MoeBenchArgs& a, const Sweep& s, const Li
   const double frac_bw = st.bytes / t.median / lim.bw.value, frac_peak = st.flops / t.median / lim.peak.value;
   const bool decode = m <= 64;
   const Recipe recipe = plan.problem.recipe;
-  std::printf("%-6s %6lld %-10s %7.0f %9.3f %9.3f %9.3f %9.2f %6.1f%% %9.1f %6.1f%% %-8s %s\n", recipe_name(recipe),
+  std::printf("%-6s %6lld %-10s %7.0f %9.3f %9.3f %9.3f %9.2f %6.1f%% %9.1f %6.1f%% %-8s %s%s\n", recipe_name(recipe),
               static_cast<long long>(m), s.routing.name().c_str(), st.rows, t.median * 1e3, t.min * 1e3, t.max * 1e3,
-              gbps, 100 * frac_bw, gflops, 100 * frac_peak, decode ? "memory" : "compute", st.load.to_string().c_str());
+              gbps, 100 * frac_bw, gflops, 100 * frac_peak, decode ? "memory" : "compute", st.load.to_string().c_str(),
+              over_limit_flag(std::max(frac_bw, frac_peak)));
   std::fflush(stdout);
   const auto& sh = s.shape;
   return nlohmann::json{
@@ -255,6 +256,7 @@ Status run_moe_bench_cpu(const MoeBenchArgs& a, const Sweep& s) {
   std::fprintf(stderr, "measuring machine limits (%d thread(s), isa %s) ...\n", lim.threads, isa_level_name(lim.isa));
   lim.bw = measure_read_bandwidth(lim.threads, a.bandwidth_mib << 20);
   lim.peak = measure_dot_peak(lim.threads, lim.isa);  // the instruction the level's kernel uses
+  print_probe_note(lim.peak);
 
   std::fprintf(stderr, "preparing weights: E_local %d, K %lld, N %lld ...\n", s.shape.local_experts(),
                static_cast<long long>(a.k), static_cast<long long>(a.n));

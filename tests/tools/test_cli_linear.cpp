@@ -1,0 +1,64 @@
+// `k3 validate --op linear` and `k3 bench linear` end to end at tiny shapes: the table, the JSON
+// records with limit fractions, and the errors.
+#include <gtest/gtest.h>
+
+#include "tools/cli_run.hpp"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace {
+
+using k3::test::run_cli;
+
+TEST(CliLinear, ValidateSmokePassesEveryRow) {
+  const std::string json = testing::TempDir() + "k3_validate_linear.json";
+  const auto r = run_cli("validate --op linear --suite smoke --output " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("0 failed"), std::string::npos) << r.out;
+  std::ifstream f(json);
+  const auto j = nlohmann::json::parse(f);
+  ASSERT_GE(j["records"].size(), 8u);  // 4 cases x (cpu, reference)
+  for (const auto& rec : j["records"]) {
+    EXPECT_EQ(rec["op"], "linear");
+    EXPECT_TRUE(rec["pass"].get<bool>()) << rec.dump();
+  }
+  const auto d = run_cli("validate --op linear --suite determinism");
+  ASSERT_EQ(d.code, 0) << d.out;
+  EXPECT_NE(d.out.find("one digest on every level"), std::string::npos) << d.out;
+}
+
+TEST(CliLinear, BenchWritesRecordsWithBothLimitFractions) {
+  const std::string json = testing::TempDir() + "k3_bench_linear.json";
+  const auto r = run_cli("bench linear --shapes 96x40 --m 1 17 --rounds 1 --iters 1 --pool-mib 1 --bw-mib 16 "
+                         "--threads 2 --output " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("limits (same run): read bandwidth"), std::string::npos) << r.out;
+  std::ifstream f(json);
+  const auto j = nlohmann::json::parse(f);
+  ASSERT_EQ(j["records"].size(), 4u);  // 2 recipes x 2 M
+  for (const auto& rec : j["records"]) {
+    EXPECT_GT(rec["time"]["median_s"].get<double>(), 0);
+    EXPECT_GT(rec["fraction_of_read_bandwidth"].get<double>(), 0);
+    EXPECT_GT(rec["fraction_of_peak"].get<double>(), 0);
+  }
+  EXPECT_GT(j["read_bandwidth_Bps"]["value"].get<double>(), 0);
+  EXPECT_GE(j["read_bandwidth_Bps"]["value"].get<double>(), j["read_bandwidth_Bps"]["median"].get<double>());
+}
+
+TEST(CliLinear, BenchRefusesBadShapesAndRecipes) {
+  auto r = run_cli("bench linear --shapes 96by40 --pool-mib 1");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("--shapes: '96by40' is not KxN"), std::string::npos) << r.out;
+  r = run_cli("bench linear --shapes 100x40 --pool-mib 1");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("k = 100 must be a positive multiple of 32"), std::string::npos) << r.out;
+  r = run_cli("bench linear --shapes 96x40 --recipes w4a8 --pool-mib 1");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("--recipes: recipe 'w4a8' is not a linear recipe"), std::string::npos) << r.out;
+  r = run_cli("validate --op linear --backend gpu");
+  EXPECT_NE(r.out.find("linear backend 'gpu' is not known"), std::string::npos) << r.out;
+}
+
+}  // namespace
