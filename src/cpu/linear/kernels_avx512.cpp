@@ -47,8 +47,8 @@ K3_LIN_TARGET void stream_avx512(const PackedLinear& w, const Operand& x, int64_
   using namespace avx512;
   const int64_t ldt = (t1 - t0) * kLanes;
   switch (x.rows) {
-    case 1: return stream_range<1, 8>(w, x, 0, t0, t1, tot, ldt);
-    case 2: return stream_range<2, 4>(w, x, 0, t0, t1, tot, ldt);
+    case 1: return stream_range<1, 2>(w, x, 0, t0, t1, tot, ldt);
+    case 2: return stream_range<2, 2>(w, x, 0, t0, t1, tot, ldt);
     case 3: return stream_range<3, 2>(w, x, 0, t0, t1, tot, ldt);
     case 4: return stream_range<4, 2>(w, x, 0, t0, t1, tot, ldt);
     case 5: return stream_range<5, 2>(w, x, 0, t0, t1, tot, ldt);
@@ -253,8 +253,8 @@ K3_LIN_BF16 void panel_bf16_tiles(const PackedLinear& w, const Operand& x, int64
 
 K3_LIN_BF16 void stream_bf16(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
   switch (x.rows) {
-    case 1: return stream_range_bf16<1, 8>(w, x, t0, t1, tot);
-    case 2: return stream_range_bf16<2, 4>(w, x, t0, t1, tot);
+    case 1: return stream_range_bf16<1, 1>(w, x, t0, t1, tot);
+    case 2: return stream_range_bf16<2, 1>(w, x, t0, t1, tot);
     case 3: return stream_range_bf16<3, 2>(w, x, t0, t1, tot);
     case 4: return stream_range_bf16<4, 2>(w, x, t0, t1, tot);
     case 5: return stream_range_bf16<5, 2>(w, x, t0, t1, tot);
