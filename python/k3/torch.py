@@ -194,7 +194,7 @@ def _linear_cpu(layer, x, out):
     if tuple(out.shape) != (x.shape[0], lay.n) or not out.is_contiguous():
         raise ValueError(f"out has shape {tuple(out.shape)}, expected a contiguous [{x.shape[0]}, {lay.n}]")
     o = out if out.dtype == torch.float32 else out.view(torch.uint16)
-    lay.run(_np(x.view(torch.uint16)), out=_np(o))
+    lay._native.run(_np(x.view(torch.uint16)), x.shape[0], _np(o))  # shapes and dtypes checked above
 
 
 def _stream(device):
@@ -485,7 +485,10 @@ class Linear(torch.nn.Module):
             x2 = x2.contiguous()
         if out is None:
             out = torch.empty((x2.shape[0], self.out_features), dtype=self.out_dtype, device=x.device)
-        torch.ops.k3.linear(self.handle, x2, out)
+        if torch.compiler.is_compiling():
+            torch.ops.k3.linear(self.handle, x2, out)
+        else:  # eager: the op's CPU kernel without the dispatcher (about 15 us less per call)
+            _linear_cpu(self.handle, x2, out)
         return out.view(*lead, self.out_features)
 
 
