@@ -51,11 +51,23 @@ def _release_all():
         _layers.clear()
 
 
-def _bits(t, name):
-    """A bfloat16 / float16 tensor as its uint16 bit patterns (a view: no copy)."""
-    if t.dtype in (torch.bfloat16, torch.float16):
+def _bits(t, name, want=torch.bfloat16):
+    """A 16-bit float tensor of dtype `want` as its uint16 bit patterns (a view: no copy). BF16
+    and FP16 are told apart: float16 bits read as BF16 (or the reverse) would be silently wrong."""
+    if t.dtype == want:
         return t.view(torch.uint16)
-    raise ValueError(f"{name} has dtype {t.dtype}, expected torch.bfloat16")
+    hint = ""
+    if {t.dtype, want} == {torch.bfloat16, torch.float16}:
+        hint = f" (the two 16-bit formats differ; convert with .to({want}))"
+    raise ValueError(f"{name} has dtype {t.dtype}, expected {want}{hint}")
+
+
+def _out16(out, problem):
+    """The MoE output: exactly the layer's out dtype (float32 as is, 16-bit as bit patterns)."""
+    want = _DTYPES[problem.out_dtype_name]
+    if out.dtype == torch.float32 and want == torch.float32:
+        return out
+    return _bits(out, "out", want)
 
 
 def _np(t):
@@ -178,7 +190,7 @@ def _moe_run_cpu(layer, x, topk_ids, topk_weights, out):
     lay = _layer(layer)
     if isinstance(lay, _CudaLayer):
         raise ValueError(f"layer = {layer} was prepared for {lay.device}, but x is on the CPU")
-    o = out if out.dtype == torch.float32 else _bits(out, "out")
+    o = _out16(out, lay.problem)
     lay.run(_np(_bits(x, "x")), _np(topk_ids), _np(topk_weights), out=_np(o))
 
 
@@ -226,7 +238,7 @@ def _moe_run_cuda(layer, x, topk_ids, topk_weights, out):
     if x.device != lay.device:
         raise ValueError(f"layer = {layer} was prepared for {lay.device}, but x is on {x.device}")
     lay.m_device.fill_(x.shape[0])  # the token count on the device: a fill kernel, no copy
-    o = out if out.dtype == torch.float32 else _bits(out, "out")
+    o = _out16(out, lay.moe.problem)
     lay.moe.run(_bits(x, "x"), topk_ids, topk_weights, o, lay.m_device, lay.workspace, _stream(x.device))
 
 
@@ -267,8 +279,15 @@ def _isa():
 
 
 def _act(t, name):
-    """q / k / v: float32 as is, bfloat16 as its uint16 bits (a view)."""
-    return t if t.dtype == torch.float32 else _bits(t, name)
+    """q / k / v: float32 as is, bfloat16 as its uint16 bits (a view); float16 is refused (its bits
+    are not BF16; k3.fla widens it exactly to float32 instead)."""
+    if t.dtype == torch.float32:
+        return t
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected torch.float32 or torch.bfloat16"
+                         + (" (float16 bits are not BF16: convert it, or call k3.fla, which widens float16 "
+                            "exactly)" if t.dtype == torch.float16 else ""))
+    return _bits(t, name)
 
 
 def _opt_np(t):

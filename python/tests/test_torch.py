@@ -298,3 +298,29 @@ def test_linear_op_refuses_what_it_cannot_compute():
                              torch.zeros(1, 1), torch.zeros(1, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="max_tokens = 8"):
         mod(torch.zeros(9, 64, dtype=torch.bfloat16))
+
+
+def test_float16_is_never_read_as_bf16_and_out_must_be_the_layers_dtype():
+    """Issue 25: float16 bits were read as BF16 (relative error 2-4) and an out= of the other
+    16-bit type was filled with the wrong format's bits. Both are refused by name now."""
+    p, w, x, logits, bias = kimi_like(out_dtype="bf16")
+    layer = k3t.FusedMoE(p, **w, router_bias=bias, max_tokens=16)
+    with pytest.raises(ValueError, match="x has dtype torch.float16, expected torch.bfloat16 .the two 16-bit"):
+        layer(x.to(torch.float16), logits)
+    with pytest.raises(ValueError, match="out has dtype torch.float16, expected torch.bfloat16"):
+        layer(x, logits, out=torch.empty((7, 64), dtype=torch.float16))
+    with pytest.raises(ValueError, match="out has dtype torch.float32, expected torch.bfloat16"):
+        layer(x, logits, out=torch.empty((7, 64), dtype=torch.float32))
+    p16, w16, x16, logits16, bias16 = kimi_like(out_dtype="fp16")
+    layer16 = k3t.FusedMoE(p16, **w16, router_bias=bias16, max_tokens=16)
+    with pytest.raises(ValueError, match="out has dtype torch.bfloat16, expected torch.float16"):
+        layer16(x16, logits16, out=torch.empty((7, 64), dtype=torch.bfloat16))
+    assert layer16(x16, logits16).dtype == torch.float16  # the valid call still works
+    q, k, v, g, beta = kda_inputs()
+    empty = torch.empty(0)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int64)
+    for name, args in (("q", (q.half(), k, v)), ("k", (q, k.half(), v)), ("v", (q, k, v.half()))):
+        with pytest.raises(ValueError, match=f"{name} has dtype torch.float16, expected torch.float32 or "
+                                             "torch.bfloat16 .float16 bits are not BF16"):
+            torch.ops.k3.kda_prefill(*args, g, beta, empty, empty, cu, empty, *KDA_CFG, torch.zeros((12, 2, 32)),
+                                     torch.zeros((2, 2, 32, 32)))
