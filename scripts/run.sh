@@ -36,6 +36,7 @@ step validate --op formats --output "$out/validate_formats.json"
 step validate --op moe --suite smoke --backend cpu --output "$out/validate_moe_smoke.json"
 step validate --op moe --suite real --backend cpu --recipe w4a8 --activation situ --output "$out/validate_moe_real.json"
 step validate --op kda --suite smoke --output "$out/validate_kda.json"
+step validate --op linear --suite smoke --output "$out/validate_linear.json"
 echo
 echo "== k3 bench moe --m 1,8,128 --recipe w4a8 --routing ep_mixed"
 "$k3" bench moe --m 1,8,128 --recipe w4a8 --routing ep_mixed --output "$out/bench_moe.json" | tee "$out/bench_moe.txt" ||
@@ -43,6 +44,9 @@ echo "== k3 bench moe --m 1,8,128 --recipe w4a8 --routing ep_mixed"
 echo
 # One line for this machine: ISA level, M = 1 against the read bandwidth, M = 128 against the peak.
 grep '^verdict: ' "$out/bench_moe.txt" | sed 's/^verdict: /machine verdict: /' || failed=1
+# The dense MXFP8 linear layer at the seed's KDA output projection: decode against the read
+# bandwidth, M = 256 against the level's peak (docs/linear.md).
+step bench linear --shapes 1536x7168 --m 1,256 --rounds 2 --pool-mib 64 --output "$out/bench_linear.json"
 # A picture of the sweep next to its JSON when matplotlib is there (optional: never a failure).
 if python3 -c "import matplotlib" >/dev/null 2>&1; then
   python3 "$root/python/k3/plot.py" "$out/bench_moe.json" -o "$out/bench_moe.png" >/dev/null 2>&1 &&
@@ -62,7 +66,7 @@ if [ "${K3_SKIP_HF:-0}" != 1 ]; then
      "$venv/bin/pip" install -q --upgrade pip &&
      "$venv/bin/pip" install -q numpy "scikit-build-core>=0.10" "nanobind>=2.4" torch "transformers>=5.17,<6" &&
      CMAKE_BUILD_PARALLEL_LEVEL="$(nproc 2>/dev/null || echo 2)" "$venv/bin/pip" install -q --no-build-isolation "$root"; then
-    "$venv/bin/python" -m k3 hf generate --layers 2 --new-tokens 32 2>&1 |
+    "$venv/bin/python" -m k3 hf generate --layers 2 --new-tokens 32 --dense 2>&1 |
       grep -v -E 'falling back to its reference|Loading weights|Writing model shards'
     [ "${PIPESTATUS[0]}" = 0 ] || failed=1
   else

@@ -200,9 +200,12 @@ const BenchRegistration kRegistration("linear", [](CLI::App& bench) -> CommandRu
   cmd->add_option("--isa", a->isa,
                   "CPU kernel level: scalar | avx2 | avx512 | avx512bf16 (default: K3_ISA or the CPU's best); the "
                   "peak is measured for the same level");
-  cmd->add_option("--shapes", a->shapes, "KxN shapes")->capture_default_str();
-  cmd->add_option("--recipes", a->recipes, "w8a16 and / or w8a8")->capture_default_str();
-  cmd->add_option("--m", a->m, "Rows M (1 to 65536)")->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
+  cmd->add_option("--shapes", a->shapes, "KxN shapes (comma- or space-separated)")->delimiter(',')->capture_default_str();
+  cmd->add_option("--recipes", a->recipes, "w8a16 and / or w8a8")->delimiter(',')->capture_default_str();
+  cmd->add_option("--m", a->m, "Rows M (1 to 65536; comma- or space-separated)")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
   cmd->add_option("--iters", a->iters, "Timed calls per case and round (fewer for big cases)")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
