@@ -77,4 +77,10 @@ void linear_operand_row(const LinearProblem& p, std::span<const uint16_t> x_row,
 Status linear_oracle_fp64(const LinearProblem& p, const LinearWeightsView& w, int64_t m,
                           std::span<const uint16_t> x, std::span<double> out_fp64);
 
+// Outputs (M*N values of `dtype`, little-endian) that differ from `want` bit for bit, NaN counted
+// as a class (two NaNs with different payloads agree). -1 when the sizes differ. The bit-identity
+// check of the tests and of `k3 validate --op linear`; `first` (optional) gets the first index.
+int64_t count_output_mismatches(std::span<const uint8_t> got, std::span<const uint8_t> want, OutDType dtype,
+                                int64_t* first = nullptr);
+
 }  // namespace k3

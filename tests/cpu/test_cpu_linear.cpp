@@ -95,25 +95,24 @@ std::string where(const Case& c, IsaLevel isa, int threads, int stream) {
 // Bits equal, NaN compared as a class (payloads may differ between FMA units).
 void expect_same_bits(const Case& c, const std::vector<uint8_t>& got, const std::vector<uint8_t>& want,
                       const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  const int size = out_dtype_size(c.p.out_dtype);
-  for (size_t i = 0; i < got.size(); i += static_cast<size_t>(size)) {
-    if (std::memcmp(&got[i], &want[i], static_cast<size_t>(size)) == 0) continue;
-    float g, w;
-    if (size == 4) {
-      std::memcpy(&g, &got[i], 4);
-      std::memcpy(&w, &want[i], 4);
-    } else {
-      uint16_t hg, hw;
-      std::memcpy(&hg, &got[i], 2);
-      std::memcpy(&hw, &want[i], 2);
-      g = c.p.out_dtype == OutDType::kBF16 ? bf16_to_f32(hg) : fp16_to_f32(hg);
-      w = c.p.out_dtype == OutDType::kBF16 ? bf16_to_f32(hw) : fp16_to_f32(hw);
-    }
-    if (std::isnan(g) && std::isnan(w)) continue;
-    const int64_t e = static_cast<int64_t>(i) / size;
-    FAIL() << what << ": row " << e / c.p.n << " column " << e % c.p.n << ": got " << g << ", contract " << w;
-  }
+  int64_t first = -1;
+  const int64_t n = count_output_mismatches(got, want, c.p.out_dtype, &first);
+  ASSERT_EQ(n, 0) << what << ": " << n << " outputs differ from the contract, the first at row "
+                  << first / c.p.n << " column " << first % c.p.n;
+}
+
+// The comparison itself: it sees a one-bit change, and NaN payloads agree.
+TEST(CpuLinear, OutputComparisonSeesOneBitAndTreatsNanAsAClass) {
+  std::vector<uint8_t> a = {0x00, 0x3F, 0xC0, 0x7F, 0x80, 0x3F}, b = a;
+  EXPECT_EQ(count_output_mismatches(a, b, OutDType::kBF16), 0);
+  b[0] ^= 1;
+  int64_t first = -1;
+  EXPECT_EQ(count_output_mismatches(a, b, OutDType::kBF16, &first), 1);
+  EXPECT_EQ(first, 0);
+  b = a;
+  b[2] = 0xC1;  // another NaN payload
+  EXPECT_EQ(count_output_mismatches(a, b, OutDType::kBF16), 0);
+  EXPECT_EQ(count_output_mismatches(a, std::vector<uint8_t>(4), OutDType::kBF16), -1);
 }
 
 TEST(CpuLinear, BitIdenticalToTheContractOnEveryLevelRouteAndThreadCount) {

@@ -97,24 +97,7 @@ ValidateRow check(const LinCase& c, const LinearBackend& b, const BackendOptions
   row.max_abs = m->max_abs;
   std::string why;
   const bool tol = within(m.value(), contract_tolerance(c.p.out_dtype), &why) && m->nonfinite_mismatch == 0;
-  // bits of the contract (NaN as a class)
-  int64_t differ = 0;
-  const int size = out_dtype_size(c.p.out_dtype);
-  for (size_t i = 0; i < out.size(); i += static_cast<size_t>(size)) {
-    if (std::memcmp(&out[i], &contract[i], static_cast<size_t>(size)) == 0) continue;
-    float g, w;
-    if (size == 4) {
-      std::memcpy(&g, &out[i], 4);
-      std::memcpy(&w, &contract[i], 4);
-    } else {
-      uint16_t hg, hw;
-      std::memcpy(&hg, &out[i], 2);
-      std::memcpy(&hw, &contract[i], 2);
-      g = c.p.out_dtype == OutDType::kBF16 ? bf16_to_f32(hg) : fp16_to_f32(hg);
-      w = c.p.out_dtype == OutDType::kBF16 ? bf16_to_f32(hw) : fp16_to_f32(hw);
-    }
-    if (!(std::isnan(g) && std::isnan(w))) ++differ;
-  }
+  const int64_t differ = count_output_mismatches(out, contract, c.p.out_dtype);  // NaN as a class
   row.pass = tol && differ == 0;
   if (!tol) row.note = "oracle: " + why + (m->nonfinite_mismatch ? " (NaN/Inf class differs)" : "");
   else if (differ) row.note = std::to_string(differ) + " outputs differ from the contract's bits";

@@ -158,4 +158,29 @@ Status linear_oracle_fp64(const LinearProblem& p, const LinearWeightsView& w, in
   return Status::ok();
 }
 
+int64_t count_output_mismatches(std::span<const uint8_t> got, std::span<const uint8_t> want, OutDType dtype,
+                                int64_t* first) {
+  if (got.size() != want.size()) return -1;
+  const size_t size = static_cast<size_t>(out_dtype_size(dtype));
+  int64_t n = 0;
+  for (size_t i = 0; i + size <= got.size(); i += size) {
+    if (std::memcmp(&got[i], &want[i], size) == 0) continue;
+    float g, w;
+    if (size == 4) {
+      std::memcpy(&g, &got[i], 4);
+      std::memcpy(&w, &want[i], 4);
+    } else {
+      uint16_t hg, hw;
+      std::memcpy(&hg, &got[i], 2);
+      std::memcpy(&hw, &want[i], 2);
+      g = dtype == OutDType::kBF16 ? bf16_to_f32(hg) : fp16_to_f32(hg);
+      w = dtype == OutDType::kBF16 ? bf16_to_f32(hw) : fp16_to_f32(hw);
+    }
+    if (g != g && w != w) continue;
+    if (n == 0 && first != nullptr) *first = static_cast<int64_t>(i / size);
+    ++n;
+  }
+  return n;
+}
+
 }  // namespace k3
