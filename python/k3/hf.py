@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from . import fla as _fla
 from . import moe as _moe
 from . import mx
+from . import linear as _linear
 from . import torch as _k3torch
 
 __all__ = ["patch", "unpatch", "is_patched", "mxfp4_roundtrip_", "TESTED_TRANSFORMERS"]
@@ -215,6 +216,20 @@ def mxfp4_roundtrip_(model):
                     for i in range(e):
                         deq = mx.dequantize(q[i], s[i], cols, "mxfp4")
                         p[i].copy_(torch.from_numpy(deq).to(p.dtype))
+    return model
+
+
+def mxfp8_roundtrip_dense_(model):
+    """Replaces the weight of every ``nn.Linear`` that ``patch(dense=True)`` serves (input width a
+    multiple of 32), in place, by its MXFP8 round trip (k3's codec, RCEIL), keeping the dtype: with
+    :func:`mxfp4_roundtrip_`, the stock model then holds exactly the weights a ``dense=True`` patch
+    serves. Returns the model."""
+    with torch.no_grad():
+        for mod in model.modules():
+            if type(mod) is torch.nn.Linear and mod.in_features % 32 == 0:
+                w = mod.weight.detach().to(torch.float32).contiguous().numpy()
+                q, s = _linear.quantize_weight(w)
+                mod.weight.copy_(torch.from_numpy(mx.dequantize(q, s, mod.in_features, "mxfp8")).to(mod.weight.dtype))
     return model
 
 

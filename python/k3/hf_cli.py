@@ -276,8 +276,10 @@ def _cmd_generate(a):
                                 generator=torch.Generator().manual_seed(1))
         results = {}
         for name in ("stock", "stock-mxfp4", "k3"):
-            if name == "stock-mxfp4":  # stock transformers on the expert weights k3 will serve
+            if name == "stock-mxfp4":  # stock transformers on the weights k3 will serve
                 k3.hf.mxfp4_roundtrip_(model)
+                if a.dense:  # ... and the MXFP8 dense projections
+                    k3.hf.mxfp8_roundtrip_dense_(model)
             if name == "k3":
                 print(k3.hf.patch(model, recipe=a.recipe, isa=a.isa, dense=a.dense).summary())
             prefill, steps = _generate_times(model, ids, a.new_tokens)
@@ -301,7 +303,9 @@ def _cmd_generate(a):
         per_pos = (got - ref).abs().amax(-1) / ref.abs().amax(-1)
         same_top = (got.argmax(-1) == ref.argmax(-1)).sum().item()
         close = (per_pos <= 2e-2).sum().item()
-        print(f"teacher-forced on stock-mxfp4's {ref.shape[0]} positions: logit error (relative to each position's "
+        held = "MXFP4 experts and MXFP8 dense weights" if a.dense else "MXFP4 expert weights"
+        print(f"teacher-forced on stock-mxfp4's {ref.shape[0]} positions (stock on k3's {held}): logit error "
+              f"(relative to each position's "
               f"max) median {per_pos.median().item():.1e}, {close} positions within 2e-2 (the others follow a router "
               f"near-tie that BF16 rounding tips either way), the same top token at {same_top}")
         print(f"greedy tokens: k3 agrees with stock on the same MXFP4 expert weights for the first "

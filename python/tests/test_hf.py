@@ -639,6 +639,11 @@ def test_hf_cli_generate_and_bench_on_a_saved_checkpoint(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "stock (bfloat16): prefill 5 tokens" in out and "k3 (bfloat16)" in out and "MoE blocks on k3" in out
     assert "stock-mxfp4 (bfloat16)" in out and "greedy tokens: k3 agrees" in out
+    # --dense: the reference stock model holds the MXFP8 dense weights too (the numerics of the dense
+    # layers themselves: test_dense_projections_on_k3_match_an_exact_reference_and_unpatch_restores)
+    assert hf_cli.main(["generate", "--checkpoint", path, "--prompt-tokens", "5", "--new-tokens", "4", "--dense"]) == 0
+    out = capsys.readouterr().out
+    assert "dense projections on k3" in out and "stock on k3's MXFP4 experts and MXFP8 dense weights" in out
     js = str(tmp_path / "bench.json")
     assert hf_cli.main(["bench", "--checkpoint", path, "--rounds", "1", "--prefill", "8", "--batch", "1,2",
                         "--new-tokens", "3", "--long-prefix", "20", "-o", js]) == 0
@@ -716,6 +721,10 @@ def test_dense_projections_on_k3_match_an_exact_reference_and_unpatch_restores()
     stock_linears = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear and m.in_features % 32 == 0}
     with torch.no_grad():
         before = model(prompt).logits
+    rounded = k3.hf.mxfp8_roundtrip_dense_(copy.deepcopy(model))
+    for (name, a), (_, b) in zip(model.named_modules(), rounded.named_modules()):
+        if name in stock_linears:
+            assert torch.equal(b.weight, mxfp8_round(a.weight)) and not torch.equal(b.weight, a.weight)
     reference = copy.deepcopy(model)
     for parent in list(reference.modules()):
         for name, child in list(parent.named_children()):
