@@ -38,8 +38,8 @@ K3_LIN_TARGET inline void scales16(const uint8_t* s, vf (&sc)[2]) {
 
 namespace k3::cpu::lin {
 
-// Accumulators per pass: rows x 2 vectors x tiles in flight, at most 8, so that one row has 8
-// independent FMA chains (the FMA latency is 4 cycles at 2 per cycle).
+// Tiles in flight: 2 at M = 1 and 2 (each tile is a separate memory stream, and fewer streams per
+// thread stream faster; 2 tiles x 2 vectors = 4 FMA chains per row), else 1; 5-8 rows in two passes.
 K3_LIN_TARGET void stream_avx2(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
   using namespace avx2;
   const int64_t ldt = (t1 - t0) * kLanes;

@@ -42,7 +42,7 @@ K3_LIN_TARGET inline void scales16(const uint8_t* s, vf (&sc)[1]) { sc[0] = scal
 
 namespace k3::cpu::lin {
 
-// Accumulators per pass: rows x tiles in flight = 8 (1 and 2 rows) or 16 (3..8 rows: 2 tiles).
+// Tiles in flight: 2 (each tile is a separate memory stream; fewer streams per thread stream faster).
 K3_LIN_TARGET void stream_avx512(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
   using namespace avx512;
   const int64_t ldt = (t1 - t0) * kLanes;
@@ -251,6 +251,8 @@ K3_LIN_BF16 void panel_bf16_tiles(const PackedLinear& w, const Operand& x, int64
 
 }  // namespace
 
+// Tiles in flight: 1 at M = 1 and 2 (one memory stream per thread: 84-98 % of the read bandwidth
+// against about 62 % with 8), 2 at 3-8 rows.
 K3_LIN_BF16 void stream_bf16(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
   switch (x.rows) {
     case 1: return stream_range_bf16<1, 1>(w, x, t0, t1, tot);
