@@ -29,6 +29,7 @@ WorkspaceLayout workspace_layout(const MoeProblem& p, IsaLevel isa, int threads,
   w.slot_row = take(s * 4);
   w.row_token = take(s * 4);
   w.expert_offset = take((e + 1) * 8);
+  w.used_experts = take(e * 4);
   w.x_op = take(c * k * ob);
   w.x_shift = take(c * 4);
   const bool w4a8 = p.recipe == Recipe::kW4A8;

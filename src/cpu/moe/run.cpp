@@ -32,6 +32,8 @@ namespace {
 using namespace detail;
 
 constexpr int64_t kParallelMinElements = int64_t{1} << 16;
+// Routed rows up to which the GEMM tasks are split into one contiguous weight stream per thread.
+constexpr int64_t kStreamMaxRows = 64;
 
 struct Pass {
   const MoePlan& plan;
@@ -326,6 +328,17 @@ Status shift_error(const char* what, int64_t row, int64_t token, const char* rec
                     "); run it at the ISA level avx512 (FP32 operands; the k3 tool: K3_ISA=avx512)");
 }
 
+// Runs task(0 .. n-1), thread i of `threads` the contiguous range [n i / threads, n (i + 1) / threads).
+template <typename F>
+void run_ranges(int threads, int64_t n, const F& task) {
+  const int team = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(n, 1)));
+#pragma omp parallel num_threads(team)
+  {
+    const int64_t i = omp_get_thread_num(), t = omp_get_num_threads();
+    for (int64_t j = n * i / t; j < n * (i + 1) / t; ++j) task(j);
+  }
+}
+
 Status run_chunk(Pass& p) {
   build_routing(p);
   const int threads = p.plan.threads;
@@ -347,10 +360,22 @@ Status run_chunk(Pass& p) {
   }
 
   const int64_t tiles1 = p.n / kBlock, tiles2 = p.k / kBlock;
+  // Decode (few rows per expert): the tasks of the experts in use, split into one contiguous range
+  // per thread, so that each thread streams one run of weights (the hardware prefetchers follow
+  // one stream far better than many interleaved ones). Larger batches are bound by arithmetic and
+  // balance their uneven experts with a dynamic schedule. (Which thread runs a task never changes
+  // a bit.)
+  const bool streams = rows_total <= kStreamMaxRows;
+  int32_t* used = p.region<int32_t>(p.lay.used_experts);
+  int64_t n_used = 0;
+  for (int64_t e = 0; e < p.e_local; ++e) {
+    if (offset[e + 1] > offset[e]) used[n_used++] = static_cast<int32_t>(e);
+  }
+  if (streams) {
+    run_ranges(threads, n_used * tiles1, [&](int64_t task) { gemm1_task(p, used[task / tiles1], task % tiles1); });
+  } else {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t task = 0; task < p.e_local * tiles1; ++task) {
-    const int64_t e = task / tiles1;
-    if (offset[e + 1] > offset[e]) gemm1_task(p, e, task % tiles1);
+    for (int64_t task = 0; task < n_used * tiles1; ++task) gemm1_task(p, used[task / tiles1], task % tiles1);
   }
 
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows_total * p.n >= kParallelMinElements)
@@ -362,10 +387,11 @@ Status run_chunk(Pass& p) {
     }
   }
 
+  if (streams) {
+    run_ranges(threads, n_used * tiles2, [&](int64_t task) { gemm2_task(p, used[task / tiles2], task % tiles2); });
+  } else {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t task = 0; task < p.e_local * tiles2; ++task) {
-    const int64_t e = task / tiles2;
-    if (offset[e + 1] > offset[e]) gemm2_task(p, e, task % tiles2);
+    for (int64_t task = 0; task < n_used * tiles2; ++task) gemm2_task(p, used[task / tiles2], task % tiles2);
   }
   if (p.y_slots != nullptr) {
     copy_slots(p);

@@ -15,6 +15,7 @@ struct WorkspaceLayout {
   int64_t slot_row = 0;       // int32 [C, top_k]  row of each (token, slot), -1 if not local
   int64_t row_token = 0;      // int32 [S]         token of each row (rows grouped by expert)
   int64_t expert_offset = 0;  // int64 [E_local+1] first row of each expert
+  int64_t used_experts = 0;   // int32 [E_local]   the local experts with rows, ascending
   int64_t x_op = 0;           // [C, K] operand (BF16 on avx512bf16, FP32 otherwise)
   int64_t x_shift = 0;        // int32 [C]         x_op row = x row * 2^shift (BF16 range)
   int64_t h_q = 0;            // uint8 [S, N]      W4A8: MXFP8 codes of the activation output
