@@ -4,7 +4,9 @@
 # fuzzer corpus, NaN / Inf in every KDA input (one policy on every backend), a softmax router
 # config with and without routing, bad K3_ISA and flag values, control
 # characters in tensor names, and the output-file safety tests (atomic writes, output = input,
-# FIFOs, /dev/null). Prints one line per suite and the total count; exits non-zero on any failure.
+# FIFOs, /dev/null); then, when the Python package is installed in build-venv (scripts/test.sh
+# makes it), the Python-boundary cases (python/tests/test_hostile.py). Prints one line per suite
+# and the total count; exits non-zero on any failure.
 # Usage: scripts/hostile.sh [BUILD_DIR]   (default: build; builds k3_tests there first)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -30,5 +32,14 @@ failed="$(grep -cE '^\[  FAILED  \] [A-Za-z]' "$log" || true)"
 echo "hostile cases: ${passed} passed, ${failed} failed"
 if [[ $status -ne 0 ]]; then
   grep -B2 -A20 -E '^\[  FAILED  \]' "$log" | head -200
+fi
+venv="$root/build-venv"
+if [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -c "import k3, pytest" 2>/dev/null; then
+  py=0
+  (cd "$root/python/tests" && "$venv/bin/python" -m pytest -q test_hostile.py) >"$log" 2>&1 || py=$?
+  echo "python boundary cases: $(tail -1 "$log")"
+  [[ $py -eq 0 ]] || { cat "$log"; status=$py; }
+else
+  echo "python boundary cases: skipped (no k3 in build-venv: scripts/test.sh installs it)"
 fi
 exit $status

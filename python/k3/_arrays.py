@@ -15,22 +15,105 @@ def _np_dtype(dt):
     return r
 
 
-def need(name, a, shape=None, dtype=None):
-    """Checks an input array: C-contiguous (no hidden copy is ever made), shape and dtype."""
+def _dtype_name(dt):
+    return str(dt).replace("torch.", "")
+
+
+def _same_dtype(actual, want):
+    try:
+        return _np_dtype(actual) == np.dtype(want)
+    except TypeError:  # a dtype numpy does not know (torch.bfloat16, ...): not the one asked for
+        return False
+
+
+def _writable(a):
+    flags = getattr(a, "flags", None)
+    return True if flags is None else bool(flags.writeable)  # torch tensors are writable
+
+
+def need(name, a, shape=None, dtype=None, writable=False):
+    """Checks an array argument: C-contiguous (no hidden copy is ever made), shape, dtype, and
+    for an output (writable=True) that k3 may write it. ValueError naming the argument otherwise."""
     if type(a) is _ndarray:  # the common case, kept to a few attribute reads
-        if a.flags.c_contiguous and (shape is None or a.shape == shape) and (dtype is None or a.dtype == dtype):
+        if (a.flags.c_contiguous and (shape is None or a.shape == shape) and (dtype is None or a.dtype == dtype)
+                and (not writable or a.flags.writeable)):
             return a
-    elif not hasattr(a, "shape"):
+    elif not hasattr(a, "shape") or not hasattr(a, "dtype"):
         raise ValueError(f"{name} must be an array (numpy, torch, ...), got {type(a).__name__}")
+    if dtype is not None and not _same_dtype(a.dtype, dtype):
+        raise ValueError(f"{name} has dtype {_dtype_name(a.dtype)}, expected {np.dtype(dtype).name}"
+                         + (" (BF16 data: a torch.bfloat16 tensor or its bits as uint16)"
+                            if np.dtype(dtype) == np.uint16 else ""))
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
     contiguous = a.flags.c_contiguous if hasattr(a, "flags") else (a.is_contiguous() if hasattr(a, "is_contiguous")
                                                                     else True)
     if not contiguous:
         raise ValueError(f"{name} must be C-contiguous (k3 never copies an argument behind your back)")
-    if shape is not None and tuple(a.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
-    if dtype is not None and _np_dtype(a.dtype) != np.dtype(dtype):
-        raise ValueError(f"{name} has dtype {a.dtype}, expected {np.dtype(dtype).name}")
+    if writable and not _writable(a):
+        raise ValueError(f"{name} is read-only, but k3 writes its result there")
     return a
+
+
+def bf16_bits(name, a):
+    """BF16 data as its uint16 bits: a torch bfloat16 tensor becomes its uint16 view (no copy);
+    float16 is refused by name (its bits are not BF16's); anything else is returned unchanged for
+    need() to check as uint16."""
+    dt = str(getattr(a, "dtype", ""))
+    if dt == "torch.bfloat16":
+        import torch
+        return host_view(a.view(torch.uint16))
+    if dt in ("torch.float16", "float16"):
+        raise ValueError(f"{name} is float16, but k3 reads BF16 here: pass bfloat16 (x.to(torch.bfloat16)) or "
+                         "BF16 bit patterns as uint16")
+    return a
+
+
+def out16(name, a, kind):
+    """An output of 16-bit values in format `kind` ("bf16" / "fp16") as its uint16 bits: torch
+    bfloat16 / float16 (and numpy float16) tensors of that format are viewed, the other format is
+    refused by name (its bits would be written in the wrong format)."""
+    dt = str(getattr(a, "dtype", ""))
+    want = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[kind]
+    if dt in ("torch.bfloat16", "torch.float16"):
+        if dt != want:
+            raise ValueError(f"{name} is {dt[6:]}, but this op writes {kind.upper()}: pass a "
+                             f"{want[6:]} tensor (or uint16 bits)")
+        import torch
+        return host_view(a.view(torch.uint16))
+    if dt == "float16":
+        if kind != "fp16":
+            raise ValueError(f"{name} is float16, but this op writes BF16: pass a torch.bfloat16 tensor or "
+                             "uint16 bits")
+        return a.view(np.uint16)
+    return a
+
+
+def int_arg(name, v, lo, hi):
+    """An integer argument in [lo, hi] (checked before anything is allocated from it)."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name} = {v!r} must be an integer")
+    if not lo <= int(v) <= hi:
+        raise ValueError(f"{name} = {int(v)} must be in [{lo}, {hi}]")
+    return int(v)
+
+
+def seqlens_arg(name, cu, num_tokens):
+    """cu_seqlens as an int64 array: an int64 array is used as it is (checked); a list or tuple of
+    Python ints is converted (documented); floats, other integer widths and fewer than 2 entries are
+    refused by name."""
+    if cu is None:
+        return None
+    if isinstance(cu, (list, tuple)):
+        if any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) for c in cu):
+            raise ValueError(f"{name} = {list(cu)!r} must hold integers (token offsets)")
+        cu = np.asarray(cu, dtype=np.int64)
+    cu = host_view(cu)
+    need(name, cu, dtype=np.int64)
+    if len(cu.shape) != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} has shape {tuple(cu.shape)}, expected [N + 1] with N >= 1 "
+                         f"(offsets 0 = c_0 <= ... <= c_N = {num_tokens})")
+    return cu
 
 
 def host_view(a):
@@ -46,10 +129,10 @@ def host_view(a):
 
 
 def out_or_new(name, out, shape, dtype):
-    """The caller's output array (checked) or a new numpy array."""
+    """The caller's output array (checked, writable) or a new numpy array."""
     if out is None:
         return np.empty(shape, dtype=dtype)
-    return need(name, out, shape, dtype)
+    return need(name, out, shape, dtype, writable=True)
 
 
 # ---- CUDA arrays (the CUDA entry points; NEVER RUN ON A GPU) ---------------------------------

@@ -241,6 +241,9 @@ class _MoeLayer:
         self.calls = 0
         gate = module.gate
         self.bias = gate.e_score_correction_bias.detach().to(torch.float32).contiguous()
+        # The router's FP32 weight, converted once (the stock router converts it at every call):
+        # the same logits, without a conversion of E x hidden values per step.
+        self.gate_weight = gate.weight.detach().to(torch.float32)
 
     def release(self):
         _k3torch.release_moe(self.handle)
@@ -264,8 +267,7 @@ def _moe_forward(module, rec, stock_forward):
         hid = shape[-1]
         x = hidden_states.reshape(-1, hid)
         m = x.shape[0]
-        gate = module.gate
-        logits = F.linear(x.to(torch.float32), gate.weight.to(torch.float32))
+        logits = F.linear(x.to(torch.float32), rec.gate_weight)
         top_k = rec.route_args[0]
         ids = torch.empty((m, top_k), dtype=torch.int32)
         wts = torch.empty((m, top_k), dtype=torch.float32)

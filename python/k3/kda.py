@@ -10,34 +10,62 @@ Returns (o [T, H, V] float32, final_state or None)."""
 import numpy as np
 
 from . import _k3
-from ._arrays import cuda_empty, need, need_cuda, out_or_new, stream_int
+from ._arrays import bf16_bits, cuda_empty, host_view, need, need_cuda, out_or_new, seqlens_arg, stream_int
 
 
 def prefill(q, k, v, g, beta, a_log=None, dt_bias=None, cu_seqlens=None, initial_state=None, gate="safe",
             gate_lower_bound=-5.0, beta_logits=True, l2norm_qk=True, scale=0.0, layout="k_first", backend=None,
             threads=0, isa="", o=None, final_state=None, return_final_state=False):
+    q, k, v, g, beta = _host_qkv(q, k, v, g, beta)
     if len(q.shape) != 3:
         raise ValueError(f"q must be 3-D [T, H, K], got shape {tuple(q.shape)}")
-    t, h, hk = q.shape
-    hv = v.shape[-1]
+    t, h, hk = (int(d) for d in q.shape)
+    if len(v.shape) != 3:
+        raise ValueError(f"v must be 3-D [T, H, V], got shape {tuple(v.shape)}")
+    hv = int(v.shape[-1])
     dtype = np.uint16 if str(q.dtype).endswith("uint16") else np.float32
     need("q", q, (t, h, hk), dtype)
     need("k", k, (t, h, hk), dtype)
     need("v", v, (t, h, hv), dtype)
     need("g", g, (t, h, hk), np.float32)
     need("beta", beta, (t, h), np.float32)
+    a_log, dt_bias = _gate_args(a_log, dt_bias)
+    cu_seqlens = seqlens_arg("cu_seqlens", cu_seqlens, t)
     cfg = _k3.kda_config(h, hk, hv, gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout)
-    n = 1 if cu_seqlens is None else len(cu_seqlens) - 1
-    o = out_or_new("o", o, (t, h, hv), np.float32)
+    n = 1 if cu_seqlens is None else int(cu_seqlens.shape[0]) - 1
+    o = out_or_new("o", host_view(o), (t, h, hv), np.float32)
     state_shape = (n, h, hk, hv) if layout == "k_first" else (n, h, hv, hk)
+    if initial_state is not None:
+        initial_state = need("initial_state", host_view(initial_state), state_shape, np.float32)
+    given = final_state
     if final_state is None and return_final_state:
         final_state = np.empty(state_shape, dtype=np.float32)
+    elif final_state is not None:
+        # checked, never converted: a float64 or strided final_state would be written in a copy
+        final_state = out_or_new("final_state", host_view(final_state), state_shape, np.float32)
     _k3.kda_prefill(cfg, q, k, v, g, beta, a_log, dt_bias, cu_seqlens, initial_state, backend or "", threads, isa,
                     o, final_state)
-    return o, final_state
+    return o, (final_state if given is None else given)
+
+
+def _host_qkv(q, k, v, g, beta):
+    """Host views of the token inputs; torch bfloat16 q / k / v as their uint16 bits (float16 is
+    refused by name)."""
+    q, k, v = (bf16_bits(name, host_view(a)) for name, a in (("q", q), ("k", k), ("v", v)))
+    return q, k, v, host_view(g), host_view(beta)
+
+
+def _gate_args(a_log, dt_bias):
+    if a_log is not None:
+        a_log = need("a_log", host_view(a_log), dtype=np.float32)
+    if dt_bias is not None:
+        dt_bias = need("dt_bias", host_view(dt_bias), dtype=np.float32)
+    return a_log, dt_bias
 
 
 def _step_checks(q, k, v, g, beta, rows):
+    if not hasattr(q, "shape"):
+        raise ValueError(f"q must be an array (numpy, torch, ...), got {type(q).__name__}")
     if len(q.shape) != 3 or q.shape[0] != rows:
         raise ValueError(f"q must be [{rows}, H, K], got shape {tuple(q.shape)}")
     _, h, hk = q.shape
@@ -57,14 +85,20 @@ def decode(q, k, v, g, beta, state_pool, state_indices, a_log=None, dt_bias=None
     ``state_pool[state_indices[n]]`` (float32 [slots, H, K, V] or [slots, H, V, K]), read and
     updated in place; ``state_indices`` int32 [N], distinct, < 0 for padding rows (skipped, o = 0).
     Returns o [N, H, V] float32."""
-    n = state_indices.shape[0]
+    q, k, v, g, beta = _host_qkv(q, k, v, g, beta)
+    state_indices, state_pool = host_view(state_indices), host_view(state_pool)
+    if len(getattr(state_indices, "shape", ())) != 1:
+        raise ValueError(f"state_indices must be [N] int32, got shape {tuple(getattr(state_indices, 'shape', ()))}")
+    n = int(state_indices.shape[0])
     h, hk, hv = _step_checks(q, k, v, g, beta, n)
     need("state_indices", state_indices, (n,), np.int32)
-    need("state_pool", state_pool, dtype=np.float32)
+    need("state_pool", state_pool, dtype=np.float32, writable=True)
+    a_log, dt_bias = _gate_args(a_log, dt_bias)
     cfg = _k3.kda_config(h, hk, hv, gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout)
-    o = out_or_new("o", o, (n, h, hv), np.float32)
+    given = o
+    o = out_or_new("o", host_view(o), (n, h, hv), np.float32)
     _k3.kda_decode(cfg, q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices, backend or "", threads, isa, o)
-    return o
+    return o if given is None else given
 
 
 def verify(q, k, v, g, beta, state_pool, state_indices, num_accepted, a_log=None, dt_bias=None, gate="safe",
@@ -74,18 +108,22 @@ def verify(q, k, v, g, beta, state_pool, state_indices, num_accepted, a_log=None
     sequence n's). ``state_indices`` int32 [N, T]; ``num_accepted`` int32 [N] in [1, T]: the state
     read is ``state_pool[state_indices[n, num_accepted[n] - 1]]``, and the state after draft token t
     is written to ``state_pool[state_indices[n, t]]`` (< 0: not stored). Returns o [N T, H, V]."""
-    if len(state_indices.shape) != 2:
-        raise ValueError(f"state_indices must be [N, T] int32, got shape {tuple(state_indices.shape)}")
-    n, t = state_indices.shape
+    q, k, v, g, beta = _host_qkv(q, k, v, g, beta)
+    state_indices, state_pool, num_accepted = host_view(state_indices), host_view(state_pool), host_view(num_accepted)
+    if len(getattr(state_indices, "shape", ())) != 2:
+        raise ValueError(f"state_indices must be [N, T] int32, got shape {tuple(getattr(state_indices, 'shape', ()))}")
+    n, t = (int(d) for d in state_indices.shape)
     h, hk, hv = _step_checks(q, k, v, g, beta, n * t)
     need("state_indices", state_indices, (n, t), np.int32)
     need("num_accepted", num_accepted, (n,), np.int32)
-    need("state_pool", state_pool, dtype=np.float32)
+    need("state_pool", state_pool, dtype=np.float32, writable=True)
+    a_log, dt_bias = _gate_args(a_log, dt_bias)
     cfg = _k3.kda_config(h, hk, hv, gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout)
-    o = out_or_new("o", o, (n * t, h, hv), np.float32)
+    given = o
+    o = out_or_new("o", host_view(o), (n * t, h, hv), np.float32)
     _k3.kda_verify(cfg, q, k, v, g, beta, a_log, dt_bias, t, state_pool, state_indices, num_accepted, backend or "",
                    threads, isa, o)
-    return o
+    return o if given is None else given
 
 
 class CudaKda:

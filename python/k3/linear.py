@@ -12,7 +12,7 @@ Every ISA level and thread count gives the bits of the contract (the "reference"
 import numpy as np
 
 from . import _k3
-from ._arrays import host_view, need, out_or_new
+from ._arrays import bf16_bits, host_view, need, out16, out_or_new
 from .mx import quantize as _mx_quantize
 
 _OUT = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.float32}
@@ -42,6 +42,17 @@ def _check(recipe, out_dtype, codes, scales, bias):
     return n, k
 
 
+def _host(x, out, out_dtype):
+    """Host views: a torch bfloat16 x as its uint16 bits; a 16-bit out in out_dtype's format as its
+    bits (the other format is refused by name)."""
+    x = bf16_bits("x", host_view(x))
+    if out is not None:
+        out = host_view(out)
+        if out_dtype != "fp32":
+            out = out16("out", out, out_dtype)
+    return x, out
+
+
 def _check_x(k, n, x, out, out_type):
     need("x", x, dtype=np.uint16)
     shape = tuple(x.shape)
@@ -55,9 +66,11 @@ def run(codes, scales, x, bias=None, recipe="w8a16", out_dtype="bf16", out=None,
     """One call (plan, prepack and run inside): for tools and tests. ``backend``: None (the best
     usable one), "cpu" or "reference" (the contract written plainly)."""
     n, k = _check(recipe, out_dtype, codes, scales, bias)
+    given = out
+    x, out = _host(x, out, out_dtype)
     m, out = _check_x(k, n, x, out, _OUT[out_dtype])
     _k3.linear_run(k, n, recipe, out_dtype, codes, scales, bias, x, m, backend or "", threads, isa, out)
-    return out
+    return out if given is None else given
 
 
 class CpuLinear:
@@ -88,7 +101,7 @@ class CpuLinear:
 
     def run(self, x, out=None):
         given = out
-        x = host_view(x)
-        m, o = _check_x(self.k, self.n, x, None if out is None else host_view(out), self._out_type)
+        x, out = _host(x, out, self.out_dtype)
+        m, o = _check_x(self.k, self.n, x, out, self._out_type)
         self._native.run(x, m, o)
         return o if given is None else given

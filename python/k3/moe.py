@@ -11,7 +11,7 @@ patterns, "fp32" as float32.
 import numpy as np
 
 from . import _k3
-from ._arrays import cuda_empty, host_view, need, need_cuda, out_or_new, stream_int
+from ._arrays import bf16_bits, cuda_empty, host_view, need, need_cuda, out16, out_or_new, stream_int
 
 _OUT = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.float32}
 
@@ -50,6 +50,17 @@ def _check_weights(p, fc1_q, fc1_scale, fc2_q, fc2_scale):
     need("fc2_scale", fc2_scale, (e, k, n // 32), np.uint8)
 
 
+def _host_inputs(p, x, topk_ids, topk_weights, out):
+    """Host arrays of the caller's arguments: torch tensors as numpy views, BF16 tensors as their
+    uint16 bits, a 16-bit output in the layer's format as its bits (the other format is refused)."""
+    x = bf16_bits("x", host_view(x))
+    if out is not None:
+        out = host_view(out)
+        if p.out_dtype_name != "fp32":
+            out = out16("out", out, p.out_dtype_name)
+    return x, host_view(topk_ids), host_view(topk_weights), out
+
+
 def _check_inputs(p, x, topk_ids, topk_weights, out):
     need("x", x, dtype=np.uint16)
     shape = tuple(x.shape)
@@ -67,10 +78,12 @@ def run(p, fc1_q, fc1_scale, fc2_q, fc2_scale, x, topk_ids, topk_weights, out=No
     """One call (plan, prepack and run inside): for tools and tests. ``backend``: None (the best
     usable one), "cpu", "cuda" or "reference" (the FP64 contract oracle, rounded once)."""
     _check_weights(p, fc1_q, fc1_scale, fc2_q, fc2_scale)
+    given = out
+    x, topk_ids, topk_weights, out = _host_inputs(p, x, topk_ids, topk_weights, out)
     m, out = _check_inputs(p, x, topk_ids, topk_weights, out)
     _k3.moe_run(p.native, fc1_q, fc1_scale, fc2_q, fc2_scale, x, topk_ids, topk_weights, m, backend or "", threads,
                 isa, out)
-    return out
+    return out if given is None else given
 
 
 class CpuMoe:
@@ -89,8 +102,8 @@ class CpuMoe:
 
     def run(self, x, topk_ids, topk_weights, out=None):
         given = out
-        x, topk_ids, topk_weights = host_view(x), host_view(topk_ids), host_view(topk_weights)
-        m, o = _check_inputs(self.problem, x, topk_ids, topk_weights, None if out is None else host_view(out))
+        x, topk_ids, topk_weights, out = _host_inputs(self.problem, x, topk_ids, topk_weights, out)
+        m, o = _check_inputs(self.problem, x, topk_ids, topk_weights, out)
         self._native.run(x, topk_ids, topk_weights, m, o)
         return o if given is None else given
 

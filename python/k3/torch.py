@@ -445,13 +445,25 @@ class FusedMoE(torch.nn.Module):
         dev = _layer(self.handle).device if device is not None and torch.device(device).type == "cuda" else "cpu"
         self.register_buffer("router_bias", bias.to(device=dev, dtype=torch.float32).contiguous(), persistent=False)
         self.route_args = (problem.top_k, n_group, topk_group, renormalize, float(routed_scaling_factor))
+        self.num_experts = int(problem.native.num_experts)  # a plain int: torch.compile traces forward
         self.out_dtype = _DTYPES[problem.out_dtype_name]
 
     def __del__(self):
         release_moe(getattr(self, "handle", None))
 
     def forward(self, hidden_states, router_logits, out=None):
+        # The caller's arguments are checked here, by their names, before the ops see them (whose
+        # own checks name the op's tensors: x, ids, bias).
+        k = self.problem.hidden
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 or hidden_states.shape[1] != k:
+            raise ValueError(f"hidden_states has shape {tuple(getattr(hidden_states, 'shape', ()))}, expected "
+                             f"[M, {k}] (flatten batch and sequence first: hidden_states.view(-1, {k}))")
         m = hidden_states.shape[0]
+        e = self.num_experts
+        if (not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2
+                or tuple(router_logits.shape) != (m, e)):
+            raise ValueError(f"router_logits has shape {tuple(getattr(router_logits, 'shape', ()))}, expected "
+                             f"[M, E] = [{m}, {e}] (one row per row of hidden_states, one column per global expert)")
         top_k = self.route_args[0]
         ids = torch.empty((m, top_k), dtype=torch.int32, device=hidden_states.device)
         wts = torch.empty((m, top_k), dtype=torch.float32, device=hidden_states.device)

@@ -866,6 +866,7 @@ NB_MODULE(_k3, m) {
                k3::recipe_name(p.recipe) + ", " + k3::activation_name(p.activation.kind) + ")";
       })
       .def_prop_ro("local_experts", [](const k3::MoeProblem& p) { return p.shape.local_experts(); })
+      .def_prop_ro("num_experts", [](const k3::MoeProblem& p) { return p.shape.num_experts; })
       .def_prop_ro("out_bytes", [](const k3::MoeProblem& p) { return k3::out_dtype_size(p.out_dtype); });
   m.def("moe_problem", &moe_problem, "hidden"_a, "intermediate"_a, "num_experts"_a, "top_k"_a, "ep_size"_a,
         "ep_rank"_a, "recipe"_a, "activation"_a, "out_dtype"_a, "situ_beta"_a, "situ_linear_beta"_a,
