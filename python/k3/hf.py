@@ -6,8 +6,10 @@ from transformers >= 5.17 and, in place:
 - every KDA layer (``KimiLinearDeltaAttention``) runs its core on k3: the chunked prefill, the
   single-token decode and the multi-token continuation with the cache (the module functions
   ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention`` are served by k3 for the
-  patched layers only; the projections, the short convolution, the gate and the output norm stay
-  torch);
+  patched layers only), and its short convolution's decode update on k3's conv op
+  (``causal_conv1d_update``, the cache's BF16 / FP32 state updated in place); the projections,
+  the short convolution's prefill, the gate and the output norm stay torch (with ``dense=True``
+  the projections run on k3's linear layer);
 - every MoE block (``KimiLinearMoE``) routes with k3's router (sigmoid + correction bias + group
   top-k + renormalize + routed scaling) and runs its routed experts with k3's fused MoE on MXFP4
   weights, quantized once here with k3's codec (W4A16: BF16 activations; W4A8: MXFP8
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fla as _fla
+from . import kda as _kda_mod
 from . import moe as _moe
 from . import mx
 from . import linear as _linear
@@ -80,7 +83,7 @@ def _warn_once(key, msg):
 class _KdaLayer:
     def __init__(self, index, threads, isa):
         self.index, self.threads, self.isa = index, threads, isa
-        self.calls = {"prefill": 0, "decode": 0}
+        self.calls = {"prefill": 0, "decode": 0, "conv": 0}
 
 
 def _needs_grad(*ts):
@@ -147,7 +150,38 @@ def _k3_recurrent(query, key, value, g, beta, initial_state, output_final_state,
     return o.to(query.dtype), (pool if output_final_state else None)
 
 
-_K3_FUNCS = {"chunk_kimi_delta_attention": _k3_chunk, "recurrent_kimi_delta_attention": _k3_recurrent}
+def _k3_conv_update(hidden_states, conv_state, weight, bias=None, activation=None):
+    """transformers' `causal_conv1d_update` (the KDA layer's short convolution at decode: [B, C, T]
+    inputs, the cache's state [B, C, S] updated in place) on k3's conv op: one call instead of
+    concatenate + conv1d + SiLU + copy. Same storage as the stock function (BF16 or FP32), FP32
+    arithmetic, the output rounded once (the stock BF16 path rounds the convolution, then SiLU)."""
+    rec = getattr(_tls, "kda", None)
+    stock = _installed.get("causal_conv1d_update")
+    dt = hidden_states.dtype
+    if (rec is None or stock is None or _needs_grad(hidden_states, conv_state, weight, bias)
+            or activation not in (None, "silu", "swish") or hidden_states.device.type != "cpu"
+            or dt not in (torch.bfloat16, torch.float32) or conv_state.dtype != dt or weight.dtype != dt
+            or hidden_states.dim() != 3 or weight.dim() != 2 or conv_state.dim() != 3 or not conv_state.is_contiguous()
+            or tuple(conv_state.shape[:2]) != tuple(hidden_states.shape[:2])
+            or not weight.shape[1] - 1 <= conv_state.shape[2] <= _kda_mod.MAX_CONV_STATE_LEN
+            or not 2 <= weight.shape[1] <= _kda_mod.MAX_CONV_WIDTH):
+        return stock(hidden_states, conv_state, weight, bias=bias, activation=activation)
+    b, c, t = hidden_states.shape
+    x = hidden_states.transpose(1, 2).reshape(b * t, c)  # token-major [B T, C]: a view at decode
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = torch.empty((b, t, c), dtype=dt)
+    cu = torch.arange(0, b * t + 1, t, dtype=torch.int64)
+    _kda_mod.causal_conv1d(x, weight if weight.is_contiguous() else weight.contiguous(), conv_state=conv_state,
+                           bias=None if bias is None else bias.detach().to(torch.float32).contiguous(),
+                           cu_seqlens=cu, silu=activation is not None, y=y.view(b * t, c),
+                           threads=rec.threads or torch.get_num_threads())
+    rec.calls["conv"] += 1
+    return y.transpose(1, 2)
+
+
+_K3_FUNCS = {"chunk_kimi_delta_attention": _k3_chunk, "recurrent_kimi_delta_attention": _k3_recurrent,
+             "causal_conv1d_update": _k3_conv_update}
 
 
 def _install(m):

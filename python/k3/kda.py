@@ -239,3 +239,49 @@ class CudaKda:
         ``workspace`` found a bad value on the device (bad cu_seqlens, slot out of range, duplicate
         slot, num_accepted out of range, a_log out of range)."""
         self._native.status(need_cuda("workspace", workspace, self.device, dtype=np.uint8), stream_int(stream))
+
+
+MAX_CONV_WIDTH = 8  # the conv op's limits (k3/kda_ops.hpp)
+MAX_CONV_STATE_LEN = 64
+
+
+def causal_conv1d(x, weight, conv_state=None, bias=None, cu_seqlens=None, silu=True, y=None, threads=0):
+    """The KDA layer's short convolution (depthwise, causal, width W) with SiLU, on the CPU:
+    ``y[t, c] = silu(bias[c] + sum_i weight[c, i] * x[t - W + 1 + i, c])`` within each sequence of
+    ``cu_seqlens`` (int64 [N + 1], or a list of ints; None: one sequence).
+
+    ``conv_state`` [N, D, S] (S >= W - 1; None: zeros) holds each sequence's inputs before its
+    first token (the newest last) and is updated in place to its last S inputs, so decode is the
+    same call with one token per sequence. transformers' cache keeps S = W, fla's S = W - 1.
+
+    Storage: x [T, D], weight [D, W], conv_state and y all float32, or all BF16 (torch.bfloat16
+    tensors or uint16 bit patterns); bias float32 [D]. Arithmetic is FP32; a BF16 y is rounded once.
+    Returns y [T, D] (written into ``y`` when given)."""
+    bf16 = str(getattr(x, "dtype", "")) in ("torch.bfloat16", "uint16", "torch.uint16")
+    dt = np.uint16 if bf16 else np.float32
+    conv = bf16_bits if bf16 else (lambda name, a: a)
+    x = need("x", conv("x", host_view(x)), dtype=dt)
+    if len(x.shape) != 2:
+        raise ValueError(f"x has shape {tuple(x.shape)}, expected [T, D]")
+    t, d = (int(v) for v in x.shape)
+    weight = need("weight", conv("weight", host_view(weight)), dtype=dt)
+    if len(weight.shape) != 2 or int(weight.shape[0]) != d:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected [D, W] = [{d}, W]")
+    w = int(weight.shape[1])
+    cu_seqlens = seqlens_arg("cu_seqlens", cu_seqlens, t)
+    n = 1 if cu_seqlens is None else int(cu_seqlens.shape[0]) - 1
+    state_len = 0
+    if conv_state is not None:
+        conv_state = need("conv_state", conv("conv_state", host_view(conv_state)), dtype=dt, writable=True)
+        if len(conv_state.shape) != 3 or tuple(int(v) for v in conv_state.shape[:2]) != (n, d):
+            raise ValueError(f"conv_state has shape {tuple(conv_state.shape)}, expected [N, D, S] = [{n}, {d}, S]")
+        state_len = int(conv_state.shape[2])
+    if bias is not None:
+        bias = need("bias", host_view(bias), (d,), np.float32)
+    given = y
+    if y is not None:
+        y = conv("y", host_view(y))
+    y = out_or_new("y", y, (t, d), dt)
+    fn = _k3.kda_conv_bf16 if bf16 else _k3.kda_conv_f32
+    fn(d, w, bool(silu), x, weight, bias, cu_seqlens, conv_state, y, state_len, int(threads))
+    return y if given is None else given

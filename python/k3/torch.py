@@ -11,6 +11,9 @@ Importing ``k3.torch`` registers, in the ``k3`` op namespace:
 - ``torch.ops.k3.kda_prefill / kda_decode / kda_verify``: Kimi Delta Attention (k3.kda's
   prefill / decode / verify; the configuration as scalar arguments, absent optional tensors as
   empty ones), writing ``o!`` (and ``final_state!`` / the state pool ``state_pool!`` in place).
+- ``torch.ops.k3.causal_conv1d(x, weight, bias, cu_seqlens, conv_state!, silu, y!)``: the KDA
+  layer's short convolution + SiLU (k3.kda.causal_conv1d; CPU only): x [T, D], weight [D, W],
+  conv_state [N, D, S] and y all float32 or all bfloat16, bias float32 (empty tensors: absent).
 
 Both mutate only their ``!`` outputs and return nothing, so they work under
 ``torch.compile(fullgraph=True)`` (fake implementations describe them to the compiler) and in
@@ -172,6 +175,8 @@ _lib.define("linear(int layer, Tensor x, Tensor(a!) out) -> ()")
 # KDA: the configuration as scalars (gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout);
 # a_log, dt_bias, cu_seqlens, initial_state and final_state may be empty tensors (absent).
 _KDA_CFG = "str gate, float gate_lower_bound, bool beta_logits, bool l2norm_qk, float scale, str layout"
+_lib.define("causal_conv1d(Tensor x, Tensor weight, Tensor bias, Tensor cu_seqlens, Tensor(a!) conv_state, bool silu, "
+            "Tensor(b!) y) -> ()")
 _lib.define("kda_prefill(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor a_log, Tensor dt_bias, "
             "Tensor cu_seqlens, Tensor initial_state, " + _KDA_CFG + ", Tensor(a!) o, Tensor(b!) final_state) -> ()")
 _lib.define("kda_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor a_log, Tensor dt_bias, "
@@ -393,6 +398,20 @@ def _(q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices, gate, gate_lo
 @torch.library.register_fake("k3::kda_verify", lib=_lib)
 def _(q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices, num_accepted, gate, gate_lower_bound, beta_logits,
       l2norm_qk, scale, layout, o):
+    return None
+
+
+def _conv_cpu(x, weight, bias, cu_seqlens, conv_state, silu, y):
+    _kda.causal_conv1d(x, weight, conv_state=conv_state if conv_state.numel() > 0 else None,
+                       bias=bias if bias.numel() > 0 else None,
+                       cu_seqlens=cu_seqlens if cu_seqlens.numel() > 0 else None, silu=silu, y=y, threads=_threads())
+
+
+_lib.impl("causal_conv1d", _conv_cpu, "CPU")
+
+
+@torch.library.register_fake("k3::causal_conv1d", lib=_lib)
+def _(x, weight, bias, cu_seqlens, conv_state, silu, y):
     return None
 
 

@@ -16,6 +16,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "k3/backend.hpp"
@@ -27,6 +28,7 @@
 #include "k3/cuda_moe.hpp"
 #include "k3/cuda_routing.hpp"
 #include "k3/kda.hpp"
+#include "k3/kda_ops.hpp"
 #include "k3/moe.hpp"
 #include "k3/mx.hpp"
 #include "k3/routing.hpp"
@@ -458,6 +460,32 @@ void kda_prefill(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v, In<fl
   const k3::BackendOptions opt = options(threads, isa);
   nb::gil_scoped_release release;
   check(b->prefill(cfg, in, out, opt));
+}
+
+// The causal depthwise conv + SiLU of the KDA layer (k3/kda_ops.hpp), FP32 or BF16 storage (T =
+// float / uint16_t bits); conv_state [N, D, state_len] is updated in place.
+template <typename T>
+void kda_conv(int64_t channels, int64_t width, bool silu, In<T> x, In<T> weight, std::optional<In<float>> bias,
+              std::optional<In<int64_t>> cu_seqlens, std::optional<Out<T>> conv_state, Out<T> y, int64_t state_len,
+              int threads) {
+  using Args = std::conditional_t<std::is_same_v<T, float>, k3::kda::ConvArgs, k3::kda::ConvArgsBf16>;
+  Args a;
+  a.channels = channels;
+  a.width = width;
+  a.silu = silu;
+  a.x = span(x);
+  a.weight = span(weight);
+  a.bias = span(bias);
+  a.cu_seqlens = span(cu_seqlens);
+  a.conv_state = conv_state ? span(*conv_state) : std::span<T>();
+  a.y = span(y);
+  a.state_len = state_len;
+  nb::gil_scoped_release release;
+  if constexpr (std::is_same_v<T, float>) {
+    check(k3::kda::causal_conv1d(a, threads));
+  } else {
+    check(k3::kda::causal_conv1d_bf16(a, threads));
+  }
 }
 
 template <typename A>
@@ -900,6 +928,12 @@ NB_MODULE(_k3, m) {
       .def_ro("head_v", &k3::kda::KdaConfig::head_v);
   m.def("kda_config", &kda_config, "heads"_a, "head_k"_a, "head_v"_a, "gate"_a, "gate_lower_bound"_a,
         "beta_logits"_a, "l2norm_qk"_a, "scale"_a, "layout"_a);
+  m.def("kda_conv_f32", &kda_conv<float>, "channels"_a, "width"_a, "silu"_a, "x"_a.noconvert(),
+        "weight"_a.noconvert(), "bias"_a.noconvert().none(), "cu_seqlens"_a.noconvert().none(),
+        "conv_state"_a.noconvert().none(), "y"_a.noconvert(), "state_len"_a, "threads"_a);
+  m.def("kda_conv_bf16", &kda_conv<uint16_t>, "channels"_a, "width"_a, "silu"_a, "x"_a.noconvert(),
+        "weight"_a.noconvert(), "bias"_a.noconvert().none(), "cu_seqlens"_a.noconvert().none(),
+        "conv_state"_a.noconvert().none(), "y"_a.noconvert(), "state_len"_a, "threads"_a);
   m.def("kda_decode", &kda_decode<float>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
         "dt_bias"_a.none(), "state_pool"_a, "state_indices"_a, "backend"_a, "threads"_a, "isa"_a, "o"_a);
   m.def("kda_decode", &kda_decode<uint16_t>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),

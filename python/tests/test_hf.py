@@ -143,6 +143,7 @@ def test_greedy_generation_matches_stock_with_mxfp4_experts(pair):
     for _, r in rec.kda:
         assert r.calls["prefill"] - before[id(r)]["prefill"] == 1
         assert r.calls["decode"] - before[id(r)]["decode"] == 31
+        assert r.calls["conv"] - before[id(r)]["conv"] == 31  # the short convolution's decode update too
     assert [r.calls for _, r in rec.mla] == [before_mla + 31]  # the MLA layer decoded in the absorbed form
     new = want[0, prompt.shape[1]:]
     # Teacher-forced on the stock tokens: hidden states and logits at every step within the bounds.
@@ -375,6 +376,37 @@ def test_chunk_kda_matches_transformers(t):
                                   use_qk_l2norm_in_kernel=True)
     close(o, o_ref)
     close(s, s_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 3])
+def test_conv_update_matches_transformers(dtype, t):
+    """k3.hf's causal_conv1d_update (k3's conv op) against transformers' stock function: the same
+    cache state (exact: it holds inputs) and outputs within FP32 rounding (FP32) or one BF16
+    rounding (BF16: the stock path rounds the convolution and then SiLU, k3 rounds once)."""
+    g = torch.Generator().manual_seed(3)
+    b, c, s = 3, 96, 4
+    x = torch.randn(b, t, c, generator=g).to(dtype).transpose(1, 2)  # the layer's [B, C, T] view
+    w = (0.5 * torch.randn(c, s, generator=g)).to(dtype)
+    st = torch.randn(b, c, s, generator=g).to(dtype)
+    stock = k3.hf._installed.get("causal_conv1d_update", mkl.causal_conv1d_update)
+    st_stock, st_k3 = st.clone(), st.clone()
+    want = stock(x, st_stock, w, bias=None, activation="silu")
+    rec = k3.hf._KdaLayer(0, None, "")
+    added = "causal_conv1d_update" not in k3.hf._installed  # no model patched: the stock one is not saved yet
+    k3.hf._installed.setdefault("causal_conv1d_update", mkl.causal_conv1d_update)
+    k3.hf._tls.kda = rec
+    try:
+        got = k3.hf._k3_conv_update(x, st_k3, w, bias=None, activation="silu")
+    finally:
+        k3.hf._tls.kda = None
+        if added:
+            del k3.hf._installed["causal_conv1d_update"]
+    assert rec.calls["conv"] == 1
+    assert got.shape == want.shape and got.dtype == dtype
+    assert torch.equal(st_k3, st_stock)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    assert ((got.float() - want.float()).abs() <= tol * (1 + want.float().abs())).all()
 
 
 def test_chunk_kda_varlen_matches_per_sequence_transformers():

@@ -335,3 +335,55 @@ def test_linear_refuses_bad_arguments_by_name():
     with pytest.raises(ValueError, match="m = 5 exceeds the plan's max_tokens = 4"):
         layer.run(x)
     assert [b_["name"] for b_ in k3.info()["linear_backends"]] == ["cpu", "reference"]
+
+
+def np_conv(x, w, state, cu, silu=True):
+    """Independent definition of the KDA short convolution in float64: per sequence, the inputs
+    before its first token are the state's (newest last); returns y and the new state."""
+    t, d = x.shape
+    s = state.shape[2]
+    y = np.zeros((t, d))
+    new = state.astype(np.float64).copy()
+    for n in range(len(cu) - 1):
+        hist = np.concatenate([state[n].T.astype(np.float64), x[cu[n]:cu[n + 1]].astype(np.float64)])  # [S + L, D]
+        for j in range(cu[n + 1] - cu[n]):
+            z = (hist[j + s - w.shape[1] + 1:j + s + 1] * w.T.astype(np.float64)).sum(0)
+            y[cu[n] + j] = z / (1 + np.exp(-z)) if silu else z
+        new[n] = hist[-s:].T
+    return y, new
+
+
+@pytest.mark.parametrize("s", [3, 4])
+def test_kda_causal_conv1d_matches_a_float64_definition_and_keeps_the_last_inputs(s):
+    rng = np.random.default_rng(9)
+    d, w_ = 40, 4
+    cu = [0, 1, 2, 7]
+    x = rng.standard_normal((7, d)).astype(np.float32)
+    w = (0.5 * rng.standard_normal((d, w_))).astype(np.float32)
+    st = rng.standard_normal((3, d, s)).astype(np.float32)
+    want_y, want_st = np_conv(x, w, st, cu)
+    got_st = st.copy()
+    y = k3.kda.causal_conv1d(x, w, conv_state=got_st, cu_seqlens=cu)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got_st, want_st.astype(np.float32))
+    # BF16 storage: the FP32 op on the widened values, rounded once (RNE)
+    def bf(a):
+        u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    xb, wb, sb = bf(x), bf(w), bf(st)
+    widen = lambda b: (b.astype(np.uint32) << 16).view(np.float32)  # noqa: E731
+    yf = k3.kda.causal_conv1d(widen(xb), widen(wb), conv_state=widen(sb).copy(), cu_seqlens=cu)
+    yb = k3.kda.causal_conv1d(xb, wb, conv_state=sb, cu_seqlens=cu)
+    np.testing.assert_array_equal(yb, bf(yf))
+    np.testing.assert_array_equal(widen(sb), np_conv(widen(xb), widen(wb), widen(bf(st)), cu)[1].astype(np.float32))
+
+
+def test_kda_causal_conv1d_refuses_mixed_storage_and_bad_state_by_name():
+    x = np.zeros((2, 8), np.float32)
+    w = np.zeros((8, 4), np.float32)
+    with pytest.raises(ValueError, match="weight has dtype uint16, expected float32"):
+        k3.kda.causal_conv1d(x, w.astype(np.uint16))
+    with pytest.raises(ValueError, match=r"state_len = 2 must be 0 \(W - 1\) or in \[W - 1 = 3, 64\]"):
+        k3.kda.causal_conv1d(x, w, conv_state=np.zeros((1, 8, 2), np.float32))
+    with pytest.raises(ValueError, match=r"conv_state has shape \(2, 8, 4\), expected \[N, D, S\] = \[1, 8, S\]"):
+        k3.kda.causal_conv1d(x, w, conv_state=np.zeros((2, 8, 4), np.float32))

@@ -324,3 +324,25 @@ def test_float16_is_never_read_as_bf16_and_out_must_be_the_layers_dtype():
                                              "torch.bfloat16 .float16 bits are not BF16"):
             torch.ops.k3.kda_prefill(*args, g, beta, empty, empty, cu, empty, *KDA_CFG, torch.zeros((12, 2, 32)),
                                      torch.zeros((2, 2, 32, 32)))
+
+
+def test_causal_conv1d_op_writes_in_place_with_the_numpy_bits_and_compiles():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 48, generator=g).to(torch.bfloat16)
+    w = torch.randn(48, 4, generator=g).to(torch.bfloat16)
+    st = torch.randn(2, 48, 4, generator=g).to(torch.bfloat16)
+    cu = torch.tensor([0, 1, 5], dtype=torch.int64)
+    want_st = st.view(torch.uint16).numpy().copy()
+    want = k3.kda.causal_conv1d(x.view(torch.uint16).numpy(), w.view(torch.uint16).numpy(), conv_state=want_st,
+                                cu_seqlens=cu.numpy())
+    empty = torch.empty(0)
+
+    def f(x, w, st, y):
+        torch.ops.k3.causal_conv1d(x, w, empty, cu, st, True, y)
+        return y
+
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        s, y = st.clone(), torch.empty(5, 48, dtype=torch.bfloat16)
+        fn(x, w, s, y)
+        assert (y.view(torch.uint16).numpy() == want).all()
+        assert (s.view(torch.uint16).numpy() == want_st).all()

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "k3/formats.hpp"
 #include "k3/kda_ops.hpp"
 
 namespace k3::kda {
@@ -105,6 +106,90 @@ TEST(KdaConv, Errors) {
   const std::vector<int64_t> cu_end = {0, 3};
   EXPECT_NE(msg({3, 4, true, x, w, b, cu_end, {}, y}).find("cu_seqlens[1] (the last entry) = 3 must equal the token count T = 4"), std::string::npos);
   EXPECT_NE(causal_conv1d({3, 4, true, x, w, b, {}, st, y}, -2).message().find("threads = -2"), std::string::npos);
+}
+
+TEST(KdaConv, LongerStateByHand) {
+  // transformers' cache layout: S = W entries per channel, the oldest unused by the window.
+  const std::vector<float> w = {1, 2, 3, 4}, x1 = {7};
+  std::vector<float> st = {5, 10, 20, 30}, y1(1);
+  ConvArgs a{1, 4, false, x1, w, {}, {}, st, y1, 4};
+  ASSERT_TRUE(causal_conv1d(a, 1).is_ok());
+  EXPECT_FLOAT_EQ(y1[0], 1 * 10 + 2 * 20 + 3 * 30 + 4 * 7);
+  EXPECT_EQ(st, (std::vector<float>{10, 20, 30, 7}));
+  // S = 6, two tokens: the four newest old entries shift down, then the tokens.
+  std::vector<float> st6 = {1, 2, 3, 4, 5, 6}, y2(2);
+  const std::vector<float> x2 = {8, 9};
+  ASSERT_TRUE(causal_conv1d({1, 4, false, x2, w, {}, {}, st6, y2, 6}, 1).is_ok());
+  EXPECT_FLOAT_EQ(y2[0], 1 * 4 + 2 * 5 + 3 * 6 + 4 * 8);
+  EXPECT_FLOAT_EQ(y2[1], 1 * 5 + 2 * 6 + 3 * 8 + 4 * 9);
+  EXPECT_EQ(st6, (std::vector<float>{3, 4, 5, 6, 8, 9}));
+}
+
+TEST(KdaConv, LongerStateMatchesReferenceAndTheShortStateOutputs) {
+  // Sequences longer, shorter and empty against S: the reference's state and outputs, every
+  // thread count; the outputs equal those of S = W - 1 fed the newest W - 1 state entries.
+  const int64_t D = 70, W = 4;
+  const std::vector<int64_t> cu = {0, 9, 10, 10, 13};
+  const int64_t T = 13, N = 4;
+  const auto x = randn(T * D, 11), w = randn(D * W, 12, 0.5f), b = randn(D, 13);
+  for (int64_t S : {4, 6}) {
+    const auto st0 = randn(N * D * S, 14);
+    std::vector<float> yr(T * D), sr = st0;
+    ASSERT_TRUE(causal_conv1d_reference({D, W, true, x, w, b, cu, sr, yr, S}).is_ok());
+    std::vector<float> short_state(N * D * (W - 1)), ys(T * D);
+    for (int64_t r = 0; r < N * D; ++r) {
+      for (int64_t j = 0; j < W - 1; ++j) short_state[r * (W - 1) + j] = st0[r * S + S - (W - 1) + j];
+    }
+    ASSERT_TRUE(causal_conv1d({D, W, true, x, w, b, cu, short_state, ys}, 1).is_ok());
+    for (int threads : {1, 2, 3}) {
+      std::vector<float> y(T * D), s = st0;
+      ASSERT_TRUE(causal_conv1d({D, W, true, x, w, b, cu, s, y, S}, threads).is_ok());
+      EXPECT_EQ(s, sr) << "S " << S;  // inputs only: exact
+      EXPECT_EQ(y, ys) << "S " << S;
+      for (size_t i = 0; i < y.size(); ++i) ASSERT_NEAR(y[i], yr[i], 1e-5 * (1 + std::fabs(yr[i]))) << i;
+    }
+  }
+}
+
+TEST(KdaConv, Bf16StorageIsTheFp32OpOnWidenedValuesRoundedOnce) {
+  const int64_t D = 150, W = 4, S = 4;
+  const std::vector<int64_t> cu = {0, 1, 2, 7};  // two decode rows and a 5-token sequence
+  const int64_t T = 7, N = 3;
+  auto bf = [](const std::vector<float>& v) {
+    std::vector<uint16_t> o(v.size());
+    for (size_t i = 0; i < v.size(); ++i) o[i] = bf16_from_f32(v[i]);
+    return o;
+  };
+  auto widen = [](const std::vector<uint16_t>& v) {
+    std::vector<float> o(v.size());
+    for (size_t i = 0; i < v.size(); ++i) o[i] = bf16_to_f32(v[i]);
+    return o;
+  };
+  const auto xb = bf(randn(T * D, 21)), wb = bf(randn(D * W, 22, 0.5f)), sb0 = bf(randn(N * D * S, 23));
+  const auto b = randn(D, 24);
+  const auto xf = widen(xb), wf = widen(wb);
+  std::vector<float> yf(T * D), sf = widen(sb0);
+  ASSERT_TRUE(causal_conv1d({D, W, true, xf, wf, b, cu, sf, yf, S}, 1).is_ok());
+  for (int threads : {1, 2, 3}) {
+    std::vector<uint16_t> y(T * D), s = sb0;
+    ASSERT_TRUE(causal_conv1d_bf16({D, W, true, xb, wb, b, cu, s, y, S}, threads).is_ok());
+    for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(y[i], bf16_from_f32(yf[i])) << i;
+    EXPECT_EQ(widen(s), sf);
+  }
+  std::vector<uint16_t> y(T * D), s(5);
+  EXPECT_EQ(causal_conv1d_bf16({D, W, true, xb, wb, b, cu, s, y, S}).message(),
+            "conv_state has 5 elements, expected 1800 ([N, D, state_len])");
+}
+
+TEST(KdaConv, StateLenOutOfRangeIsRefusedByName) {
+  const std::vector<float> x(12), w(12);
+  std::vector<float> y(12), st(30);
+  EXPECT_EQ(causal_conv1d({3, 4, true, x, w, {}, {}, st, y, 2}).message(),
+            "state_len = 2 must be 0 (W - 1) or in [W - 1 = 3, 64]");
+  EXPECT_EQ(causal_conv1d({3, 4, true, x, w, {}, {}, st, y, 65}).message(),
+            "state_len = 65 must be 0 (W - 1) or in [W - 1 = 3, 64]");
+  EXPECT_EQ(causal_conv1d({3, 4, true, x, w, {}, {}, st, y, 4}).message(),
+            "conv_state has 30 elements, expected 12 ([N, D, state_len])");
 }
 
 TEST(KdaConv, SizesOnlyCheckReadsNoCuSeqlensEntry) {

@@ -17,12 +17,18 @@ Status size_error(const char* name, int64_t actual, int64_t expected, const char
 
 // The conv checks in one order; values = false leaves cu_seqlens' entries unread (only its size is
 // checked: a device span's entries cannot be read on the host).
-Status check_conv(const ConvArgs& a, bool values, int64_t* num_tokens, int64_t* num_seqs) {
+template <typename Args>
+Status check_conv(const Args& a, bool values, int64_t* num_tokens, int64_t* num_seqs) {
   if (a.channels < 1) return invalid_argument("channels = " + num(a.channels) + " must be >= 1");
   if (a.width < 2 || a.width > kMaxConvWidth) {
     return invalid_argument("width = " + num(a.width) + " must be in [2, " + num(kMaxConvWidth) + "]");
   }
   const int64_t D = a.channels, W = a.width;
+  if (a.state_len != 0 && (a.state_len < W - 1 || a.state_len > kMaxConvStateLen)) {
+    return invalid_argument("state_len = " + num(a.state_len) + " must be 0 (W - 1) or in [W - 1 = " + num(W - 1) +
+                            ", " + num(kMaxConvStateLen) + "]");
+  }
+  const int64_t S = detail::conv_state_len(W, a.state_len);
   if (sz(a.x.size()) % D != 0) {
     return invalid_argument("x has " + num(sz(a.x.size())) + " elements, not a multiple of D = " + num(D) + " ([T, D])");
   }
@@ -39,8 +45,9 @@ Status check_conv(const ConvArgs& a, bool values, int64_t* num_tokens, int64_t* 
     }
     n = sz(a.cu_seqlens.size()) - 1;
   }
-  if (!a.conv_state.empty() && sz(a.conv_state.size()) != n * D * (W - 1)) {
-    return size_error("conv_state", sz(a.conv_state.size()), n * D * (W - 1), "([N, D, W - 1])");
+  if (!a.conv_state.empty() && sz(a.conv_state.size()) != n * D * S) {
+    return size_error("conv_state", sz(a.conv_state.size()), n * D * S,
+                      a.state_len == 0 ? "([N, D, W - 1])" : "([N, D, state_len])");
   }
   if (sz(a.y.size()) != T * D) return size_error("y", sz(a.y.size()), T * D, "([T, D])");
   *num_tokens = T;
@@ -49,7 +56,13 @@ Status check_conv(const ConvArgs& a, bool values, int64_t* num_tokens, int64_t* 
 }
 }  // namespace
 
+int64_t detail::conv_state_len(int64_t width, int64_t state_len) { return state_len == 0 ? width - 1 : state_len; }
+
 Status detail::validate_conv(const ConvArgs& a, int64_t* num_tokens, int64_t* num_seqs) {
+  return check_conv(a, true, num_tokens, num_seqs);
+}
+
+Status detail::validate_conv_bf16(const ConvArgsBf16& a, int64_t* num_tokens, int64_t* num_seqs) {
   return check_conv(a, true, num_tokens, num_seqs);
 }
 
@@ -77,17 +90,17 @@ Status detail::validate_rmsnorm(const GatedRmsNormArgs& a, int64_t* rows) {
 Status causal_conv1d_reference(const ConvArgs& a) {
   int64_t T = 0, N = 0;
   K3_RETURN_IF_ERROR(detail::validate_conv(a, &T, &N));
-  const int64_t D = a.channels, W = a.width;
-  std::vector<double> hist(static_cast<size_t>(W - 1));
+  const int64_t D = a.channels, W = a.width, S = detail::conv_state_len(W, a.state_len);
+  std::vector<double> hist(static_cast<size_t>(S));
   for (int64_t n = 0; n < N; ++n) {
     const int64_t t0 = a.cu_seqlens.empty() ? 0 : a.cu_seqlens[n];
     const int64_t t1 = a.cu_seqlens.empty() ? T : a.cu_seqlens[n + 1];
     for (int64_t c = 0; c < D; ++c) {
-      float* state = a.conv_state.empty() ? nullptr : a.conv_state.data() + (n * D + c) * (W - 1);
-      // input at sequence position p (p < 0: from the state)
+      float* state = a.conv_state.empty() ? nullptr : a.conv_state.data() + (n * D + c) * S;
+      // input at sequence position p (p < 0: from the state, p >= -S)
       auto input = [&](int64_t p) -> double {
         if (p >= 0) return a.x[(t0 + p) * D + c];
-        return state != nullptr ? state[p + W - 1] : 0.0;
+        return state != nullptr ? state[p + S] : 0.0;
       };
       for (int64_t t = t0; t < t1; ++t) {
         double z = a.bias.empty() ? 0.0 : a.bias[c];
@@ -95,8 +108,8 @@ Status causal_conv1d_reference(const ConvArgs& a) {
         a.y[t * D + c] = static_cast<float>(a.silu ? z / (1.0 + std::exp(-z)) : z);
       }
       if (state != nullptr) {
-        for (int64_t j = 0; j < W - 1; ++j) hist[j] = input(t1 - t0 - (W - 1) + j);
-        for (int64_t j = 0; j < W - 1; ++j) state[j] = static_cast<float>(hist[j]);
+        for (int64_t j = 0; j < S; ++j) hist[j] = input(t1 - t0 - S + j);
+        for (int64_t j = 0; j < S; ++j) state[j] = static_cast<float>(hist[j]);
       }
     }
   }

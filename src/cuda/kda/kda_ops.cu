@@ -135,11 +135,20 @@ Status to_device(std::span<const T> host, detail::DeviceBuffer<T>& dev, const ch
   return detail::from_cuda(cudaMemcpy(dev.get(), host.data(), host.size_bytes(), cudaMemcpyHostToDevice), what);
 }
 
+// The device kernels keep the state as W - 1 entries per channel (fla's layout); a longer state
+// (transformers' cache, state_len = W) is a CPU feature.
+Status cuda_state_len(const kda::ConvArgs& a) {
+  if (a.state_len == 0 || a.state_len == a.width - 1) return Status::ok();
+  return invalid_argument("state_len = " + std::to_string(a.state_len) + " is not supported on CUDA (only W - 1 = " +
+                          std::to_string(a.width - 1) + ", or 0)");
+}
+
 }  // namespace
 
 Status causal_conv1d(const kda::ConvArgs& a, void* stream) {
   int64_t T = 0, N = 0;
   K3_RETURN_IF_ERROR(prefixed("cuda::causal_conv1d", kda::detail::validate_conv_sizes(a, &T, &N)));
+  K3_RETURN_IF_ERROR(prefixed("cuda::causal_conv1d", cuda_state_len(a)));
   if (T == 0) return Status::ok();  // no output, every sequence is empty: conv_state stays as it is
   const int64_t D = a.channels;
   const int W = static_cast<int>(a.width);
@@ -172,6 +181,7 @@ Status gated_rmsnorm(const kda::GatedRmsNormArgs& a, void* stream) {
 Status causal_conv1d_host(const kda::ConvArgs& a) {
   int64_t T = 0, N = 0;
   K3_RETURN_IF_ERROR(prefixed("cuda::causal_conv1d_host", kda::detail::validate_conv(a, &T, &N)));
+  K3_RETURN_IF_ERROR(prefixed("cuda::causal_conv1d_host", cuda_state_len(a)));
   K3_RETURN_IF_ERROR(detail::require_device());
   if (T == 0) return Status::ok();
   detail::DeviceBuffer<float> dx, dw, db, ds, dy;
