@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fla as _fla
+from . import _k3 as _k3_native
 from . import kda as _kda_mod
 from . import moe as _moe
 from . import mx
@@ -170,14 +171,36 @@ def _k3_conv_update(hidden_states, conv_state, weight, bias=None, activation=Non
     x = hidden_states.transpose(1, 2).reshape(b * t, c)  # token-major [B T, C]: a view at decode
     if not x.is_contiguous():
         x = x.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
     y = torch.empty((b, t, c), dtype=dt)
-    cu = torch.arange(0, b * t + 1, t, dtype=torch.int64)
-    _kda_mod.causal_conv1d(x, weight if weight.is_contiguous() else weight.contiguous(), conv_state=conv_state,
-                           bias=None if bias is None else bias.detach().to(torch.float32).contiguous(),
-                           cu_seqlens=cu, silu=activation is not None, y=y.view(b * t, c),
-                           threads=rec.threads or torch.get_num_threads())
+    cu = _conv_offsets(b, t)
+    f32 = None if bias is None else _np(bias.detach().to(torch.float32).contiguous())
+    # Shapes and dtypes were checked above: the binding directly (k3.kda.causal_conv1d's argument
+    # checks cost more than the convolution at decode).
+    if dt == torch.bfloat16:
+        u16 = torch.uint16
+        _k3_native.kda_conv_bf16(c, weight.shape[1], activation is not None, _np(x.view(u16)), _np(weight.view(u16)),
+                                 f32, cu, _np(conv_state.view(u16)), _np(y.view(u16).view(b * t, c)),
+                                 conv_state.shape[2], rec.threads or torch.get_num_threads())
+    else:
+        _k3_native.kda_conv_f32(c, weight.shape[1], activation is not None, _np(x), _np(weight), f32, cu,
+                                _np(conv_state), _np(y.view(b * t, c)), conv_state.shape[2],
+                                rec.threads or torch.get_num_threads())
     rec.calls["conv"] += 1
     return y.transpose(1, 2)
+
+
+_np = _k3torch._np  # a CPU tensor as a numpy array over the same memory
+_offsets_cache = {}
+
+
+def _conv_offsets(b, t):
+    """cu_seqlens of B sequences of T tokens (int64 numpy, cached: the same few shapes every step)."""
+    r = _offsets_cache.get((b, t))
+    if r is None:
+        r = _offsets_cache[(b, t)] = np.arange(0, b * t + 1, t, dtype=np.int64)
+    return r
 
 
 _K3_FUNCS = {"chunk_kimi_delta_attention": _k3_chunk, "recurrent_kimi_delta_attention": _k3_recurrent,

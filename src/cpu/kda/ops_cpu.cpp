@@ -2,6 +2,7 @@
 // fixed order per output element; threads over (sequence, channel block) and rows.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "k3/formats.hpp"
 #include "k3/kda_ops.hpp"
@@ -22,44 +23,85 @@ float store<float>(float v) { return v; }
 template <>
 uint16_t store<uint16_t>(float v) { return bf16_from_f32(v); }
 
-template <typename T, typename Args>
-Status conv_impl(const Args& a, int threads, int64_t T_, int64_t N) {
-  if (threads < 0) return invalid_argument("threads = " + std::to_string(threads) + " must be >= 0 (0: all logical CPUs)");
-  const int64_t D = a.channels, W = a.width, S = detail::conv_state_len(W, a.state_len);
+// WC: the width as a compile-time constant (2..8), so that the tap loops unroll and the channel
+// loops vectorize.
+template <typename T, int WC, typename Args>
+void conv_run(const Args& a, int threads, int64_t T_, int64_t N) {
+  constexpr int64_t W = WC;
+  const int64_t D = a.channels, S = detail::conv_state_len(W, a.state_len);
   const int64_t blocks = (D + kChannelBlock - 1) / kChannelBlock;
   T* const state_base = a.conv_state.empty() ? nullptr : a.conv_state.data();
-#pragma omp parallel for schedule(dynamic, 1) num_threads(resolve(threads)) if (N * blocks > 1)
+  const T* const x = a.x.data();
+  const T* const weight = a.weight.data();
+  const float* const bias = a.bias.empty() ? nullptr : a.bias.data();
+  T* const y = a.y.data();
+  const bool silu = a.silu;
+  // Work items: (sequence, block of 64 channels), contiguous ranges per thread. Each output element
+  // is z = bias + w_0 x_0 + ... + w_{W-1} x_{W-1} in that order (no FMA: this file is built for the
+  // baseline ISA), then z / (1 + exp(-z)): the same bits on every thread count.
+#pragma omp parallel for schedule(static) num_threads(resolve(threads)) if (N * blocks > 1)
   for (int64_t u = 0; u < N * blocks; ++u) {
-    const int64_t n = u / blocks, c0 = (u % blocks) * kChannelBlock, c1 = std::min(D, c0 + kChannelBlock);
+    const int64_t n = u / blocks, c0 = (u % blocks) * kChannelBlock, nc = std::min(D, c0 + kChannelBlock) - c0;
     const int64_t t0 = a.cu_seqlens.empty() ? 0 : a.cu_seqlens[n];
     const int64_t t1 = a.cu_seqlens.empty() ? T_ : a.cu_seqlens[n + 1];
-    // win[i][c - c0]: the input at position t - W + 1 + i, shifted by one every token.
-    float win[kMaxConvWidth][kChannelBlock];
-    for (int64_t i = 0; i < W - 1; ++i) {
-      for (int64_t c = c0; c < c1; ++c) {
-        win[i][c - c0] = state_base == nullptr ? 0.0f : load(state_base[(n * D + c) * S + (S - (W - 1)) + i]);
-      }
+    // wt[i][j]: weight of tap i for channel c0 + j (transposed once: the tap loops run over j).
+    // win[i][j]: the input at position t - W + 1 + i, shifted by one every token.
+    float wt[kMaxConvWidth][kChannelBlock], win[kMaxConvWidth][kChannelBlock], z[kChannelBlock];
+    for (int64_t j = 0; j < nc; ++j) {
+      for (int64_t i = 0; i < W; ++i) wt[i][j] = load(weight[(c0 + j) * W + i]);
+    }
+    const T* st_row = state_base == nullptr ? nullptr : state_base + (n * D + c0) * S + (S - (W - 1));
+    for (int64_t j = 0; j < nc; ++j) {
+      for (int64_t i = 0; i < W - 1; ++i) win[i][j] = st_row == nullptr ? 0.0f : load(st_row[j * S + i]);
     }
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t c = c0; c < c1; ++c) win[W - 1][c - c0] = load(a.x[t * D + c]);
-      for (int64_t c = c0; c < c1; ++c) {
-        float z = a.bias.empty() ? 0.0f : a.bias[c];
-        for (int64_t i = 0; i < W; ++i) z += load(a.weight[c * W + i]) * win[i][c - c0];
-        a.y[t * D + c] = store<T>(a.silu ? z / (1.0f + std::exp(-z)) : z);
+      const T* xt = x + t * D + c0;
+      for (int64_t j = 0; j < nc; ++j) win[W - 1][j] = load(xt[j]);
+      for (int64_t j = 0; j < nc; ++j) z[j] = bias == nullptr ? 0.0f : bias[c0 + j];
+      for (int64_t i = 0; i < W; ++i) {
+        for (int64_t j = 0; j < nc; ++j) z[j] += wt[i][j] * win[i][j];
       }
-      for (int64_t i = 0; i + 1 < W; ++i) std::copy(win[i + 1], win[i + 1] + (c1 - c0), win[i]);
+      T* yt = y + t * D + c0;
+      if (silu) {  // the exponentials first (library calls), then one vectorizable pass
+        float e[kChannelBlock];
+        for (int64_t j = 0; j < nc; ++j) e[j] = std::exp(-z[j]);
+        for (int64_t j = 0; j < nc; ++j) yt[j] = store<T>(z[j] / (1.0f + e[j]));
+      } else {
+        for (int64_t j = 0; j < nc; ++j) yt[j] = store<T>(z[j]);
+      }
+      for (int64_t i = 0; i + 1 < W; ++i) std::copy(win[i + 1], win[i + 1] + nc, win[i]);
     }
     if (state_base != nullptr) {  // the last S inputs: older state entries shift down, then the tokens
       const int64_t L = t1 - t0, keep = std::max<int64_t>(S - L, 0);
-      for (int64_t c = c0; c < c1; ++c) {
-        T* st = state_base + (n * D + c) * S;
-        for (int64_t j = 0; j < keep; ++j) st[j] = st[j + L];
-        for (int64_t j = keep; j < S; ++j) st[j] = a.x[(t1 - (S - j)) * D + c];
+      T* const block = state_base + (n * D + c0) * S;  // [nc, S], contiguous
+      if (keep > 0 && L > 0) {
+        // One move of the whole block by L entries puts every row's entries k + L at k for k < keep
+        // (the rest of each row is overwritten with the tokens below).
+        std::memmove(block, block + L, static_cast<size_t>(nc * S - L) * sizeof(T));
+      }
+      for (int64_t k = keep; k < S; ++k) {
+        const T* xk = x + (t1 - (S - k)) * D + c0;
+        for (int64_t j = 0; j < nc; ++j) block[j * S + k] = xk[j];
       }
     }
   }
+}
+
+template <typename T, typename Args>
+Status conv_impl(const Args& a, int threads, int64_t T_, int64_t N) {
+  if (threads < 0) return invalid_argument("threads = " + std::to_string(threads) + " must be >= 0 (0: all logical CPUs)");
+  switch (a.width) {  // validated: 2..kMaxConvWidth
+    case 2: conv_run<T, 2>(a, threads, T_, N); break;
+    case 3: conv_run<T, 3>(a, threads, T_, N); break;
+    case 4: conv_run<T, 4>(a, threads, T_, N); break;
+    case 5: conv_run<T, 5>(a, threads, T_, N); break;
+    case 6: conv_run<T, 6>(a, threads, T_, N); break;
+    case 7: conv_run<T, 7>(a, threads, T_, N); break;
+    default: conv_run<T, 8>(a, threads, T_, N); break;
+  }
   return Status::ok();
 }
+static_assert(kMaxConvWidth == 8, "conv_impl dispatches widths 2..8");
 }  // namespace
 
 Status causal_conv1d(const ConvArgs& a, int threads) {
