@@ -879,12 +879,12 @@ NB_MODULE(_k3, m) {
   m.doc() = "k3: Kimi-K3 MoE and Kimi Delta Attention kernels (CPU backend; see the k3 package)";
   m.def("info", &info, "Machine, ISA level and the backends of each op with their availability.");
 
-  m.def("mx_quantize", &mx_quantize, "x"_a, "rows"_a, "cols"_a, "element"_a, "rule"_a, "q"_a, "scales"_a);
-  m.def("mx_quantize_bf16", &mx_quantize_bf16, "x"_a, "rows"_a, "cols"_a, "element"_a, "rule"_a, "q"_a,
-        "scales"_a);
-  m.def("mx_dequantize", &mx_dequantize, "q"_a, "scales"_a, "rows"_a, "cols"_a, "element"_a, "out"_a);
-  m.def("route", &route, "logits"_a, "bias"_a.none(), "m"_a, "num_experts"_a, "top_k"_a, "n_group"_a,
-        "topk_group"_a, "renormalize"_a, "routed_scaling_factor"_a, "ids"_a, "weights"_a);
+  m.def("mx_quantize", &mx_quantize, "x"_a.noconvert(), "rows"_a, "cols"_a, "element"_a, "rule"_a, "q"_a.noconvert(), "scales"_a.noconvert());
+  m.def("mx_quantize_bf16", &mx_quantize_bf16, "x"_a.noconvert(), "rows"_a, "cols"_a, "element"_a, "rule"_a, "q"_a.noconvert(),
+        "scales"_a.noconvert());
+  m.def("mx_dequantize", &mx_dequantize, "q"_a.noconvert(), "scales"_a.noconvert(), "rows"_a, "cols"_a, "element"_a, "out"_a.noconvert());
+  m.def("route", &route, "logits"_a.noconvert(), "bias"_a.noconvert().none(), "m"_a, "num_experts"_a, "top_k"_a, "n_group"_a,
+        "topk_group"_a, "renormalize"_a, "routed_scaling_factor"_a, "ids"_a.noconvert(), "weights"_a.noconvert());
 
   nb::class_<k3::MoeProblem>(m, "MoeProblem")
       .def("__repr__", [](const k3::MoeProblem& p) {
@@ -899,28 +899,28 @@ NB_MODULE(_k3, m) {
   m.def("moe_problem", &moe_problem, "hidden"_a, "intermediate"_a, "num_experts"_a, "top_k"_a, "ep_size"_a,
         "ep_rank"_a, "recipe"_a, "activation"_a, "out_dtype"_a, "situ_beta"_a, "situ_linear_beta"_a,
         "swiglu_alpha"_a, "swiglu_beta"_a, "swiglu_limit"_a);
-  m.def("moe_run", &moe_run, "problem"_a, "fc1_q"_a, "fc1_scale"_a, "fc2_q"_a, "fc2_scale"_a, "x"_a, "topk_ids"_a,
-        "topk_weights"_a, "m"_a, "backend"_a, "threads"_a, "isa"_a, "out"_a);
+  m.def("moe_run", &moe_run, "problem"_a, "fc1_q"_a.noconvert(), "fc1_scale"_a.noconvert(), "fc2_q"_a.noconvert(), "fc2_scale"_a.noconvert(), "x"_a.noconvert(), "topk_ids"_a.noconvert(),
+        "topk_weights"_a.noconvert(), "m"_a, "backend"_a, "threads"_a, "isa"_a, "out"_a.noconvert());
 
   nb::class_<CpuMoe>(m, "CpuMoe")
       .def_prop_ro("describe", [](const CpuMoe& c) { return c.plan.describe(); })
       .def_prop_ro("workspace_bytes", [](const CpuMoe& c) { return c.plan.workspace_bytes; })
       .def_prop_ro("max_tokens", [](const CpuMoe& c) { return c.plan.max_tokens; })
-      .def("run", &cpu_moe_run, "x"_a, "topk_ids"_a, "topk_weights"_a, "m"_a, "out"_a)
-      .def("time_native", &cpu_moe_time_native, "x"_a, "topk_ids"_a, "topk_weights"_a, "m"_a, "out"_a, "iters"_a);
+      .def("run", &cpu_moe_run, "x"_a.noconvert(), "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "m"_a, "out"_a.noconvert())
+      .def("time_native", &cpu_moe_time_native, "x"_a.noconvert(), "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "m"_a, "out"_a.noconvert(), "iters"_a);
   m.def("cpu_moe_prepare", &cpu_moe_prepare, nb::rv_policy::take_ownership, "problem"_a, "max_tokens"_a,
-        "threads"_a, "isa"_a, "fc1_q"_a, "fc1_scale"_a, "fc2_q"_a, "fc2_scale"_a);
+        "threads"_a, "isa"_a, "fc1_q"_a.noconvert(), "fc1_scale"_a.noconvert(), "fc2_q"_a.noconvert(), "fc2_scale"_a.noconvert());
 
-  m.def("linear_run", &linear_run, "k"_a, "n"_a, "recipe"_a, "out_dtype"_a, "codes"_a, "scales"_a, "bias"_a.none(),
-        "x"_a, "m"_a, "backend"_a, "threads"_a, "isa"_a, "out"_a);
+  m.def("linear_run", &linear_run, "k"_a.noconvert(), "n"_a, "recipe"_a, "out_dtype"_a, "codes"_a.noconvert(), "scales"_a.noconvert(), "bias"_a.noconvert().none(),
+        "x"_a.noconvert(), "m"_a, "backend"_a, "threads"_a, "isa"_a, "out"_a.noconvert());
   nb::class_<CpuLinear>(m, "CpuLinear")
       .def_prop_ro("describe", [](const CpuLinear& c) { return c.plan.describe(); })
       .def_prop_ro("max_tokens", [](const CpuLinear& c) { return c.plan.max_tokens; })
       .def_prop_ro("packed_bytes", [](const CpuLinear& c) { return c.packed.bytes(); })
-      .def("run", &cpu_linear_run, "x"_a, "m"_a, "out"_a)
-      .def("time_native", &cpu_linear_time_native, "x"_a, "m"_a, "out"_a, "iters"_a);
-  m.def("cpu_linear_prepare", &cpu_linear_prepare, nb::rv_policy::take_ownership, "k"_a, "n"_a, "recipe"_a,
-        "out_dtype"_a, "codes"_a, "scales"_a, "bias"_a.none(), "max_tokens"_a, "threads"_a, "isa"_a);
+      .def("run", &cpu_linear_run, "x"_a.noconvert(), "m"_a, "out"_a.noconvert())
+      .def("time_native", &cpu_linear_time_native, "x"_a.noconvert(), "m"_a, "out"_a.noconvert(), "iters"_a);
+  m.def("cpu_linear_prepare", &cpu_linear_prepare, nb::rv_policy::take_ownership, "k"_a.noconvert(), "n"_a, "recipe"_a,
+        "out_dtype"_a, "codes"_a.noconvert(), "scales"_a.noconvert(), "bias"_a.noconvert().none(), "max_tokens"_a, "threads"_a, "isa"_a);
   m.def("load_checkpoint_layer", &load_checkpoint_layer, "dir"_a, "layer"_a, "ep_size"_a, "ep_rank"_a);
   nb::class_<k3::kda::KdaConfig>(m, "KdaConfig")
       .def_ro("num_heads", &k3::kda::KdaConfig::num_heads)
@@ -934,22 +934,22 @@ NB_MODULE(_k3, m) {
   m.def("kda_conv_bf16", &kda_conv<uint16_t>, "channels"_a, "width"_a, "silu"_a, "x"_a.noconvert(),
         "weight"_a.noconvert(), "bias"_a.noconvert().none(), "cu_seqlens"_a.noconvert().none(),
         "conv_state"_a.noconvert().none(), "y"_a.noconvert(), "state_len"_a, "threads"_a);
-  m.def("kda_decode", &kda_decode<float>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
-        "dt_bias"_a.none(), "state_pool"_a, "state_indices"_a, "backend"_a, "threads"_a, "isa"_a, "o"_a);
-  m.def("kda_decode", &kda_decode<uint16_t>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
-        "dt_bias"_a.none(), "state_pool"_a, "state_indices"_a, "backend"_a, "threads"_a, "isa"_a, "o"_a);
-  m.def("kda_verify", &kda_verify<float>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
-        "dt_bias"_a.none(), "draft_tokens"_a, "state_pool"_a, "state_indices"_a, "num_accepted"_a, "backend"_a,
-        "threads"_a, "isa"_a, "o"_a);
-  m.def("kda_verify", &kda_verify<uint16_t>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
-        "dt_bias"_a.none(), "draft_tokens"_a, "state_pool"_a, "state_indices"_a, "num_accepted"_a, "backend"_a,
-        "threads"_a, "isa"_a, "o"_a);
-  m.def("kda_prefill", &kda_prefill<float>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
-        "dt_bias"_a.none(), "cu_seqlens"_a.none(), "initial_state"_a.none(), "backend"_a, "threads"_a, "isa"_a,
-        "o"_a, "final_state"_a.none());
-  m.def("kda_prefill", &kda_prefill<uint16_t>, "cfg"_a, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
-        "dt_bias"_a.none(), "cu_seqlens"_a.none(), "initial_state"_a.none(), "backend"_a, "threads"_a, "isa"_a,
-        "o"_a, "final_state"_a.none());
+  m.def("kda_decode", &kda_decode<float>, "cfg"_a, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(),
+        "dt_bias"_a.noconvert().none(), "state_pool"_a.noconvert(), "state_indices"_a.noconvert(), "backend"_a, "threads"_a, "isa"_a, "o"_a.noconvert());
+  m.def("kda_decode", &kda_decode<uint16_t>, "cfg"_a, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(),
+        "dt_bias"_a.noconvert().none(), "state_pool"_a.noconvert(), "state_indices"_a.noconvert(), "backend"_a, "threads"_a, "isa"_a, "o"_a.noconvert());
+  m.def("kda_verify", &kda_verify<float>, "cfg"_a, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(),
+        "dt_bias"_a.noconvert().none(), "draft_tokens"_a, "state_pool"_a.noconvert(), "state_indices"_a.noconvert(), "num_accepted"_a.noconvert(), "backend"_a,
+        "threads"_a, "isa"_a, "o"_a.noconvert());
+  m.def("kda_verify", &kda_verify<uint16_t>, "cfg"_a, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(),
+        "dt_bias"_a.noconvert().none(), "draft_tokens"_a, "state_pool"_a.noconvert(), "state_indices"_a.noconvert(), "num_accepted"_a.noconvert(), "backend"_a,
+        "threads"_a, "isa"_a, "o"_a.noconvert());
+  m.def("kda_prefill", &kda_prefill<float>, "cfg"_a, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(),
+        "dt_bias"_a.noconvert().none(), "cu_seqlens"_a.noconvert().none(), "initial_state"_a.noconvert().none(), "backend"_a, "threads"_a, "isa"_a,
+        "o"_a.noconvert(), "final_state"_a.noconvert().none());
+  m.def("kda_prefill", &kda_prefill<uint16_t>, "cfg"_a, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(),
+        "dt_bias"_a.noconvert().none(), "cu_seqlens"_a.noconvert().none(), "initial_state"_a.noconvert().none(), "backend"_a, "threads"_a, "isa"_a,
+        "o"_a.noconvert(), "final_state"_a.noconvert().none());
 
   // ---- CUDA (compiled only; NEVER RUN ON A GPU). Present in every build; without CUDA they raise.
   m.def("cuda_compiled", &cuda_compiled, "True when this build contains the CUDA backend.");
@@ -960,23 +960,23 @@ NB_MODULE(_k3, m) {
       .def_prop_ro("workspace_bytes", [](const CudaKda& c) { return c.plan.workspace_bytes; })
       .def_prop_ro("max_seqs", [](const CudaKda& c) { return c.plan.max_seqs; })
       .def_prop_ro("device", [](const CudaKda& c) { return c.device; })
-      .def("prefill", &cuda_kda_prefill<float>, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
-           "dt_bias"_a.none(), "cu_seqlens"_a.none(), "initial_state"_a.none(), "o"_a, "final_state"_a.none(),
-           "workspace"_a, "stream"_a)
-      .def("prefill", &cuda_kda_prefill<uint16_t>, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
-           "dt_bias"_a.none(), "cu_seqlens"_a.none(), "initial_state"_a.none(), "o"_a, "final_state"_a.none(),
-           "workspace"_a, "stream"_a)
-      .def("decode", &cuda_kda_decode<float>, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
-           "dt_bias"_a.none(), "state_pool"_a, "state_indices"_a, "o"_a, "workspace"_a, "stream"_a)
-      .def("decode", &cuda_kda_decode<uint16_t>, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
-           "dt_bias"_a.none(), "state_pool"_a, "state_indices"_a, "o"_a, "workspace"_a, "stream"_a)
-      .def("verify", &cuda_kda_verify<float>, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
-           "dt_bias"_a.none(), "draft_tokens"_a, "state_pool"_a, "state_indices"_a, "num_accepted"_a, "o"_a,
-           "workspace"_a, "stream"_a)
-      .def("verify", &cuda_kda_verify<uint16_t>, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "a_log"_a.none(),
-           "dt_bias"_a.none(), "draft_tokens"_a, "state_pool"_a, "state_indices"_a, "num_accepted"_a, "o"_a,
-           "workspace"_a, "stream"_a)
-      .def("status", &cuda_kda_status, "workspace"_a, "stream"_a);
+      .def("prefill", &cuda_kda_prefill<float>, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(),
+           "dt_bias"_a.noconvert().none(), "cu_seqlens"_a.noconvert().none(), "initial_state"_a.noconvert().none(), "o"_a.noconvert(), "final_state"_a.noconvert().none(),
+           "workspace"_a.noconvert(), "stream"_a)
+      .def("prefill", &cuda_kda_prefill<uint16_t>, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(),
+           "dt_bias"_a.noconvert().none(), "cu_seqlens"_a.noconvert().none(), "initial_state"_a.noconvert().none(), "o"_a.noconvert(), "final_state"_a.noconvert().none(),
+           "workspace"_a.noconvert(), "stream"_a)
+      .def("decode", &cuda_kda_decode<float>, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(),
+           "dt_bias"_a.noconvert().none(), "state_pool"_a.noconvert(), "state_indices"_a.noconvert(), "o"_a.noconvert(), "workspace"_a.noconvert(), "stream"_a)
+      .def("decode", &cuda_kda_decode<uint16_t>, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(),
+           "dt_bias"_a.noconvert().none(), "state_pool"_a.noconvert(), "state_indices"_a.noconvert(), "o"_a.noconvert(), "workspace"_a.noconvert(), "stream"_a)
+      .def("verify", &cuda_kda_verify<float>, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(),
+           "dt_bias"_a.noconvert().none(), "draft_tokens"_a, "state_pool"_a.noconvert(), "state_indices"_a.noconvert(), "num_accepted"_a.noconvert(), "o"_a.noconvert(),
+           "workspace"_a.noconvert(), "stream"_a)
+      .def("verify", &cuda_kda_verify<uint16_t>, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(),
+           "dt_bias"_a.noconvert().none(), "draft_tokens"_a, "state_pool"_a.noconvert(), "state_indices"_a.noconvert(), "num_accepted"_a.noconvert(), "o"_a.noconvert(),
+           "workspace"_a.noconvert(), "stream"_a)
+      .def("status", &cuda_kda_status, "workspace"_a.noconvert(), "stream"_a);
   m.def("cuda_kda_plan", &cuda_kda_plan, nb::rv_policy::take_ownership, "cfg"_a, "device"_a, "max_seqs"_a,
         "algorithm"_a, "caps"_a.none());
   nb::class_<CudaMoe>(m, "CudaMoe")
@@ -984,11 +984,11 @@ NB_MODULE(_k3, m) {
       .def_prop_ro("workspace_bytes", [](const CudaMoe& c) { return c.plan.workspace_bytes; })
       .def_prop_ro("max_tokens", [](const CudaMoe& c) { return c.plan.max_tokens; })
       .def_prop_ro("device", [](const CudaMoe& c) { return c.device; })
-      .def("run", &cuda_moe_run, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "m_device"_a, "workspace"_a,
+      .def("run", &cuda_moe_run, "x"_a.noconvert(), "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "out"_a.noconvert(), "m_device"_a.noconvert(), "workspace"_a.noconvert(),
            "stream"_a);
   m.def("cuda_moe_prepare", &cuda_moe_prepare, nb::rv_policy::take_ownership, "problem"_a, "max_tokens"_a,
-        "device"_a, "sm120_native_w4a8"_a, "path"_a.none(), "caps"_a.none(), "fc1_q"_a, "fc1_scale"_a, "fc2_q"_a, "fc2_scale"_a);
-  m.def("cuda_route", &cuda_route, "logits"_a, "bias"_a.none(), "m_device"_a, "num_experts"_a, "top_k"_a,
-        "n_group"_a, "topk_group"_a, "renormalize"_a, "routed_scaling_factor"_a, "topk_ids"_a, "topk_weights"_a,
+        "device"_a, "sm120_native_w4a8"_a, "path"_a.none(), "caps"_a.none(), "fc1_q"_a.noconvert(), "fc1_scale"_a.noconvert(), "fc2_q"_a.noconvert(), "fc2_scale"_a.noconvert());
+  m.def("cuda_route", &cuda_route, "logits"_a.noconvert(), "bias"_a.noconvert().none(), "m_device"_a.noconvert(), "num_experts"_a, "top_k"_a,
+        "n_group"_a, "topk_group"_a, "renormalize"_a, "routed_scaling_factor"_a, "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(),
         "stream"_a);
 }

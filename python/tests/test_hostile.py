@@ -261,3 +261,27 @@ def test_fused_moe_names_the_callers_arguments():
     with pytest.raises(ValueError, match=r"router_logits has shape \(4, 8\)"):
         layer(h[0], torch.zeros((4, 8)))
     assert layer(h[0], torch.zeros((5, 8))).shape == (5, 64)
+
+
+def test_the_bindings_themselves_never_convert_an_array():
+    """Under the Python checks, the extension's own arguments are marked no-convert: a direct call
+    with a wrong dtype or a strided array raises instead of working on a hidden copy."""
+    logits = np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)
+    ids, wts = np.full((3, 4), -7, np.int32), np.zeros((3, 4), np.float32)
+    k3._k3.route(logits, None, 3, 16, 4, 1, 1, True, 1.0, ids, wts)  # the valid call
+    assert (ids >= 0).all()
+    bad_ids = np.full((3, 4), -7, np.int64)
+    with pytest.raises(TypeError):
+        k3._k3.route(logits, None, 3, 16, 4, 1, 1, True, 1.0, bad_ids, wts)
+    assert (bad_ids == -7).all()
+    with pytest.raises(TypeError):
+        k3._k3.route(logits.astype(np.float64), None, 3, 16, 4, 1, 1, True, 1.0, ids, wts)
+    y = np.full((4, 8), 5.0)  # float64 output of the FP32 conv
+    with pytest.raises(TypeError):
+        k3._k3.kda_conv_f32(8, 4, True, np.zeros((4, 8), np.float32), np.zeros((8, 4), np.float32), None, None, None,
+                            y, 0, 1)
+    assert (y == 5.0).all()
+    strided = np.zeros((4, 16), np.float32)[:, ::2]
+    with pytest.raises(TypeError):
+        k3._k3.kda_conv_f32(8, 4, True, strided, np.zeros((8, 4), np.float32), None, None, None,
+                            np.zeros((4, 8), np.float32), 0, 1)
