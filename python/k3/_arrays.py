@@ -98,6 +98,29 @@ def int_arg(name, v, lo, hi):
     return int(v)
 
 
+def path_arg(name, path):
+    """A filesystem path as str; a NUL byte (which would cut the library's message short) is refused."""
+    import os
+    p = os.fspath(path)
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    if "\0" in p:
+        raise ValueError(f"{name} = {p!r} contains a NUL byte (at index {p.index(chr(0))}): not a valid path")
+    return p
+
+
+def no_overlap(out_name, out, inputs):
+    """Refuses an output that shares memory with an input: k3 reads its inputs while it writes its
+    outputs, so an alias would give wrong rows with no error. inputs: (name, array or None) pairs."""
+    for name, a in inputs:
+        if a is not None and a is not out and np.may_share_memory(out, a):
+            raise ValueError(f"{out_name} overlaps {name}: k3 writes {out_name} while it reads {name}; pass separate "
+                             "buffers")
+        if a is out and a is not None:
+            raise ValueError(f"{out_name} is the same array as {name}: k3 writes {out_name} while it reads {name}; "
+                             "pass separate buffers")
+
+
 def seqlens_arg(name, cu, num_tokens):
     """cu_seqlens as an int64 array: an int64 array is used as it is (checked); a list or tuple of
     Python ints is converted (documented); floats, other integer widths and fewer than 2 entries are

@@ -1,6 +1,7 @@
 """Checkpoint loading: one EP rank's experts of a Kimi-K3-format checkpoint layer."""
 
 from . import _k3
+from ._arrays import int_arg, path_arg
 from . import moe as _moe
 
 
@@ -54,4 +55,7 @@ def load_checkpoint_layer(path, layer, ep_size=1, ep_rank=0):
     """Loads layer ``layer``'s experts of EP rank ``ep_rank`` of ``ep_size`` (only that rank's
     experts are read). Errors name the missing experts, tensor or config key (ValueError /
     RuntimeError with the library's message)."""
-    return MoeLayer(_k3.load_checkpoint_layer(str(path), int(layer), int(ep_size), int(ep_rank)))
+    path = path_arg("path", path)
+    ep_size = int_arg("ep_size", ep_size, 1, 4096)
+    return MoeLayer(_k3.load_checkpoint_layer(path, int_arg("layer", layer, 0, 2 ** 31 - 1), ep_size,
+                                              int_arg("ep_rank", ep_rank, 0, ep_size - 1)))

@@ -10,7 +10,8 @@ Returns (o [T, H, V] float32, final_state or None)."""
 import numpy as np
 
 from . import _k3
-from ._arrays import bf16_bits, cuda_empty, host_view, need, need_cuda, out_or_new, seqlens_arg, stream_int
+from ._arrays import (bf16_bits, cuda_empty, host_view, need, need_cuda, no_overlap, out_or_new, seqlens_arg,
+                      stream_int)
 
 
 def prefill(q, k, v, g, beta, a_log=None, dt_bias=None, cu_seqlens=None, initial_state=None, gate="safe",
@@ -43,6 +44,11 @@ def prefill(q, k, v, g, beta, a_log=None, dt_bias=None, cu_seqlens=None, initial
     elif final_state is not None:
         # checked, never converted: a float64 or strided final_state would be written in a copy
         final_state = out_or_new("final_state", host_view(final_state), state_shape, np.float32)
+    ins = (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("a_log", a_log), ("dt_bias", dt_bias),
+           ("initial_state", initial_state))
+    no_overlap("o", o, ins)
+    if final_state is not None:
+        no_overlap("final_state", final_state, ins[:7] + (("o", o),))
     _k3.kda_prefill(cfg, q, k, v, g, beta, a_log, dt_bias, cu_seqlens, initial_state, backend or "", threads, isa,
                     o, final_state)
     return o, (final_state if given is None else given)
@@ -97,6 +103,10 @@ def decode(q, k, v, g, beta, state_pool, state_indices, a_log=None, dt_bias=None
     cfg = _k3.kda_config(h, hk, hv, gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout)
     given = o
     o = out_or_new("o", host_view(o), (n, h, hv), np.float32)
+    ins = (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("a_log", a_log), ("dt_bias", dt_bias),
+           ("state_indices", state_indices))
+    no_overlap("o", o, ins + (("state_pool", state_pool),))
+    no_overlap("state_pool", state_pool, ins)
     _k3.kda_decode(cfg, q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices, backend or "", threads, isa, o)
     return o if given is None else given
 
@@ -121,6 +131,10 @@ def verify(q, k, v, g, beta, state_pool, state_indices, num_accepted, a_log=None
     cfg = _k3.kda_config(h, hk, hv, gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout)
     given = o
     o = out_or_new("o", host_view(o), (n * t, h, hv), np.float32)
+    ins = (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("a_log", a_log), ("dt_bias", dt_bias),
+           ("state_indices", state_indices), ("num_accepted", num_accepted))
+    no_overlap("o", o, ins + (("state_pool", state_pool),))
+    no_overlap("state_pool", state_pool, ins)
     _k3.kda_verify(cfg, q, k, v, g, beta, a_log, dt_bias, t, state_pool, state_indices, num_accepted, backend or "",
                    threads, isa, o)
     return o if given is None else given
@@ -282,6 +296,10 @@ def causal_conv1d(x, weight, conv_state=None, bias=None, cu_seqlens=None, silu=T
     if y is not None:
         y = conv("y", host_view(y))
     y = out_or_new("y", y, (t, d), dt)
+    no_overlap("y", y, (("x", x), ("weight", weight), ("bias", bias), ("cu_seqlens", cu_seqlens),
+                        ("conv_state", conv_state)))
+    if conv_state is not None:
+        no_overlap("conv_state", conv_state, (("x", x), ("weight", weight), ("bias", bias)))
     fn = _k3.kda_conv_bf16 if bf16 else _k3.kda_conv_f32
     fn(d, w, bool(silu), x, weight, bias, cu_seqlens, conv_state, y, state_len, int(threads))
     return y if given is None else given

@@ -12,7 +12,7 @@ Every ISA level and thread count gives the bits of the contract (the "reference"
 import numpy as np
 
 from . import _k3
-from ._arrays import bf16_bits, host_view, need, out16, out_or_new
+from ._arrays import bf16_bits, host_view, need, no_overlap, out16, out_or_new
 from .mx import quantize as _mx_quantize
 
 _OUT = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.float32}
@@ -59,7 +59,9 @@ def _check_x(k, n, x, out, out_type):
     if len(shape) != 2 or shape[1] != k:
         raise ValueError(f"x has shape {shape}, expected [M, {k}] (BF16 bits as uint16)")
     m = shape[0]
-    return m, out_or_new("out", out, (m, n), out_type)
+    out = out_or_new("out", out, (m, n), out_type)
+    no_overlap("out", out, (("x", x),))
+    return m, out
 
 
 def run(codes, scales, x, bias=None, recipe="w8a16", out_dtype="bf16", out=None, backend=None, threads=0, isa=""):

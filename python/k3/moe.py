@@ -11,7 +11,8 @@ patterns, "fp32" as float32.
 import numpy as np
 
 from . import _k3
-from ._arrays import bf16_bits, cuda_empty, host_view, need, need_cuda, out16, out_or_new, stream_int
+from ._arrays import (bf16_bits, cuda_empty, host_view, int_arg, need, need_cuda, no_overlap, out16, out_or_new,
+                      stream_int)
 
 _OUT = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.float32}
 
@@ -22,6 +23,14 @@ def problem(hidden=3584, intermediate=3072, num_experts=896, top_k=16, ep_size=1
     """A checked problem description (defaults: the Kimi-K3 per-rank shape, W4A8, SiTU, BF16 out)."""
     if out_dtype not in _OUT:
         raise ValueError(f"out_dtype = '{out_dtype}' must be one of {sorted(_OUT)}")
+    # Range checks before the extension sees the integers (its own checks then give the precise rule).
+    big = 2 ** 31 - 1
+    hidden = int_arg("hidden", hidden, 1, big)
+    intermediate = int_arg("intermediate", intermediate, 1, big)
+    num_experts = int_arg("num_experts", num_experts, 1, 4096)
+    top_k = int_arg("top_k", top_k, 1, min(32, num_experts))
+    ep_size = int_arg("ep_size", ep_size, 1, num_experts)
+    ep_rank = int_arg("ep_rank", ep_rank, 0, ep_size - 1)
     p = _k3.moe_problem(hidden, intermediate, num_experts, top_k, ep_size, ep_rank, recipe, activation, out_dtype,
                         situ_beta, situ_linear_beta, swiglu_alpha, swiglu_beta, swiglu_limit)
     p_out = _OUT[out_dtype]
@@ -70,7 +79,9 @@ def _check_inputs(p, x, topk_ids, topk_weights, out):
     slots = (m, p.top_k)
     need("topk_ids", topk_ids, slots, np.int32)
     need("topk_weights", topk_weights, slots, np.float32)
-    return m, out_or_new("out", out, (m, p.hidden), p.out_type)
+    out = out_or_new("out", out, (m, p.hidden), p.out_type)
+    no_overlap("out", out, (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)))
+    return m, out
 
 
 def run(p, fc1_q, fc1_scale, fc2_q, fc2_scale, x, topk_ids, topk_weights, out=None, backend=None, threads=0,

@@ -3,7 +3,7 @@
 import numpy as np
 
 from . import _k3
-from ._arrays import host_view, int_arg, need, out_or_new
+from ._arrays import host_view, int_arg, need, no_overlap, out_or_new
 
 
 MAX_EXPERTS = 4096  # the router's limits (docs/moe.md)
@@ -26,7 +26,10 @@ def route(logits, bias=None, top_k=16, n_group=1, topk_group=1, renormalize=True
     if bias is not None:
         bias = host_view(bias)
         need("bias", bias, (e,), np.float32)
-    ids = out_or_new("ids", ids, (m, top_k), np.int32)
-    weights = out_or_new("weights", weights, (m, top_k), np.float32)
+    given = ids, weights
+    ids = out_or_new("ids", host_view(ids) if ids is not None else None, (m, top_k), np.int32)
+    weights = out_or_new("weights", host_view(weights) if weights is not None else None, (m, top_k), np.float32)
+    no_overlap("ids", ids, (("logits", logits), ("bias", bias), ("weights", weights)))
+    no_overlap("weights", weights, (("logits", logits), ("bias", bias)))
     _k3.route(logits, bias, m, e, top_k, n_group, topk_group, renormalize, routed_scaling_factor, ids, weights)
-    return ids, weights
+    return (ids if given[0] is None else given[0]), (weights if given[1] is None else given[1])

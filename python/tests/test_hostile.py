@@ -285,3 +285,58 @@ def test_the_bindings_themselves_never_convert_an_array():
     with pytest.raises(TypeError):
         k3._k3.kda_conv_f32(8, 4, True, strided, np.zeros((8, 4), np.float32), None, None, None,
                             np.zeros((4, 8), np.float32), 0, 1)
+
+
+# ---- outputs that alias inputs ---------------------------------------------------------------
+
+
+def test_outputs_that_overlap_inputs_are_refused():
+    p, w, x, ids, wts = moe_case(out_dtype="fp32")
+    big = np.zeros(5 * 64 + 10, np.float32)
+    out = big[:5 * 64].reshape(5, 64)
+    alias_w = big[5 * 64 - 10:5 * 64].reshape(5, 2)  # the routing weights share the output's last 10 floats
+    alias_w[:] = wts
+    with pytest.raises(ValueError, match="out overlaps topk_weights"):
+        k3.moe.run(p, **w, x=x, topk_ids=ids, topk_weights=alias_w, out=out)
+    with pytest.raises(ValueError, match="out overlaps topk_weights"):
+        k3.moe.CpuMoe(p, **w, max_tokens=8).run(x, ids, alias_w, out=out)
+    np.testing.assert_array_equal(alias_w, wts)  # nothing was written
+    flat = np.random.default_rng(1).standard_normal(48).astype(np.float32)
+    logits = flat.reshape(3, 16)
+    with pytest.raises(ValueError, match="weights overlaps logits"):
+        k3.route(logits, top_k=4, ids=np.zeros((3, 4), np.int32), weights=flat[20:32].reshape(3, 4))
+    both = np.zeros(24, np.int32)
+    with pytest.raises(ValueError, match="ids overlaps weights"):
+        k3.route(logits, top_k=4, ids=both[:12].reshape(3, 4), weights=both.view(np.float32)[6:18].reshape(3, 4))
+    q, k, v, g, beta = kda_case()
+    with pytest.raises(ValueError, match="o is the same array as q"):
+        k3.kda.prefill(q, k, v, g, beta, gate="log_decay", o=q)
+    x2 = np.zeros((2, 8), np.float32)
+    with pytest.raises(ValueError, match="y is the same array as x"):
+        k3.kda.causal_conv1d(x2, np.zeros((8, 4), np.float32), y=x2)
+    codes, scales = k3.linear.quantize_weight(np.ones((64, 64), np.float32))
+    xl = np.zeros((2, 64), np.uint16)
+    with pytest.raises(ValueError, match="out is the same array as x"):
+        k3.linear.run(codes, scales, xl, out=xl)
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(num_experts=2 ** 31), r"num_experts = 2147483648 must be in \[1, 4096\]"),
+    (dict(hidden=2 ** 40), r"hidden = 1099511627776 must be in \[1, 2147483647\]"),
+    (dict(ep_size=2 ** 33), r"ep_size = 8589934592 must be in \[1, 8\]"),
+    (dict(ep_size=2, ep_rank=2), r"ep_rank = 2 must be in \[0, 1\]"),
+    (dict(top_k=0), r"top_k = 0 must be in \[1, 8\]"),
+    (dict(intermediate=64.0), "intermediate = 64.0 must be an integer"),
+])
+def test_moe_problem_integers_are_range_checked_by_name(kw, why):
+    base = dict(hidden=64, intermediate=64, num_experts=8, top_k=2)
+    base.update(kw)
+    with pytest.raises(ValueError, match=why):
+        k3.moe.problem(**base)
+
+
+def test_a_nul_byte_in_a_path_is_refused_whole():
+    with pytest.raises(ValueError, match=r"path = 'abc\\x00def' contains a NUL byte \(at index 3\)"):
+        k3.load_checkpoint_layer("abc\0def", 1)
+    with pytest.raises(ValueError, match=r"ep_rank = 4 must be in \[0, 3\]"):
+        k3.load_checkpoint_layer("/nonexistent", 1, ep_size=4, ep_rank=4)
