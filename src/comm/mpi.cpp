@@ -21,13 +21,21 @@ std::string mpi_error(int code) {
   return std::string(buf, static_cast<size_t>(len));
 }
 
-// Finalizes MPI at process exit when k3 initialized it.
+// Finalizes MPI at process exit when k3 initialized it. After a collective failed (a peer that
+// exited, crashed, stopped or hangs) MPI_Finalize would wait for that peer forever: the job is
+// aborted instead (exit code 2, the tools' code for an error), so that every rank ends.
 struct MpiLifetime {
   bool we_initialized = false;
+  bool peer_failed = false;
   ~MpiLifetime() {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (we_initialized && !finalized) MPI_Finalize();
+    if (!we_initialized || finalized) return;
+    if (peer_failed) {
+      MPI_Abort(MPI_COMM_WORLD, 2);
+      std::_Exit(2);
+    }
+    MPI_Finalize();
   }
 };
 MpiLifetime g_lifetime;
@@ -129,6 +137,7 @@ class MpiCommunicator final : public Communicator {
   // and sleeps (oversubscribed ranks must let their peers run).
   Status wait(const char* what, int start_code, MPI_Request& req) const {
     if (start_code != MPI_SUCCESS) {
+      g_lifetime.peer_failed = true;
       return unavailable("rank " + std::to_string(rank_) + ": " + what + " failed: " + mpi_error(start_code));
     }
     const auto t0 = std::chrono::steady_clock::now();
@@ -136,6 +145,7 @@ class MpiCommunicator final : public Communicator {
       int done = 0;
       const int rc = MPI_Test(&req, &done, MPI_STATUS_IGNORE);
       if (rc != MPI_SUCCESS) {
+        g_lifetime.peer_failed = true;
         return unavailable("rank " + std::to_string(rank_) + ": " + what + " failed: " + mpi_error(rc));
       }
       if (done) return Status::ok();
@@ -148,6 +158,7 @@ class MpiCommunicator final : public Communicator {
       if ((i & 63) == 0) {
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (s > timeout_s_) {
+          g_lifetime.peer_failed = true;
           return unavailable("rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": " + what +
                              " did not complete within the timeout of " + std::to_string(static_cast<int>(timeout_s_)) +
                              " s: a peer rank has exited, crashed or hangs");

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -154,6 +155,38 @@ TEST_F(MoeDistributed, ADeadOrHungRankFailsTheJobWithinBoundedTime) {
     EXPECT_LT(s, 60) << f.inject;
     EXPECT_NE(r.out.find(f.expect), std::string::npos) << f.inject << "\n" << r.out;
     EXPECT_NE(r.out.find(std::string("K3_FAULT_INJECT=") + f.inject), std::string::npos) << r.out;
+  }
+}
+
+// Every phase of a distributed run (start-up, loading, the run, the finish and the shutdown) ends
+// within --comm-timeout plus a margin when a peer hangs, is stopped (SIGSTOP) or dies: the ranks
+// that see it name themselves and the phase and abort the job with exit code 2; nobody is left
+// in MPI_Finalize; the output file is not written before the run has finished.
+TEST_F(MoeDistributed, EveryPhaseFailsBoundedWhenAPeerHangsStopsOrDies) {
+  const char* phases[] = {"start", "load", "run", "finish", "shutdown"};
+  const char* names[] = {"start-up", "loading", "run", "finish", "shutdown"};
+  for (int ph = 0; ph < 5; ++ph) {
+    for (const char* action : {"hang", "stop", "kill"}) {
+      const std::string inject = std::string(action) + ":1:" + phases[ph];
+      const std::string out = "fault_" + std::string(action) + "_" + phases[ph] + ".safetensors";
+      const auto t0 = std::chrono::steady_clock::now();
+      const auto r = run_sh(mpirun(2, args(out, "--distributed --comm-timeout 3"), "K3_FAULT_INJECT=" + inject));
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      EXPECT_NE(r.code, 0) << inject << "\n" << r.out;
+      EXPECT_NE(r.code, 124) << inject << ": the job hung until the test's 300 s timeout\n" << r.out;
+      EXPECT_LT(s, 60) << inject;
+      EXPECT_NE(r.out.find("K3_FAULT_INJECT=" + inject), std::string::npos) << r.out;
+      if (std::string(action) != "kill") {  // a killed rank ends the job through the launcher itself
+        EXPECT_EQ(r.code, 2) << inject << "\n" << r.out;
+        EXPECT_NE(r.out.find(std::string("rank 0 of 2, phase ") + names[ph] + ":"), std::string::npos)
+            << inject << "\n" << r.out;
+        EXPECT_NE(r.out.find("did not complete within the timeout of 3 s"), std::string::npos) << inject << "\n" << r.out;
+      }
+      const bool written = std::filesystem::exists(io_.file(out));
+      if (ph < 4) {
+        EXPECT_FALSE(written) << inject << ": the output was written before the run finished";
+      }
+    }
   }
 }
 

@@ -128,16 +128,23 @@ Status run_moe(const MoeRunArgs& a) {
 
 // Test hook (docs/distributed.md, "Faults"): K3_FAULT_INJECT=kill:R | exit:R | hang:R makes rank R
 // die by SIGKILL, exit(3) without finalizing MPI, or stop answering, right before the dispatch.
-void maybe_inject_fault(int rank) {
+// Test hook: K3_FAULT_INJECT=ACTION:RANK[:PHASE] makes rank RANK fail at PHASE (start, load, run
+// (the default), finish): ACTION kill (SIGKILL), exit (status 3), hang (sleeps forever) or stop
+// (SIGSTOP: the process is stopped, as by a debugger or a suspended container).
+void maybe_inject_fault(int rank, const char* phase) {
   const char* f = std::getenv("K3_FAULT_INJECT");
   if (f == nullptr) return;
   const std::string v(f);
   const auto colon = v.find(':');
   if (colon == std::string::npos || std::atoi(v.c_str() + colon + 1) != rank) return;
+  const auto colon2 = v.find(':', colon + 1);
+  const std::string at = colon2 == std::string::npos ? "run" : v.substr(colon2 + 1);
+  if (at != phase) return;
   const std::string what = v.substr(0, colon);
   std::fprintf(stderr, "k3 moe run: rank %d: K3_FAULT_INJECT=%s\n", rank, f);
   std::fflush(stderr);
   if (what == "kill") raise(SIGKILL);
+  if (what == "stop") raise(SIGSTOP);
   if (what == "exit") std::_Exit(3);
   if (what == "hang") {
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
@@ -176,7 +183,20 @@ Status run_moe_distributed(const MoeRunArgs& a) {
   const int rank = c.rank(), world = c.size();
   // Every step ends with agree_on_status: all ranks leave together with the same Status, rank 0 reports it.
   set_reports_errors(rank == 0);
-  auto agree = [&](const Status& local) { return comm::agree_on_status(c, local); };
+  // A collective that fails (kUnavailable: a peer exited, crashed, was stopped or hangs past
+  // --comm-timeout) leaves the communicator unusable and a later MPI_Finalize would wait for the
+  // lost peer: this rank names itself and the phase, then aborts the job with exit code 2.
+  const char* phase = "start-up";
+  auto peer = [&](const Status& st) -> Status {
+    if (st.code() != StatusCode::kUnavailable) return st;
+    std::fprintf(stderr, "k3 moe run --distributed: rank %d of %d, phase %s: %s\n", rank, world, phase,
+                 st.to_string().c_str());
+    std::fflush(stderr);
+    c.abort(2);
+    return st;  // not reached with MPI
+  };
+  auto agree = [&](const Status& local) { return peer(comm::agree_on_status(c, local)); };
+  maybe_inject_fault(rank, "start");
 
   Status st = check_checkpoint_arg("--checkpoint", a.checkpoint);
   if (st.is_ok() && rank == 0) {
@@ -204,11 +224,13 @@ Status run_moe_distributed(const MoeRunArgs& a) {
     }
   }
   K3_RETURN_IF_ERROR(agree(st));
-  K3_RETURN_IF_ERROR(comm::check_same_on_all_ranks(c, "checkpoint and run options", run_fingerprint(a, world)));
+  K3_RETURN_IF_ERROR(peer(comm::check_same_on_all_ranks(c, "checkpoint and run options", run_fingerprint(a, world))));
 
   // Each rank loads its experts only; rank 0 reads (and routes) the tokens.
+  phase = "loading";
   const auto t_load = std::chrono::steady_clock::now();
   auto layer = load_moe_layer(a.checkpoint, a.layer, world, rank);
+  maybe_inject_fault(rank, "load");
   K3_RETURN_IF_ERROR(agree(layer.status()));
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
   auto prob = moe_problem_from_layer(layer.value(), recipe.value(), dtype.value());
@@ -223,7 +245,7 @@ Status run_moe_distributed(const MoeRunArgs& a) {
   K3_RETURN_IF_ERROR(agree(read_st));
   std::vector<int32_t> top_ks(static_cast<size_t>(world));
   const int32_t my_top_k = in.top_k;
-  K3_RETURN_IF_ERROR(c.allgather(&my_top_k, sizeof my_top_k, top_ks.data()));
+  K3_RETURN_IF_ERROR(peer(c.allgather(&my_top_k, sizeof my_top_k, top_ks.data())));
   MoeProblem p = prob.value();
   p.shape.top_k = top_ks[0];  // the input's slots per token (rank 0's file)
   BackendOptions bo = backend_options();
@@ -238,24 +260,23 @@ Status run_moe_distributed(const MoeRunArgs& a) {
   std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));
   std::vector<uint8_t> out(static_cast<size_t>(in.m * p.shape.hidden * out_dtype_size(p.out_dtype)));
 
-  maybe_inject_fault(rank);
+  phase = "run";
+  maybe_inject_fault(rank, "run");
   const MoeInputsView view = in.view();
   comm::EpRunStats stats;
   const auto t0 = std::chrono::steady_clock::now();
-  Status run_st = comm::ep_moe_run(c, plan.value(), packed.value(), view, ws, out, &stats);
+  Status run_st = peer(comm::ep_moe_run(c, plan.value(), packed.value(), view, ws, out, &stats));
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (run_st.code() == StatusCode::kUnavailable) {  // a peer is gone: the communicator is unusable
-    std::fprintf(stderr, "k3 moe run --distributed: %s\n", run_st.to_string().c_str());
-    std::fflush(stderr);
-    c.abort(1);
-  }
   if (!run_st.is_ok()) return run_st;  // ep_moe_run agrees on its errors itself
+
+  phase = "finish";
+  maybe_inject_fault(rank, "finish");
 
   // Per-rank figures to rank 0: rows received, slots computed, bytes sent (dispatch + combine).
   const int64_t mine[4] = {stats.rows_received, stats.slots_computed, stats.dispatch_bytes_sent + stats.combine_bytes_sent,
                            static_cast<int64_t>(load_s * 1e3)};
   std::vector<int64_t> all(static_cast<size_t>(4 * world));
-  K3_RETURN_IF_ERROR(c.allgather(mine, sizeof mine, all.data()));
+  K3_RETURN_IF_ERROR(peer(c.allgather(mine, sizeof mine, all.data())));
   Status write_st = Status::ok();
   if (rank == 0) {
     st::Writer w;
@@ -288,7 +309,13 @@ Status run_moe_distributed(const MoeRunArgs& a) {
                   static_cast<long long>(v[0]), static_cast<long long>(v[1]), static_cast<long long>(v[2]));
     }
     std::printf("out sha256 %s -> %s\n", sha256_hex(out).c_str(), a.output.c_str());
+    std::fflush(stdout);
   }
+  // Shutdown: one last bounded collective, so that a peer lost now aborts the job here instead of
+  // holding every rank in MPI_Finalize.
+  phase = "shutdown";
+  maybe_inject_fault(rank, "shutdown");
+  K3_RETURN_IF_ERROR(peer(c.barrier()));
   return Status::ok();
 }
 
