@@ -3,8 +3,9 @@
 # config.json files, absurd KDA shapes and cu_seqlens, malformed `kda run` input files and their
 # fuzzer corpus, NaN / Inf in every KDA input (one policy on every backend), a softmax router
 # config with and without routing, bad K3_ISA and flag values, control
-# characters in tensor names, and the output-file safety tests (atomic writes, output = input,
-# FIFOs, /dev/null); then, when the Python package is installed in build-venv (scripts/test.sh
+# characters in tensor names, the output-file safety tests (atomic writes, output = input,
+# FIFOs, /dev/null), a peer that hangs, stops or dies in each phase of `k3 moe run --distributed`
+# (mpirun, when the build has MPI); then, when the Python package is installed in build-venv (scripts/test.sh
 # makes it), the Python-boundary cases (python/tests/test_hostile.py). Prints one line per suite
 # and the total count; exits non-zero on any failure.
 # Usage: scripts/hostile.sh [BUILD_DIR]   (default: build; builds k3_tests there first)
@@ -21,6 +22,7 @@ filter+=':SafetensorsMalformed.*:SafetensorsCorpus.*:ModelConfigCorpus.*:ModelCo
 filter+=':OutputFiles.*:MoeOutputFiles.*:AtomicFile.*:AtomicFileDeathTest.*'
 filter+=':KdaRun.ErrorsNameTheTensor:KdaCli.BenchRejectsBadOptions'
 filter+=':KdaNonfinite.*:KdaInputCorpus.*:SafetensorsView.*:MoeCli.SoftmaxScoringRunsGivenIdsAndRefusesLogitsToRoute'
+filter+=':MoeDistributed.EveryPhaseFailsBoundedWhenAPeerHangsStopsOrDies:MoeDistributed.ADeadOrHungRankFailsTheJobWithinBoundedTime'
 
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
