@@ -340,3 +340,17 @@ def test_a_nul_byte_in_a_path_is_refused_whole():
         k3.load_checkpoint_layer("abc\0def", 1)
     with pytest.raises(ValueError, match=r"ep_rank = 4 must be in \[0, 3\]"):
         k3.load_checkpoint_layer("/nonexistent", 1, ep_size=4, ep_rank=4)
+
+
+@needs_torch
+def test_torch_kda_prefill_op_checks_cu_seqlens_by_name():
+    import k3.torch  # noqa: F401
+    q, k, v, g, beta = (torch.from_numpy(a) for a in kda_case())
+    o, fs = torch.zeros((12, 2, 16)), torch.zeros((2, 2, 16, 16))
+    empty = torch.empty(0)
+    for cu, why in ((torch.tensor([0.0, 5.7, 12.0]), "cu_seqlens has dtype float32, expected int64"),
+                    (torch.tensor([0, 5, 12], dtype=torch.int32), "cu_seqlens has dtype int32, expected int64")):
+        with pytest.raises(ValueError, match=why):
+            torch.ops.k3.kda_prefill(q, k, v, g, beta, empty, empty, cu, empty, "log_decay", -5.0, True, True, 0.0,
+                                     "k_first", o, fs)
+        assert (fs == 0).all() and (o == 0).all()
