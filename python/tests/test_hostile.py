@@ -30,17 +30,9 @@ def kda_case(t=12, h=2, d=16, seed=5):
     return q, k, v, g, beta
 
 
-def moe_case(m=5, k=64, n=64, e=8, top_k=2, out_dtype="bf16", seed=3):
-    rng = np.random.default_rng(seed)
-    p = k3.moe.problem(hidden=k, intermediate=n, num_experts=e, top_k=top_k, out_dtype=out_dtype)
-    w = dict(fc1_q=rng.integers(0, 256, (e, 2 * n, k // 2), dtype=np.uint8),
-             fc1_scale=rng.integers(120, 124, (e, 2 * n, k // 32), dtype=np.uint8),
-             fc2_q=rng.integers(0, 256, (e, k, n // 2), dtype=np.uint8),
-             fc2_scale=rng.integers(120, 124, (e, k, n // 32), dtype=np.uint8))
-    x = (rng.standard_normal((m, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    ids = np.stack([rng.permutation(e)[:top_k] for _ in range(m)]).astype(np.int32)
-    wts = rng.uniform(0.1, 1, (m, top_k)).astype(np.float32)
-    return p, w, x, ids, wts
+def moe_case(m=5, out_dtype="bf16"):
+    from test_k3 import random_moe  # the suite's MoE case generator
+    return random_moe(m=m, n=64, out_dtype=out_dtype)
 
 
 # ---- outputs are never written through a temporary ------------------------------------------

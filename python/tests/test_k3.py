@@ -102,9 +102,9 @@ def test_route_matches_numpy_sigmoid_top_k():
         np.testing.assert_allclose(w[t], sig[t][want] / sig[t][want].sum(), rtol=1e-6)
 
 
-def random_moe(m=6, k=64, n=96, e=8, top_k=2, seed=3):
+def random_moe(m=6, k=64, n=96, e=8, top_k=2, seed=3, out_dtype="fp32"):
     rng = np.random.default_rng(seed)
-    p = k3.moe.problem(hidden=k, intermediate=n, num_experts=e, top_k=top_k, out_dtype="fp32")
+    p = k3.moe.problem(hidden=k, intermediate=n, num_experts=e, top_k=top_k, out_dtype=out_dtype)
     w = dict(fc1_q=rng.integers(0, 256, (e, 2 * n, k // 2), dtype=np.uint8),
              fc1_scale=rng.integers(120, 124, (e, 2 * n, k // 32), dtype=np.uint8),
              fc2_q=rng.integers(0, 256, (e, k, n // 2), dtype=np.uint8),
