@@ -113,12 +113,14 @@ def no_overlap(out_name, out, inputs):
     """Refuses an output that shares memory with an input: k3 reads its inputs while it writes its
     outputs, so an alias would give wrong rows with no error. inputs: (name, array or None) pairs."""
     for name, a in inputs:
-        if a is not None and a is not out and np.may_share_memory(out, a):
-            raise ValueError(f"{out_name} overlaps {name}: k3 writes {out_name} while it reads {name}; pass separate "
-                             "buffers")
-        if a is out and a is not None:
+        if a is None:
+            continue
+        if a is out:
             raise ValueError(f"{out_name} is the same array as {name}: k3 writes {out_name} while it reads {name}; "
                              "pass separate buffers")
+        if np.may_share_memory(out, a):
+            raise ValueError(f"{out_name} overlaps {name}: k3 writes {out_name} while it reads {name}; pass separate "
+                             "buffers")
 
 
 def seqlens_arg(name, cu, num_tokens):
