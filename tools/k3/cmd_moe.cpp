@@ -126,8 +126,6 @@ Status run_moe(const MoeRunArgs& a) {
 
 // ---- --distributed: one EP rank per MPI process (docs/distributed.md) --------------------------
 
-// Test hook (docs/distributed.md, "Faults"): K3_FAULT_INJECT=kill:R | exit:R | hang:R makes rank R
-// die by SIGKILL, exit(3) without finalizing MPI, or stop answering, right before the dispatch.
 // Test hook: K3_FAULT_INJECT=ACTION:RANK[:PHASE] makes rank RANK fail at PHASE (start, load, run
 // (the default), finish, shutdown): ACTION kill (SIGKILL), exit (status 3), hang (sleeps forever) or stop
 // (SIGSTOP: the process is stopped, as by a debugger or a suspended container).
