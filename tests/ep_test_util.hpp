@@ -56,7 +56,8 @@ inline EpFullCase make_ep_full_case(k3::Recipe recipe, k3::OutDType out, k3::Rou
 // The experts of rank r of W, as a view into the full case's arrays.
 inline k3::MoeWeightsView slice_experts(const k3::MoeCase& full, int world, int rank) {
   const k3::MoeShape& s = full.problem.shape;
-  const size_t el = static_cast<size_t>(s.num_experts / world), e0 = el * static_cast<size_t>(rank);
+  const k3::ExpertRange own = k3::expert_range(s.num_experts, world, rank);
+  const size_t el = static_cast<size_t>(own.count), e0 = static_cast<size_t>(own.first);
   const size_t k = static_cast<size_t>(s.hidden), n = static_cast<size_t>(s.intermediate);
   auto part = [&](const std::vector<uint8_t>& v, size_t per_expert) {
     return std::span<const uint8_t>(v.data() + e0 * per_expert, el * per_expert);

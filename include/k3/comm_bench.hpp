@@ -31,4 +31,13 @@ struct AllreduceBenchRecord {
 Result<std::vector<AllreduceBenchRecord>> bench_allreduce(Communicator& comm, std::span<const int64_t> sizes_bytes,
                                                           int iters, int threads);
 
+// The same on explicit shapes (for example the seed's T x 7168 and T x 3584 payloads, or 1 x 1030):
+// rows in [1, 2^24], cols in [1, kAllreduceMaxCols], rows * cols * 2 <= 2^36 bytes; the same on
+// every rank (checked).
+struct AllreduceShape {
+  int64_t rows = 0, cols = 0;
+};
+Result<std::vector<AllreduceBenchRecord>> bench_allreduce_shapes(Communicator& comm, std::span<const AllreduceShape> shapes,
+                                                                 int iters, int threads);
+
 }  // namespace k3::comm

@@ -5,7 +5,8 @@
 // bookkeeping (k3/ep_route.hpp) are tested on machines without one; the world-size-1 device test
 // (tests/cuda/test_cuda_ep.cpp) skips without a device and NCCL. Treat it as unverified.
 //
-// Same contract as the CPU path: rank r of W holds experts [r * E/W, (r+1) * E/W); each rank
+// Same contract as the CPU path: rank r of W holds the experts of k3/moe.hpp's expert_range (any
+// W from 1 to E; the first E mod W ranks one expert more); each rank
 // brings its own tokens (0 included) with global top-k ids; a token's BF16 row goes once to each
 // rank holding one of its slots, masked slots (-1) are never sent; every local slot's FP32 y comes
 // back to the token's source, which sums the slots in slot order with the same finalize kernel as

@@ -2,8 +2,9 @@
 // experts, run the experts there, combine the slots back at the token's source
 // (docs/distributed.md, "Expert-parallel dispatch / combine").
 //
-// Rank r of W holds the global experts [r * E/W, (r+1) * E/W) (k3/moe.hpp MoeShape with
-// ep_size = W, ep_rank = r). Each rank brings its own tokens (any count, 0 included) with their
+// Rank r of W holds the global experts of k3/moe.hpp's expert partition (expert_range: contiguous
+// balanced ranges, the first E mod W ranks one expert more; MoeShape with ep_size = W,
+// ep_rank = r); any W from 1 to E. Each rank brings its own tokens (any count, 0 included) with their
 // global top-k ids and weights. For every (token, rank) pair with at least one slot on that rank,
 // dispatch sends the token's hidden row once (BF16) with the slot ids that rank owns; masked
 // slots (-1) and ranks without a slot of the token receive nothing. Combine returns the FP32
@@ -13,7 +14,8 @@
 // (all-to-all), then the rows (all-to-all-v).
 //
 // Every rank calls each function in the same order. A bad argument on one rank makes every rank
-// return an error (the ranks agree on validity before moving data), never a hang.
+// return an error (the ranks agree on validity before moving data), never a hang. So does a
+// partition the ranks disagree on (agree_on_partition).
 #pragma once
 
 #include <cstdint>
@@ -61,6 +63,12 @@ struct EpBuffers {
 struct EpOptions {
   bool mxfp8_wire = true;  // W4A8: send MXFP8 codes + scales (about half the bytes of BF16)
 };
+
+// Collective: every rank's shape must describe the same layer and partition — hidden,
+// intermediate, num_experts, top_k and ep_size equal on every rank, ep_size = comm.size(),
+// ep_rank = comm.rank() — and the same recipe. Otherwise EVERY rank returns INVALID_ARGUMENT naming
+// the first rank that differs from rank 0, the field and both values. One small allgather.
+Status agree_on_partition(Communicator& comm, const MoeShape& shape, Recipe recipe);
 
 // Sends this rank's tokens (local.x [M, K] BF16, local.topk_ids [M, top_k] global ids) to the
 // experts' ranks. local.topk_weights is not sent (the source applies the weights in combine).

@@ -42,6 +42,26 @@ Result<Recipe> parse_recipe(const std::string& s);
 Result<ActivationKind> parse_activation(const std::string& s);
 Result<OutDType> parse_out_dtype(const std::string& s);
 
+// The expert partition (docs/distributed.md, "Expert partition"): E experts over W ranks
+// (1 <= W <= E) in contiguous, balanced ranges in rank order; the first E mod W ranks hold one
+// expert more. Rank r holds [first, first + count) with
+//   count = E / W + (r < E mod W ? 1 : 0),   first = r * (E / W) + min(r, E mod W).
+// No expert storage is padded: ranks differ by at most one expert. The arguments are the
+// caller's to check (validate_moe_shape does it for a MoeShape).
+struct ExpertRange {
+  int first = 0;
+  int count = 0;
+};
+constexpr ExpertRange expert_range(int num_experts, int ep_size, int ep_rank) {
+  const int base = num_experts / ep_size, extra = num_experts % ep_size;
+  return {ep_rank * base + (ep_rank < extra ? ep_rank : extra), base + (ep_rank < extra ? 1 : 0)};
+}
+// The rank holding global expert `expert` (0 <= expert < num_experts).
+constexpr int expert_owner(int num_experts, int ep_size, int expert) {
+  const int base = num_experts / ep_size, extra = num_experts % ep_size, split = extra * (base + 1);
+  return expert < split ? expert / (base + 1) : extra + (expert - split) / base;
+}
+
 // Shape of one MoE layer on one expert-parallel rank.
 struct MoeShape {
   int64_t hidden = 3584;        // K: expert input / output width (Kimi-K3 routed latent width)
@@ -50,12 +70,13 @@ struct MoeShape {
   int top_k = 16;
   int ep_size = 1;
   int ep_rank = 0;
-  int local_experts() const { return num_experts / ep_size; }       // E_local
-  int first_local_expert() const { return ep_rank * local_experts(); }
+  int local_experts() const { return expert_range(num_experts, ep_size, ep_rank).count; }  // E_local
+  int first_local_expert() const { return expert_range(num_experts, ep_size, ep_rank).first; }
+  int owner_of(int expert) const { return expert_owner(num_experts, ep_size, expert); }
 };
 
 // Checks K, N multiples of 32 (and > 0), 1 <= E <= 4096, 1 <= top_k <= min(32, E),
-// E divisible by ep_size, 0 <= ep_rank < ep_size. The message names the field, limit and value.
+// 1 <= ep_size <= E, 0 <= ep_rank < ep_size. The message names the field, limit and value.
 Status validate_moe_shape(const MoeShape& s);
 
 // Expert weights of one rank in the checkpoint layout (non-owning):

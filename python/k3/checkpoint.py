@@ -53,7 +53,8 @@ class MoeLayer:
 
 def load_checkpoint_layer(path, layer, ep_size=1, ep_rank=0):
     """Loads layer ``layer``'s experts of EP rank ``ep_rank`` of ``ep_size`` (only that rank's
-    experts are read). Errors name the missing experts, tensor or config key (ValueError /
+    experts are read; any ``ep_size`` up to the layer's expert count, the partition of
+    :func:`k3.moe.expert_range`). Errors name the missing experts, tensor or config key (ValueError /
     RuntimeError with the library's message)."""
     path = path_arg("path", path)
     ep_size = int_arg("ep_size", ep_size, 1, 4096)

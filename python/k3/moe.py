@@ -17,6 +17,17 @@ from ._arrays import (bf16_bits, cuda_empty, host_view, int_arg, need, need_cuda
 _OUT = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.float32}
 
 
+def expert_range(num_experts, ep_size, ep_rank):
+    """The experts of EP rank ``ep_rank`` of ``ep_size`` as ``(first, count)``: contiguous balanced
+    ranges in rank order, the first ``num_experts % ep_size`` ranks holding one expert more (any
+    ``ep_size`` from 1 to ``num_experts``; for example 896 experts on 9 ranks: ranks 0-4 hold 100,
+    ranks 5-8 hold 99). The same rule as the C++ library, the checkpoint loader and the CLI."""
+    num_experts = int_arg("num_experts", num_experts, 1, 4096)
+    ep_size = int_arg("ep_size", ep_size, 1, num_experts)
+    ep_rank = int_arg("ep_rank", ep_rank, 0, ep_size - 1)
+    return tuple(_k3.expert_range(num_experts, ep_size, ep_rank))
+
+
 def problem(hidden=3584, intermediate=3072, num_experts=896, top_k=16, ep_size=1, ep_rank=0, recipe="w4a8",
             activation="situ", out_dtype="bf16", situ_beta=4.0, situ_linear_beta=25.0, swiglu_alpha=1.702,
             swiglu_beta=1.0, swiglu_limit=7.0):
@@ -45,7 +56,13 @@ class _Problem:
 
     @property
     def local_experts(self):
+        """This rank's expert count (the partition rule: see :func:`expert_range`)."""
         return self.native.local_experts
+
+    @property
+    def first_expert(self):
+        """The global id of this rank's first expert."""
+        return self.native.first_local_expert
 
     def __repr__(self):
         return repr(self.native)

@@ -6,6 +6,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -895,7 +896,17 @@ NB_MODULE(_k3, m) {
       })
       .def_prop_ro("local_experts", [](const k3::MoeProblem& p) { return p.shape.local_experts(); })
       .def_prop_ro("num_experts", [](const k3::MoeProblem& p) { return p.shape.num_experts; })
+      .def_prop_ro("first_local_expert", [](const k3::MoeProblem& p) { return p.shape.first_local_expert(); })
       .def_prop_ro("out_bytes", [](const k3::MoeProblem& p) { return k3::out_dtype_size(p.out_dtype); });
+  m.def("expert_range", [](int num_experts, int ep_size, int ep_rank) {
+    if (num_experts < 1 || ep_size < 1 || ep_size > num_experts || ep_rank < 0 || ep_rank >= ep_size) {
+      throw nb::value_error(("expert_range: num_experts = " + std::to_string(num_experts) + ", ep_size = " +
+                             std::to_string(ep_size) + ", ep_rank = " + std::to_string(ep_rank) +
+                             ": needs 1 <= ep_size <= num_experts and 0 <= ep_rank < ep_size").c_str());
+    }
+    const k3::ExpertRange r = k3::expert_range(num_experts, ep_size, ep_rank);
+    return std::make_pair(r.first, r.count);
+  }, "num_experts"_a, "ep_size"_a, "ep_rank"_a);
   m.def("moe_problem", &moe_problem, "hidden"_a, "intermediate"_a, "num_experts"_a, "top_k"_a, "ep_size"_a,
         "ep_rank"_a, "recipe"_a, "activation"_a, "out_dtype"_a, "situ_beta"_a, "situ_linear_beta"_a,
         "swiglu_alpha"_a, "swiglu_beta"_a, "swiglu_limit"_a);

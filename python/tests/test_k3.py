@@ -212,8 +212,18 @@ def test_load_checkpoint_layer_reads_one_ranks_experts_without_copies(tmp_path):
     assert np.sqrt(((got - ref) ** 2).sum() / max((ref ** 2).sum(), 1e-30)) < 1e-5
     with pytest.raises((ValueError, RuntimeError), match="layer"):
         k3.load_checkpoint_layer(d, 7)
-    with pytest.raises((ValueError, RuntimeError), match="ep_size|--ep-size|divide"):
-        k3.load_checkpoint_layer(d, 1, ep_size=3, ep_rank=0)
+    # Uneven partitions: 16 experts on 3 ranks are 6 + 5 + 5, contiguous, and tile the layer.
+    parts = [k3.load_checkpoint_layer(d, 1, ep_size=3, ep_rank=r) for r in range(3)]
+    assert [k3.moe.expert_range(16, 3, r) for r in range(3)] == [(0, 6), (6, 5), (11, 5)]
+    assert [q.fc1_q.shape[0] for q in parts] == [6, 5, 5]
+    np.testing.assert_array_equal(np.concatenate([q.fc1_q for q in parts]), full.fc1_q)
+    np.testing.assert_array_equal(np.concatenate([q.fc2_scale for q in parts]), full.fc2_scale)
+    p2 = parts[2].problem()
+    assert (p2.first_expert, p2.local_experts) == (11, 5)
+    with pytest.raises(ValueError, match=r"ep_size = 17 must be in \[1, num_experts = 16\]"):
+        k3.load_checkpoint_layer(d, 1, ep_size=17, ep_rank=0)
+    with pytest.raises(ValueError, match=r"ep_size = 17 must be in \[1, 16\]"):
+        k3.moe.expert_range(16, 17, 0)
 
 
 def test_checkpoint_the_library_cannot_route_or_run_says_why(tmp_path):

@@ -60,9 +60,9 @@ Status validate_moe_shape(const MoeShape& s) {
     return invalid_argument("top_k = " + num(s.top_k) + " must be in [1, min(32, num_experts = " +
                             num(s.num_experts) + ")]");
   }
-  if (s.ep_size < 1 || s.num_experts % s.ep_size != 0) {
-    return invalid_argument("ep_size = " + num(s.ep_size) + " must be >= 1 and divide num_experts = " +
-                            num(s.num_experts));
+  if (s.ep_size < 1 || s.ep_size > s.num_experts) {
+    return invalid_argument("ep_size = " + num(s.ep_size) + " must be in [1, num_experts = " + num(s.num_experts) +
+                            "] (every rank holds at least one expert)");
   }
   if (s.ep_rank < 0 || s.ep_rank >= s.ep_size) {
     return invalid_argument("ep_rank = " + num(s.ep_rank) + " must be in [0, ep_size = " + num(s.ep_size) + ")");

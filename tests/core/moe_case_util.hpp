@@ -38,7 +38,7 @@ inline MoeCase random_moe_case(int64_t k, int64_t n, int e, int top_k, int64_t m
   c.p.shape = {k, n, e, top_k, ep_size, ep_rank};
   c.m = m;
   std::mt19937_64 rng(seed);
-  const int64_t el = e / ep_size;
+  const int64_t el = c.p.shape.local_experts();
   auto fill_w = [&](std::vector<uint8_t>& q, std::vector<uint8_t>& s, int64_t rows, int64_t cols, int base) {
     q.resize(static_cast<size_t>(el * rows * cols / 2));
     s.resize(static_cast<size_t>(el * rows * cols / 32));

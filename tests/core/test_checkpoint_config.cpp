@@ -72,9 +72,13 @@ TEST(ModelConfig, KimiSpellingUnderTextConfig) {
   ASSERT_TRUE(shape) << shape.status().to_string();
   EXPECT_EQ(shape->local_experts(), 28);
   EXPECT_EQ(shape->first_local_expert(), 196);
-  auto bad = moe_shape_from_config(c, 3, 0);
+  auto nine = moe_shape_from_config(c, 9, 8);  // 896 = 9 * 99 + 5: rank 8 holds experts [797, 896)
+  ASSERT_TRUE(nine) << nine.status().to_string();
+  EXPECT_EQ(nine->local_experts(), 99);
+  EXPECT_EQ(nine->first_local_expert(), 797);
+  auto bad = moe_shape_from_config(c, 897, 0);
   ASSERT_FALSE(bad);
-  EXPECT_HAS(bad.status().message(), "kimi/config.json: ep_size = 3 must be >= 1 and divide num_experts = 896");
+  EXPECT_HAS(bad.status().message(), "kimi/config.json: ep_size = 897 must be in [1, num_experts = 896]");
 }
 
 TEST(ModelConfig, DeepSeekSpellingAtTopLevel) {

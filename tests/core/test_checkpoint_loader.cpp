@@ -149,9 +149,15 @@ TEST(MoeLayerLoader, LoadsEveryEpRankByteForByte) {
   const Small s;
   test::TempDir dir("load_all");
   build_checkpoint(dir.str(), s, {});
-  for (const int ep_size : {1, 2, 4, 8}) {
+  for (const int ep_size : {1, 2, 3, 4, 5, 6, 7, 8}) {  // 8 experts: uneven partitions at 3, 5, 6 and 7
+    int next = 0;  // the ranks' experts tile [0, 8) in rank order, the first 8 mod W ranks one more
     for (int rank = 0; rank < ep_size; ++rank) {
       auto w = load_moe_layer(dir.str(), 1, ep_size, rank);
+      ASSERT_TRUE(w) << w.status().to_string();
+      EXPECT_EQ(w->shape.first_local_expert(), next) << "EP" << ep_size << " rank " << rank;
+      EXPECT_EQ(w->shape.local_experts(), s.experts / ep_size + (rank < s.experts % ep_size ? 1 : 0));
+      EXPECT_EQ(w->fc1_q.size(), static_cast<size_t>(w->shape.local_experts() * 2 * s.n * s.k / 2));
+      next += w->shape.local_experts();
       ASSERT_TRUE(w) << w.status().to_string();
       EXPECT_EQ(w->shape.hidden, s.k);
       EXPECT_EQ(w->shape.intermediate, s.n);
@@ -166,6 +172,7 @@ TEST(MoeLayerLoader, LoadsEveryEpRankByteForByte) {
       p.shape = w->shape;
       EXPECT_TRUE(validate_moe_buffers(p, w->view(), MoeInputsView{}).is_ok());
     }
+    EXPECT_EQ(next, s.experts) << "EP" << ep_size;
   }
 }
 
@@ -303,7 +310,7 @@ TEST(MoeLayerLoader, LayerEpAndFormatErrors) {
   build_checkpoint(dir.str(), s, {});
   EXPECT_HAS(load_moe_layer(dir.str(), 0, 1, 0).status().message(), "layer 0 is a dense MLP layer (first_k_dense_replace = 1");
   EXPECT_HAS(load_moe_layer(dir.str(), 4, 1, 0).status().message(), "layer = 4 must be in [0, num_hidden_layers = 4)");
-  EXPECT_HAS(load_moe_layer(dir.str(), 1, 3, 0).status().message(), "ep_size = 3 must be >= 1 and divide num_experts = 8");
+  EXPECT_HAS(load_moe_layer(dir.str(), 1, 9, 0).status().message(), "ep_size = 9 must be in [1, num_experts = 8]");
   EXPECT_HAS(load_moe_layer(dir.str(), 1, 2, 2).status().message(), "ep_rank = 2 must be in [0, ep_size = 2)");
   auto cfg = small_config(s);
   cfg["text_config"]["quantization_config"] = {{"quant_method", "compressed-tensors"}, {"format", "float-quantized"}};

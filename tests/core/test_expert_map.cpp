@@ -116,6 +116,32 @@ TEST(ExpertMap, PaddingForEveryBlockSize) {
   }
 }
 
+// An uneven partition: 7 experts on 3 ranks are [0, 3), [3, 5) and [5, 7); every valid slot is
+// local on exactly one rank, with its id less that rank's first expert.
+TEST(ExpertMap, UnevenPartitionMapsEverySlotToExactlyOneRank) {
+  const std::vector<int32_t> ids = {0, 2, 3, -1, 4, 5, 6, 1, 2, 6, 3, 0};  // M 4, top-3
+  std::vector<int> seen(ids.size(), 0);
+  const int first[] = {0, 3, 5}, count[] = {3, 2, 2};
+  for (int r = 0; r < 3; ++r) {
+    const MoeShape sh{64, 32, 7, 3, 3, r};
+    auto m = map_expert_parallel(sh, 4, ids);
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    EXPECT_EQ(m->first_local, first[r]);
+    EXPECT_EQ(m->local_experts, count[r]);
+    ASSERT_EQ(m->rows_per_expert.size(), static_cast<size_t>(count[r]));
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const int32_t id = ids[i];
+      const bool mine = id >= first[r] && id < first[r] + count[r];
+      EXPECT_EQ(m->local_ids[i], mine ? id - first[r] : -1) << "rank " << r << " slot " << i;
+      seen[i] += mine;
+      if (id >= 0) {
+        EXPECT_EQ(sh.owner_of(id) == r, mine);
+      }
+    }
+  }
+  for (size_t i = 0; i < ids.size(); ++i) EXPECT_EQ(seen[i], ids[i] >= 0 ? 1 : 0) << "slot " << i;
+}
+
 TEST(ExpertMap, ErrorsAndEmptyInput) {
   MoeShape sh{64, 32, 6, 3, 2, 0};
   std::vector<int32_t> ids = {0, 1, 6};
@@ -125,8 +151,9 @@ TEST(ExpertMap, ErrorsAndEmptyInput) {
   EXPECT_NE(map_expert_parallel(sh, 2, ids).status().message().find("ids [M, top_k] has 3 elements, expected 6"),
             std::string::npos);
   EXPECT_NE(map_expert_parallel(sh, -1, ids).status().message().find("m = -1"), std::string::npos);
-  sh.ep_size = 4;
-  EXPECT_NE(map_expert_parallel(sh, 1, ids).status().message().find("ep_size = 4"), std::string::npos);
+  sh.ep_size = 7;
+  EXPECT_NE(map_expert_parallel(sh, 1, ids).status().message().find("ep_size = 7 must be in [1, num_experts = 6]"),
+            std::string::npos);
   sh.ep_size = 2;
   auto empty = map_expert_parallel(sh, 0, {});
   ASSERT_TRUE(empty.is_ok());

@@ -38,11 +38,60 @@ TEST(MoeShape, KimiDefaultsAreValidAndLimitsAreNamed) {
   b.top_k = 6;
   expect_error(b, "top_k = 6");
   b = {};
-  b.ep_size = 3;
-  expect_error(b, "ep_size = 3 must be >= 1 and divide num_experts = 896");
+  b.ep_size = 897;
+  expect_error(b, "ep_size = 897 must be in [1, num_experts = 896]");
+  b = {};
+  b.ep_size = 0;
+  expect_error(b, "ep_size = 0 must be in [1, num_experts = 896]");
+  b = {};
+  b.ep_size = 3;  // uneven partitions are valid
+  b.ep_rank = 2;
+  EXPECT_TRUE(validate_moe_shape(b).is_ok());
+  b.ep_rank = 3;
+  expect_error(b, "ep_rank = 3 must be in [0, ep_size = 3)");
   b = {};
   b.ep_rank = 1;
   expect_error(b, "ep_rank = 1 must be in [0, ep_size = 1)");
+}
+
+// The partition rule (docs/distributed.md, "Expert partition"), checked against its definition
+// for every W of every E up to 260 and for Kimi-K3's 896: the ranges tile [0, E) in rank order,
+// the first E mod W ranks hold E / W + 1 experts and the others E / W, and expert_owner inverts it.
+TEST(ExpertPartition, BalancedContiguousRangesTileTheExpertsForEveryWorldSize) {
+  std::vector<int> sizes;
+  for (int e = 1; e <= 260; ++e) sizes.push_back(e);
+  sizes.push_back(896);
+  for (const int e : sizes) {
+    for (int w = 1; w <= e; ++w) {
+      int next = 0;
+      for (int r = 0; r < w; ++r) {
+        const ExpertRange g = expert_range(e, w, r);
+        ASSERT_EQ(g.first, next) << "E " << e << " W " << w << " rank " << r;
+        ASSERT_EQ(g.count, e / w + (r < e % w ? 1 : 0)) << "E " << e << " W " << w << " rank " << r;
+        ASSERT_GE(g.count, 1);
+        for (int x = g.first; x < g.first + g.count; ++x) ASSERT_EQ(expert_owner(e, w, x), r) << "E " << e << " W " << w;
+        MoeShape s;
+        s.num_experts = e;
+        s.top_k = 1;
+        s.ep_size = w;
+        s.ep_rank = r;
+        ASSERT_TRUE(validate_moe_shape(s).is_ok());
+        ASSERT_EQ(s.local_experts(), g.count);
+        ASSERT_EQ(s.first_local_expert(), g.first);
+        next += g.count;
+      }
+      ASSERT_EQ(next, e) << "E " << e << " W " << w;
+    }
+  }
+  // Kimi-K3 on nine ranks: 896 = 9 * 99 + 5, so ranks 0-4 hold 100 experts and ranks 5-8 hold 99.
+  EXPECT_EQ(expert_range(896, 9, 4).count, 100);
+  EXPECT_EQ(expert_range(896, 9, 4).first, 400);
+  EXPECT_EQ(expert_range(896, 9, 5).count, 99);
+  EXPECT_EQ(expert_range(896, 9, 5).first, 500);
+  EXPECT_EQ(expert_range(896, 9, 8).first, 797);
+  EXPECT_EQ(expert_owner(896, 9, 499), 4);
+  EXPECT_EQ(expert_owner(896, 9, 500), 5);
+  EXPECT_EQ(expert_owner(896, 9, 895), 8);
 }
 
 TEST(MoeBuffers, SizesAndIdsAreChecked) {

@@ -195,6 +195,61 @@ TEST(MpiAllreduce, RandomContributionsMatchFp64Reference) {
   expect_matches_fp64(got, w.size(), rows, cols, residual, g);
 }
 
+uint64_t fnv1a(const std::vector<uint16_t>& v) {
+  uint64_t h = 1469598103934665603ull;
+  for (const uint16_t x : v) {
+    h = (h ^ (x & 0xFFu)) * 1099511628211ull;
+    h = (h ^ (x >> 8)) * 1099511628211ull;
+  }
+  return h;
+}
+
+// The seed system's tensor-parallel payloads (docs/distributed.md): T x 7168 and T x 3584 BF16
+// for T in {1, 2, 4, 8, 9, 16, 32}, and 1 x 1030 (a row that is not a whole number of 16-byte
+// packs). At every world size — nine included, where no payload's row count divides evenly —
+// the sum and the residual + RMSNorm epilogue are (1) the one-process result of the exact sum,
+// (2) for narrow contributions, the FP64 reference rounded once, (3) the same on every rank and
+// (4) the same on a second run with other threads and message rounds.
+TEST(MpiAllreduce, SeedPayloadsAtAnyWorldSizeMatchTheReferenceOnEveryRank) {
+  Communicator& w = k3test::world();
+  auto self = k3::comm::make_self_communicator();
+  const int n = w.size();
+  std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 1030}};
+  for (const int64_t t : {1, 2, 4, 8, 9, 16, 32}) {
+    shapes.push_back({t, 7168});
+    shapes.push_back({t, 3584});
+  }
+  for (const auto& [rows, cols] : shapes) {
+    SCOPED_TRACE("T " + std::to_string(rows) + " x " + std::to_string(cols) + " at W " + std::to_string(n));
+    const auto e = wide_tensor(rows * cols, 31 * static_cast<uint64_t>(rows) + static_cast<uint64_t>(cols));
+    std::mt19937_64 rng(static_cast<uint64_t>(rows * cols));
+    std::vector<uint16_t> residual(e.size());
+    for (auto& h : residual) h = random_finite(rng, false);
+    const auto g = gamma_of(cols);
+    const Outputs want = run_ops(*self, e, residual, g, rows, cols);
+    const auto parts = split_exactly(e, n);
+    const Outputs got = run_ops(w, parts[static_cast<size_t>(w.rank())], residual, g, rows, cols);
+    EXPECT_EQ(got.sum, want.sum);
+    EXPECT_EQ(got.norm, want.norm);
+    EXPECT_EQ(got.res, want.res);
+    const Outputs again = run_ops(w, parts[static_cast<size_t>(w.rank())], residual, g, rows, cols,
+                                  {.threads = 3, .max_call_bytes = 2 * cols * 2});
+    EXPECT_EQ(again.sum, got.sum);
+    EXPECT_EQ(again.norm, got.norm);
+    EXPECT_EQ(again.res, got.res);
+    const uint64_t mine[3] = {fnv1a(got.sum), fnv1a(got.norm), fnv1a(got.res)};
+    std::vector<uint64_t> all(static_cast<size_t>(3 * n));
+    ASSERT_TRUE(w.allgather(mine, sizeof mine, all.data()).is_ok());
+    for (int q = 1; q < n; ++q) {
+      for (int i = 0; i < 3; ++i) EXPECT_EQ(all[static_cast<size_t>(3 * q + i)], all[static_cast<size_t>(i)]) << "rank " << q;
+    }
+    if (rows * cols <= 8 * 7168) {  // the independent FP64 reference on narrow contributions
+      const auto x = contribution(w.rank(), rows * cols, false);
+      expect_matches_fp64(run_ops(w, x, residual, g, rows, cols), n, rows, cols, residual, g);
+    }
+  }
+}
+
 TEST(MpiAllreduce, WhoHoldsWhichContributionDoesNotMatter) {
   Communicator& w = k3test::world();
   const int n = w.size();

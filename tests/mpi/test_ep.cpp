@@ -108,6 +108,34 @@ TEST(EpMpiErrors, ABadArgumentOnOneRankFailsEveryRankWithItsMessage) {
             std::string::npos) << d.status().message();
 }
 
+// The ranks must agree on the layer and its partition: the last rank with one expert fewer (each
+// shape valid on its own, partitions that disagree) fails every rank, naming the rank and values.
+TEST(EpMpiErrors, APartitionTheRanksDisagreeOnFailsEveryRank) {
+  k3::comm::Communicator& w = k3test::world();
+  const int world = w.size(), rank = w.rank();
+  if (world < 2) GTEST_SKIP() << "needs two ranks";
+  k3::MoeProblem prob;
+  prob.shape = {64, 64, rank == world - 1 ? 31 : 32, 4, world, rank};
+  auto plan = k3::cpu::plan(prob, {.threads = 1, .isa = {}});
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  const k3::MoeInputsView none{};
+  auto d = k3::comm::ep_dispatch(w, *plan, none);
+  ASSERT_FALSE(d.is_ok());
+  EXPECT_EQ(d.status().code(), k3::StatusCode::kInvalidArgument);
+  EXPECT_NE(d.status().message().find("rank " + std::to_string(world - 1) + " of " + std::to_string(world) +
+                                      ": num_experts = 31 differs from rank 0's 32"),
+            std::string::npos) << d.status().message();
+  // The recipe too.
+  prob.shape.num_experts = 32;
+  prob.recipe = rank == 0 ? k3::Recipe::kW4A8 : k3::Recipe::kW4A16;
+  auto plan2 = k3::cpu::plan(prob, {.threads = 1, .isa = {}});
+  ASSERT_TRUE(plan2.is_ok());
+  auto d2 = k3::comm::ep_dispatch(w, *plan2, none);
+  ASSERT_FALSE(d2.is_ok());
+  EXPECT_NE(d2.status().message().find("rank 1 of " + std::to_string(world) + ": recipe = w4a16 differs from rank 0's w4a8"),
+            std::string::npos) << d2.status().message();
+}
+
 TEST(EpMpiErrors, ShapeThatDoesNotMatchTheCommunicatorIsRefused) {
   k3::comm::Communicator& w = k3test::world();
   k3::MoeProblem prob;

@@ -72,6 +72,17 @@ TEST(CheckpointCli, ShardedEpRankAndTextInspect) {
   EXPECT_HAS(r.out, "lacks 2 of the 2 experts that layer 1 needs on EP rank 0 of 4");
   EXPECT_HAS(r.out, "k3 checkpoint synth --layers 1 --ep-size 4 --ep-rank 0");
   EXPECT_EQ(r.out.find("weight_packed  "), std::string::npos) << "--summary lists no tensors";
+  // An uneven partition (docs/distributed.md): 8 experts over 3 ranks hold 3, 3 and 2.
+  const std::string odd = dir.file("ck3");
+  r = run_cli("checkpoint synth -o " + odd + " --ep-size 3 --ep-rank 1 " + kSmall);
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = run_cli("checkpoint inspect " + odd + " --summary --layer 1 --ep-size 3 --ep-rank 1");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_HAS(r.out, "moe layer 1: 3 experts (3-5), router weight + bias");
+  EXPECT_HAS(r.out, "loaded layer 1 for EP rank 1 of 3: experts [3, 6)");
+  r = run_cli("checkpoint inspect " + odd + " --summary --layer 1 --ep-size 3 --ep-rank 2");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_HAS(r.out, "lacks 2 of the 2 experts that layer 1 needs on EP rank 2 of 3 (global experts [6, 8))");
 }
 
 TEST(CheckpointCli, Errors) {
@@ -87,8 +98,8 @@ TEST(CheckpointCli, Errors) {
   EXPECT_HAS(r.out, "layer 0 is not an MoE layer");
   r = run_cli("checkpoint synth -o " + out + " --layers 1,,2 " + std::string(kSmall));
   EXPECT_HAS(r.out, "--layers '1,,2' must be a comma-separated list");
-  r = run_cli("checkpoint synth -o " + out + " --ep-size 3 --ep-rank 0 " + std::string(kSmall));
-  EXPECT_HAS(r.out, "ep-size must divide --num-experts 8");
+  r = run_cli("checkpoint synth -o " + out + " --ep-size 9 --ep-rank 0 " + std::string(kSmall));
+  EXPECT_HAS(r.out, "--ep-size 9 --ep-rank 0: ep-size must be at most --num-experts 8");
   r = run_cli("checkpoint synth -o " + out + " --shard-size 5XB " + std::string(kSmall));
   EXPECT_HAS(r.out, "--shard-size '5XB' must be a byte count");
   EXPECT_NE(run_cli("checkpoint synth -o " + out + " --experts 0:4 --ep-size 2 --ep-rank 0").code, 0);

@@ -254,8 +254,8 @@ TEST_F(HostileEpFlags, ErrorsNameTheFlagNotTheConfig) {
   const Case cases[] = {
       {"--ep-size 2 --ep-rank 2", "--ep-size 2 --ep-rank 2: --ep-rank must be in [0, 2) (below --ep-size), got 2"},
       {"--ep-size 0 --ep-rank 0", "--ep-size 0 --ep-rank 0: --ep-size must be >= 1, got 0"},
-      {"--ep-size 3 --ep-rank 0", "--ep-size 3 --ep-rank 0: --ep-size must divide the checkpoint's 8 experts"},
-      {"--ep-size 16 --ep-rank 1", "--ep-size 16 --ep-rank 1: --ep-size must divide the checkpoint's 8 experts"},
+      {"--ep-size 9 --ep-rank 0", "--ep-size 9 --ep-rank 0: --ep-size must be at most the checkpoint's 8 experts"},
+      {"--ep-size 16 --ep-rank 1", "--ep-size 16 --ep-rank 1: --ep-size must be at most the checkpoint's 8 experts"},
   };
   for (const auto& c : cases) {
     auto r = run_cli("checkpoint inspect " + ck + " --summary --layer 1 " + c.flags);

@@ -64,6 +64,11 @@ TEST_F(MoeCli, ValidateOnCheckpointWeightsPasses) {
   EXPECT_NE(r.out.find("ckpt L1 ep2r1 m8 routed loc"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("vs ref"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("FAIL"), std::string::npos) << r.out;
+  // An uneven partition: 8 experts on 3 ranks, rank 2 holds experts 6 and 7.
+  const auto odd = run_cli("validate --op moe --checkpoint " + ckpt() + " --layer 1 --ep-size 3 --ep-rank 2 --suite smoke");
+  EXPECT_EQ(odd.code, 0) << odd.out;
+  EXPECT_NE(odd.out.find("ckpt L1 ep3r2 m8 routed loc"), std::string::npos) << odd.out;
+  EXPECT_EQ(odd.out.find("FAIL"), std::string::npos) << odd.out;
   // Facts come from config.json: asking for another activation fails, a missing layer fails.
   auto bad = run_cli("validate --op moe --checkpoint " + ckpt() + " --layer 1 --activation silu --suite smoke");
   EXPECT_EQ(bad.code, 1) << bad.out;
@@ -268,8 +273,8 @@ TEST_F(MoeCli, RunErrorsNameTheFileAndTensor) {
                    io_.file("e.safetensors") + " --recipe w4a4"),
                "recipe 'w4a4' is unknown");
   expect_error(run_cli("moe run --checkpoint " + ckpt() + " --layer 1 --input " + ok_in + " --output " +
-                   io_.file("e.safetensors") + " --ep-size 3"),
-               "--ep-size 3 --ep-rank 0: --ep-size must divide the checkpoint's 8 experts");  // the flag, not config.json
+                   io_.file("e.safetensors") + " --ep-size 9"),
+               "--ep-size 9 --ep-rank 0: --ep-size must be at most the checkpoint's 8 experts");  // the flag, not config.json
   EXPECT_NE(run_cli("moe run --layer 1").code, 0);  // missing required options
 }
 

@@ -1,5 +1,6 @@
 // `mpirun -np R k3 moe run --distributed` end to end on a synthetic Kimi-format checkpoint: the
-// output equals the single-process `k3 moe run` bit for bit at EP 2, 4 and 8; start-up refusals
+// output equals the single-process `k3 moe run` bit for bit at EP 2 to 9 (3, 5, 6 and 9 split the
+// 64 experts unevenly), with random routing and with hot and empty experts; start-up refusals
 // (world size, mismatched checkpoints) name the rank; a rank that dies or hangs fails the job
 // within a bounded time with a message naming it.
 #include <gtest/gtest.h>
@@ -14,6 +15,7 @@
 
 #include "core/st_test_util.hpp"
 #include "k3/checkpoint_synth.hpp"
+#include "k3/moe.hpp"
 #include "k3/safetensors.hpp"
 #include "tools/cli_run.hpp"
 
@@ -72,9 +74,18 @@ class MoeDistributed : public ::testing::Test {
     ASSERT_TRUE(w.add("x", st::DType::kF32, {m, k}, {reinterpret_cast<const uint8_t*>(x.data()), x.size() * 4}).is_ok());
     ASSERT_TRUE(w.add("logits", st::DType::kF32, {m, e}, {reinterpret_cast<const uint8_t*>(logits.data()), logits.size() * 4}).is_ok());
     ASSERT_TRUE(w.write(io_.file("in.safetensors")).is_ok());
+    // Hot and empty experts: every token's logits favour experts 0-3 (rank 0's at every W) and
+    // never pick 56-63 (at W = 9 the last rank's experts [57, 64) get no row).
+    for (int64_t t = 0; t < m; ++t) {
+      for (int64_t j = 0; j < e; ++j) logits[t * e + j] += j < 4 ? 6.0f : j >= 56 ? -30.0f : 0.0f;
+    }
+    st::Writer h;
+    ASSERT_TRUE(h.add("x", st::DType::kF32, {m, k}, {reinterpret_cast<const uint8_t*>(x.data()), x.size() * 4}).is_ok());
+    ASSERT_TRUE(h.add("logits", st::DType::kF32, {m, e}, {reinterpret_cast<const uint8_t*>(logits.data()), logits.size() * 4}).is_ok());
+    ASSERT_TRUE(h.write(io_.file("hot.safetensors")).is_ok());
   }
-  std::string args(const std::string& out, const std::string& extra = "") const {
-    return "moe run --checkpoint " + ckpt_.str() + " --layer 1 --input " + io_.file("in.safetensors") + " --output " +
+  std::string args(const std::string& out, const std::string& extra = "", const std::string& in = "in") const {
+    return "moe run --checkpoint " + ckpt_.str() + " --layer 1 --input " + io_.file(in + ".safetensors") + " --output " +
            io_.file(out) + " " + extra;
   }
   test::TempDir ckpt_{"dist_ckpt"};
@@ -82,12 +93,16 @@ class MoeDistributed : public ::testing::Test {
 };
 
 TEST_F(MoeDistributed, OutputIsBitIdenticalToTheSingleProcessRunAtEveryWorldSize) {
+  for (const char* in : {"in", "hot"})
   for (const char* recipe : {"w4a8", "w4a16"}) {
     const std::string opts = std::string("--recipe ") + recipe + " --out-dtype fp32";
-    const auto single = run_cli(args("single.safetensors", opts + " --backend cpu"));
+    const auto single = run_cli(args("single.safetensors", opts + " --backend cpu", in));
     ASSERT_EQ(single.code, 0) << single.out;
-    for (const int np : {2, 4, 8}) {
-      const auto r = run_sh(mpirun(np, args("dist" + std::to_string(np) + ".safetensors", opts + " --distributed")));
+    // The hot input at every size of the issue; the random one at the even sizes too.
+    const std::vector<int> sizes = std::string(in) == "hot" ? std::vector<int>{3, 5, 6, 9} : std::vector<int>{2, 3, 4, 5, 6, 8, 9};
+    for (const int np : sizes) {
+      SCOPED_TRACE(std::string(in) + " " + recipe + " np " + std::to_string(np));
+      const auto r = run_sh(mpirun(np, args("dist" + std::to_string(np) + ".safetensors", opts + " --distributed", in)));
       ASSERT_EQ(r.code, 0) << r.out;
       EXPECT_NE(r.out.find("distributed over " + std::to_string(np) + " MPI ranks (EP" + std::to_string(np)), std::string::npos) << r.out;
       EXPECT_EQ(sha_line(r.out), sha_line(single.out)) << recipe << " np " << np << "\n" << r.out;
@@ -98,9 +113,20 @@ TEST_F(MoeDistributed, OutputIsBitIdenticalToTheSingleProcessRunAtEveryWorldSize
       const auto ab = a->bytes(*a->find("out"));
       const auto bb = b->bytes(*b->find("out"));
       EXPECT_TRUE(std::equal(ab.begin(), ab.end(), bb.begin(), bb.end()));
-      // Each rank loads only its experts: the listing shows [r*E/W, (r+1)*E/W).
-      EXPECT_NE(r.out.find("rank " + std::to_string(np - 1) + ": experts [" + std::to_string(64 - 64 / np) + ", 64)"),
-                std::string::npos) << r.out;
+      // Each rank loads only its experts (docs/distributed.md, "Expert partition"): the first
+      // 64 mod W ranks hold one more.
+      for (int q = 0; q < np; ++q) {
+        const ExpertRange g = expert_range(64, np, q);
+        EXPECT_NE(r.out.find("rank " + std::to_string(q) + ": experts [" + std::to_string(g.first) + ", " +
+                             std::to_string(g.first + g.count) + ")"),
+                  std::string::npos) << r.out;
+      }
+      if (std::string(in) == "hot" && np == 9) {  // the last rank computed nothing, and said so
+        const auto at = r.out.find("rank 8: experts [57, 64)");
+        ASSERT_NE(at, std::string::npos) << r.out;
+        const std::string line = r.out.substr(at, r.out.find('\n', at) - at);
+        EXPECT_NE(line.find(", 0 rows received, 0 slots computed"), std::string::npos) << line;
+      }
     }
   }
 }
@@ -134,10 +160,19 @@ TEST_F(MoeDistributed, StartUpRefusalsNameTheRank) {
                            " --output " + io_.file("o.safetensors") + " --distributed"));
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("rank 0 of 4: --input " + io_.file("missing.safetensors") + ": cannot open"), std::string::npos) << r.out;
-  // A world size that does not divide the experts.
-  r = run_sh(mpirun(3, args("o.safetensors", "--distributed")));
+  // More ranks than experts: refused on every rank, naming the value.
+  test::TempDir few{"dist_few"};
+  SynthOptions f = small_kimi(few.str());
+  f.num_experts = 4;
+  f.top_k = 2;
+  ASSERT_TRUE(write_synthetic_checkpoint(f).is_ok());
+  std::string few_args = args("o.safetensors", "--distributed");
+  few_args.replace(few_args.find(ckpt_.str()), ckpt_.str().size(), few.str());
+  r = run_sh(mpirun(5, few_args));
   EXPECT_NE(r.code, 0);
-  EXPECT_NE(r.out.find("rank 0 of 3: the MPI job's 3 ranks are the EP size"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("rank 0 of 5: the MPI job's 5 ranks are the EP size (--ep-size 5 --ep-rank 0: --ep-size must be "
+                       "at most the checkpoint's 4 experts"),
+            std::string::npos) << r.out;
 }
 
 TEST_F(MoeDistributed, ADeadOrHungRankFailsTheJobWithinBoundedTime) {
@@ -211,6 +246,29 @@ TEST(BenchComm, TableAndJsonUnderMpirunAndClearErrors) {
   EXPECT_EQ(j.at("allreduce")[1].at("bytes"), 64 * 1024 / 7168 * 7168);
   EXPECT_GT(j.at("allreduce")[1].at("native_allreduce_f32_us").get<double>(), 0.0);
   EXPECT_NE(r.out.find("TP all-reduce (BF16 in/out, exact sum"), std::string::npos) << r.out;
+  // Nine ranks (896 experts split 100 x 5 + 99 x 4): the EP table, and the all-reduce on the
+  // seed's payload shapes; with --skip-ep no expert partition is made at all.
+  r = run_sh(mpirun(9, "bench comm --m 1 --iters 2 --allreduce-rows 1,9 --allreduce-cols 7168,1030 --output " + json));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("EP dispatch / combine: 9 mpi ranks (EP9), K 3584, E 896"), std::string::npos) << r.out;
+  {
+    std::ifstream f9(json);
+    const auto j9 = nlohmann::json::parse(f9);
+    EXPECT_EQ(j9.at("world_size"), 9);
+    ASSERT_EQ(j9.at("allreduce").size(), 4u);
+    EXPECT_EQ(j9.at("allreduce")[1].at("rows"), 9);
+    EXPECT_EQ(j9.at("allreduce")[1].at("cols"), 7168);
+    EXPECT_EQ(j9.at("allreduce")[2].at("cols"), 1030);
+    EXPECT_EQ(j9.at("allreduce")[2].at("bytes"), 2060);
+    EXPECT_GT(j9.at("allreduce")[3].at("k3_us").get<double>(), 0.0);
+  }
+  r = run_sh(mpirun(9, "bench comm --skip-ep --iters 2 --allreduce-kib 14,57"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find("EP dispatch"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("9 mpi ranks, median of 2"), std::string::npos) << r.out;
+  r = run_sh(mpirun(2, "bench comm --skip-ep --iters 2 --allreduce-rows 0"));
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("--allreduce-rows"), std::string::npos) << r.out;
   r = run_sh(mpirun(2, "bench comm --recipe w8a8 --m 1"));
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("rank 0 of 2: "), std::string::npos) << r.out;

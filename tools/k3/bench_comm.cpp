@@ -24,6 +24,8 @@ struct Args {
   std::string recipe = "w4a8";
   bool bf16_wire = false;
   std::vector<int64_t> allreduce_kib = {8, 64, 512, 4096, 32768, 65536};
+  std::vector<int64_t> allreduce_rows;                // given: rows x cols shapes instead of KiB sizes
+  std::vector<int64_t> allreduce_cols = {7168, 3584};
   bool skip_ep = false, skip_allreduce = false;
   double timeout = 120;
   std::string output;
@@ -54,17 +56,19 @@ Status run(const Args& a) {
   if (ok.is_ok() && !recipe.is_ok()) ok = recipe.status();
   K3_RETURN_IF_ERROR(comm::agree_on_status(*c, ok));
 
-  MoeProblem p;  // Kimi-K3: K 3584, N 3072, E 896, top-16
+  MoeProblem p;  // Kimi-K3: K 3584, N 3072, E 896, top-16; any world size up to 896 (uneven partitions)
   p.recipe = recipe.value();
   p.shape.ep_size = world;
   p.shape.ep_rank = rank;
-  cpu::MoeOptions opt;
-  opt.threads = 1;
-  opt.isa = backend_options().isa;
-  auto plan = cpu::plan(p, opt);
-  K3_RETURN_IF_ERROR(comm::agree_on_status(*c, plan.status()));
   Result<std::vector<comm::EpBenchRecord>> ep = std::vector<comm::EpBenchRecord>{};
-  if (!a.skip_ep) ep = comm::bench_ep(*c, plan.value(), a.m, a.iters, !a.bf16_wire);
+  if (!a.skip_ep) {  // --skip-ep: no expert partition is needed at all
+    cpu::MoeOptions opt;
+    opt.threads = 1;
+    opt.isa = backend_options().isa;
+    auto plan = cpu::plan(p, opt);
+    K3_RETURN_IF_ERROR(comm::agree_on_status(*c, plan.status()));
+    ep = comm::bench_ep(*c, plan.value(), a.m, a.iters, !a.bf16_wire);
+  }
   K3_RETURN_IF_ERROR(ep.status());
 
   nlohmann::json j;
@@ -91,20 +95,29 @@ Status run(const Args& a) {
     std::fflush(stdout);
   }
   if (!a.skip_allreduce) {
-    std::vector<int64_t> sizes;
-    for (const int64_t kib : a.allreduce_kib) sizes.push_back(kib * 1024);
-    auto ar = comm::bench_allreduce(*c, sizes, a.iters, 1);
+    Result<std::vector<comm::AllreduceBenchRecord>> ar = std::vector<comm::AllreduceBenchRecord>{};
+    if (a.allreduce_rows.empty()) {
+      std::vector<int64_t> sizes;
+      for (const int64_t kib : a.allreduce_kib) sizes.push_back(kib * 1024);
+      ar = comm::bench_allreduce(*c, sizes, a.iters, 1);
+    } else {
+      std::vector<comm::AllreduceShape> shapes;
+      for (const int64_t cols : a.allreduce_cols) {
+        for (const int64_t rows : a.allreduce_rows) shapes.push_back({rows, cols});
+      }
+      ar = comm::bench_allreduce_shapes(*c, shapes, a.iters, 1);
+    }
     K3_RETURN_IF_ERROR(ar.status());
     if (rank == 0) {
       std::printf("\nTP all-reduce (BF16 in/out, exact sum rounded once to FP32; same bits for every world size): %d %s rank%s, "
                   "median of %d, max over ranks; bus bandwidth 2(W-1)/W x bytes / time\n",
                   world, c->transport(), world == 1 ? "" : "s", a.iters);
-      std::printf("%10s %10s %12s %14s %16s %12s %14s\n", "bytes", "rows", "k3 us", "k3 GB/s", "k3+RMSNorm us",
+      std::printf("%10s %6s %6s %12s %14s %16s %12s %14s\n", "bytes", "rows", "cols", "k3 us", "k3 GB/s", "k3+RMSNorm us",
                   "native us", "native GB/s");
       for (const auto& r : ar.value()) {
-        std::printf("%10s %10lld %12.1f %14.2f %16.1f %12.1f %14.2f\n", fmt_bytes(static_cast<double>(r.bytes)).c_str(),
-                    static_cast<long long>(r.rows), r.k3_us, r.k3_busbw_gbs, r.k3_rmsnorm_us, r.native_us,
-                    r.native_busbw_gbs);
+        std::printf("%10s %6lld %6lld %12.1f %14.2f %16.1f %12.1f %14.2f\n", fmt_bytes(static_cast<double>(r.bytes)).c_str(),
+                    static_cast<long long>(r.rows), static_cast<long long>(r.cols), r.k3_us, r.k3_busbw_gbs,
+                    r.k3_rmsnorm_us, r.native_us, r.native_busbw_gbs);
         j["allreduce"].push_back({{"bytes", r.bytes},
                                   {"rows", r.rows},
                                   {"cols", r.cols},
@@ -139,7 +152,15 @@ const BenchRegistration kComm("comm", [](CLI::App& bench) -> CommandRun {
   cmd->add_option("--allreduce-kib", a->allreduce_kib, "All-reduce message sizes in KiB")
       ->delimiter(',')
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  cmd->add_flag("--skip-ep", a->skip_ep, "Leave out the dispatch / combine table");
+  cmd->add_option("--allreduce-rows", a->allreduce_rows,
+                  "All-reduce on rows x cols shapes instead of --allreduce-kib sizes (the seed's T: 1,2,4,8,9,16,32)")
+      ->delimiter(',')
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  cmd->add_option("--allreduce-cols", a->allreduce_cols, "Columns for --allreduce-rows")
+      ->delimiter(',')
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
+  cmd->add_flag("--skip-ep", a->skip_ep, "Leave out the dispatch / combine table (needs no expert partition)");
   cmd->add_flag("--skip-allreduce", a->skip_allreduce, "Leave out the all-reduce table");
   cmd->add_option("--output", a->output, "Write JSON to this file (rank 0)");
   return [a]() { return run(*a); };

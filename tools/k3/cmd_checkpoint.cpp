@@ -9,6 +9,7 @@
 #include "checkpoint_cli.hpp"
 #include "command.hpp"
 #include "k3/checkpoint_synth.hpp"
+#include "k3/moe.hpp"
 
 namespace k3::tool {
 
@@ -142,14 +143,14 @@ Status run_synth(SynthArgs a) {
     a.o.expert_begin = r->first;
     a.o.expert_end = r->second;
   } else if (a.ep_size > 0) {
-    if (a.o.num_experts % a.ep_size != 0 || a.ep_rank < 0 || a.ep_rank >= a.ep_size) {
+    if (a.ep_size > a.o.num_experts || a.ep_rank < 0 || a.ep_rank >= a.ep_size) {
       return invalid_argument("--ep-size " + std::to_string(a.ep_size) + " --ep-rank " + std::to_string(a.ep_rank) +
-                              ": ep-size must divide --num-experts " + std::to_string(a.o.num_experts) +
+                              ": ep-size must be at most --num-experts " + std::to_string(a.o.num_experts) +
                               " and ep-rank be in [0, ep-size)");
     }
-    const int local = a.o.num_experts / a.ep_size;
-    a.o.expert_begin = a.ep_rank * local;
-    a.o.expert_end = (a.ep_rank + 1) * local;
+    const ExpertRange own = expert_range(a.o.num_experts, a.ep_size, a.ep_rank);  // docs/distributed.md
+    a.o.expert_begin = own.first;
+    a.o.expert_end = own.first + own.count;
   } else if (a.ep_rank >= 0) {
     return invalid_argument("--ep-rank needs --ep-size");
   }

@@ -302,8 +302,9 @@ Status run_moe_distributed(const MoeRunArgs& a) {
                 stats.combine_s);
     for (int q = 0; q < world; ++q) {
       const int64_t* v = all.data() + 4 * q;
+      const ExpertRange held = expert_range(p.shape.num_experts, world, q);
       std::printf("  rank %d: experts [%d, %d), loaded in %lld ms, %lld rows received, %lld slots computed, %lld bytes sent\n",
-                  q, q * p.shape.local_experts(), (q + 1) * p.shape.local_experts(), static_cast<long long>(v[3]),
+                  q, held.first, held.first + held.count, static_cast<long long>(v[3]),
                   static_cast<long long>(v[0]), static_cast<long long>(v[1]), static_cast<long long>(v[2]));
     }
     std::printf("out sha256 %s -> %s\n", sha256_hex(out).c_str(), a.output.c_str());

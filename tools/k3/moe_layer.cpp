@@ -15,9 +15,10 @@ Status check_ep_flags(int ep_size, int ep_rank, const std::string& checkpoint) {
   }
   auto cfg = load_model_config(checkpoint);
   if (!cfg.is_ok()) return Status::ok();  // the loader reports the config itself
-  if (cfg->num_experts % ep_size != 0) {
-    return invalid_argument(flags + ": --ep-size must divide the checkpoint's " + std::to_string(cfg->num_experts) +
-                            " experts (num_experts in " + cfg->source + "), got " + std::to_string(ep_size));
+  if (ep_size > cfg->num_experts) {
+    return invalid_argument(flags + ": --ep-size must be at most the checkpoint's " + std::to_string(cfg->num_experts) +
+                            " experts (num_experts in " + cfg->source + "; every rank holds at least one), got " +
+                            std::to_string(ep_size));
   }
   return Status::ok();
 }

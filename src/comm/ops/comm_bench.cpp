@@ -47,32 +47,29 @@ uint16_t random_bf16(uint64_t& state) {
   return bf16_from_f32(static_cast<float>(2.0 * u - 1.0));
 }
 
-Result<std::vector<AllreduceBenchRecord>> bench_impl(Communicator& comm, std::span<const int64_t> sizes_bytes,
+Result<std::vector<AllreduceBenchRecord>> bench_impl(Communicator& comm, std::span<const AllreduceShape> shapes,
                                                      int iters, int threads) {
   if (iters < 1 || iters > 10000) return invalid_argument("bench_allreduce: iters = " + std::to_string(iters) + " must be in [1, 10000]");
   std::string key = "iters=" + std::to_string(iters);
-  for (size_t k = 0; k < sizes_bytes.size(); ++k) {
-    const int64_t b = sizes_bytes[k];
-    if (b < 2 || b > (int64_t{1} << 36)) {
-      std::string msg = "bench_allreduce: sizes_bytes[";
-      msg += std::to_string(k);
-      msg += "] = ";
-      msg += std::to_string(b);
-      msg += " must be in [2, 2^36]";
-      return invalid_argument(std::move(msg));
+  for (size_t k = 0; k < shapes.size(); ++k) {
+    const AllreduceShape& s = shapes[k];
+    if (s.rows < 1 || s.rows > (int64_t{1} << 24) || s.cols < 1 || s.cols > kAllreduceMaxCols ||
+        s.rows * s.cols * 2 > (int64_t{1} << 36)) {
+      return invalid_argument("bench_allreduce: shapes[" + std::to_string(k) + "] = " + std::to_string(s.rows) + " x " +
+                              std::to_string(s.cols) + " must have rows in [1, 2^24], cols in [1, " +
+                              std::to_string(kAllreduceMaxCols) + "] and at most 2^36 bytes");
     }
-    key += ',';
-    key += std::to_string(b);
+    key += ',' + std::to_string(s.rows) + 'x' + std::to_string(s.cols);
   }
   K3_RETURN_IF_ERROR(check_same_on_all_ranks(comm, "bench_allreduce sizes and iters", key));
   const int w = comm.size();
   const int warmup = std::max(2, iters / 5);
   const AllreduceOptions opt{.threads = threads};
   std::vector<AllreduceBenchRecord> table;
-  for (const int64_t requested : sizes_bytes) {
+  for (const AllreduceShape& shape : shapes) {
     AllreduceBenchRecord rec;
-    rec.cols = requested >= 2 * kCols ? kCols : requested / 2;
-    rec.rows = requested >= 2 * kCols ? requested / (2 * kCols) : 1;
+    rec.cols = shape.cols;
+    rec.rows = shape.rows;
     rec.bytes = rec.rows * rec.cols * 2;
     const auto n = static_cast<size_t>(rec.rows * rec.cols);
     // x differs per rank; residual and gamma are replicated, as in tensor parallelism.
@@ -118,8 +115,22 @@ Result<std::vector<AllreduceBenchRecord>> bench_impl(Communicator& comm, std::sp
 
 Result<std::vector<AllreduceBenchRecord>> bench_allreduce(Communicator& comm, std::span<const int64_t> sizes_bytes,
                                                           int iters, int threads) {
+  std::vector<AllreduceShape> shapes;
+  for (size_t k = 0; k < sizes_bytes.size(); ++k) {
+    const int64_t b = sizes_bytes[k];
+    if (b < 2 || b > (int64_t{1} << 36)) {
+      return invalid_argument("bench_allreduce: sizes_bytes[" + std::to_string(k) + "] = " + std::to_string(b) +
+                              " must be in [2, 2^36]");
+    }
+    shapes.push_back(b >= 2 * kCols ? AllreduceShape{b / (2 * kCols), kCols} : AllreduceShape{1, b / 2});
+  }
+  return bench_allreduce_shapes(comm, shapes, iters, threads);
+}
+
+Result<std::vector<AllreduceBenchRecord>> bench_allreduce_shapes(Communicator& comm, std::span<const AllreduceShape> shapes,
+                                                                 int iters, int threads) {
   try {
-    return bench_impl(comm, sizes_bytes, iters, threads);
+    return bench_impl(comm, shapes, iters, threads);
   } catch (const std::bad_alloc&) {  // the inputs of a size too large for this machine
     return unavailable("bench_allreduce: out of memory for the benchmark buffers (rank " + std::to_string(comm.rank()) +
                        ")");

@@ -56,6 +56,35 @@ Status check_dispatch_args(const Communicator& comm, const MoeShape& shape, cons
 
 }  // namespace
 
+Status agree_on_partition(Communicator& comm, const MoeShape& shape, Recipe recipe) {
+  constexpr int kFields = 7;
+  static const char* const kNames[kFields] = {"hidden", "intermediate", "num_experts", "top_k", "ep_size", "ep_rank", "recipe"};
+  const int64_t mine[kFields] = {shape.hidden, shape.intermediate, shape.num_experts, shape.top_k,
+                                 shape.ep_size, shape.ep_rank, static_cast<int64_t>(recipe)};
+  const int w = comm.size();
+  std::vector<int64_t> all(static_cast<size_t>(w) * kFields);
+  K3_RETURN_IF_ERROR(comm.allgather(mine, sizeof mine, all.data()));
+  // Every rank sees the same table, so every rank reaches the same verdict without another message.
+  auto field = [&](int q, int f) { return all[static_cast<size_t>(q) * kFields + static_cast<size_t>(f)]; };
+  auto show = [&](int f, int64_t v) {
+    return f == 6 ? std::string(recipe_name(static_cast<Recipe>(v))) : num(v);
+  };
+  for (int q = 0; q < w; ++q) {
+    if (field(q, 4) != w || field(q, 5) != q) {
+      return invalid_argument("rank " + num(q) + " of " + num(w) + ": shape.ep_size = " + num(field(q, 4)) +
+                              ", ep_rank = " + num(field(q, 5)) + " must be the communicator's size " + num(w) +
+                              " and rank " + num(q) + " (ranks disagree on the expert partition)");
+    }
+    for (int f = 0; f < kFields; ++f) {
+      if (f == 5 || field(q, f) == field(0, f)) continue;
+      return invalid_argument("rank " + num(q) + " of " + num(w) + ": " + kNames[f] + " = " + show(f, field(q, f)) +
+                              " differs from rank 0's " + show(f, field(0, f)) +
+                              " (ranks disagree on the layer or its expert partition)");
+    }
+  }
+  return Status::ok();
+}
+
 std::string EpDispatch::to_string() const {
   std::string s = "rows " + num(rows) + " from [";
   for (size_t q = 0; q < rows_from.size(); ++q) {
@@ -75,6 +104,7 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, con
   EpBuffers& b = buffers != nullptr ? *buffers : own;
   const MoeShape& shape = plan.problem.shape;
   K3_RETURN_IF_ERROR(agree_on_status(comm, check_dispatch_args(comm, shape, local)));
+  K3_RETURN_IF_ERROR(agree_on_partition(comm, shape, plan.problem.recipe));
   const int w = comm.size();
   const int64_t k = shape.hidden, topk = shape.top_k, e_local = shape.local_experts();
   const size_t W = static_cast<size_t>(w);
@@ -101,7 +131,7 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, con
     for (int64_t s = 0; s < topk; ++s) {
       const int32_t id = local.topk_ids[static_cast<size_t>(t * topk + s)];
       if (id < 0) continue;
-      const int64_t q = id / e_local;
+      const int64_t q = shape.owner_of(id);
       if (!any[q]) {
         any[q] = true;
         to[static_cast<size_t>(q)].push_back(static_cast<int32_t>(t));
@@ -120,7 +150,8 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, con
   grow(b.send, send_total);
   uint8_t* p = b.send.data();
   for (size_t q = 0; q < W; ++q) {
-    const int64_t lo = static_cast<int64_t>(q) * e_local, hi = lo + e_local;
+    const ExpertRange held = expert_range(shape.num_experts, shape.ep_size, static_cast<int>(q));
+    const int64_t lo = held.first, hi = lo + held.count;
     for (const int32_t t : to[q]) {
       int32_t ids[32];
       for (int64_t s = 0; s < topk; ++s) {
@@ -194,7 +225,7 @@ Status ep_combine(Communicator& comm, const EpDispatch& d, const cpu::MoePlan& p
   EpBuffers own;
   EpBuffers& b = buffers != nullptr ? *buffers : own;
   const MoeShape& shape = d.shape;
-  const int64_t k = shape.hidden, topk = shape.top_k, e_local = shape.local_experts();
+  const int64_t k = shape.hidden, topk = shape.top_k;
   const size_t W = static_cast<size_t>(comm.size());
   int64_t slots = 0;
   for (const int64_t v : d.slots_from) slots += v;
@@ -227,7 +258,8 @@ Status ep_combine(Communicator& comm, const EpDispatch& d, const cpu::MoePlan& p
   // What this rank expects back from q: its tokens sent to q, their slots owned by q.
   std::vector<int64_t> expect(W, 0);
   for (size_t q = 0; q < W; ++q) {
-    const int64_t lo = static_cast<int64_t>(q) * e_local, hi = lo + e_local;
+    const ExpertRange held = expert_range(shape.num_experts, shape.ep_size, static_cast<int>(q));
+    const int64_t lo = held.first, hi = lo + held.count;
     for (int64_t i = d.sent_offsets[q]; i < d.sent_offsets[q + 1]; ++i) {
       const int64_t t = d.sent_tokens[static_cast<size_t>(i)];
       for (int64_t s = 0; s < topk; ++s) {
@@ -249,7 +281,8 @@ Status ep_combine(Communicator& comm, const EpDispatch& d, const cpu::MoePlan& p
   std::vector<const float*> slot_y(static_cast<size_t>(d.source_tokens * topk), nullptr);
   const float* at = b.back.data();
   for (size_t q = 0; q < W; ++q) {
-    const int64_t lo = static_cast<int64_t>(q) * e_local, hi = lo + e_local;
+    const ExpertRange held = expert_range(shape.num_experts, shape.ep_size, static_cast<int>(q));
+    const int64_t lo = held.first, hi = lo + held.count;
     for (int64_t i = d.sent_offsets[q]; i < d.sent_offsets[q + 1]; ++i) {
       const int64_t t = d.sent_tokens[static_cast<size_t>(i)];
       for (int64_t s = 0; s < topk; ++s) {

@@ -11,7 +11,7 @@ std::string num(int64_t v) { return std::to_string(v); }
 
 Result<EpRoute> ep_route(const MoeShape& shape, int64_t m, std::span<const int32_t> topk_ids) {
   K3_RETURN_IF_ERROR(validate_moe_shape(shape));
-  const int64_t topk = shape.top_k, e_local = shape.local_experts();
+  const int64_t topk = shape.top_k;
   const size_t W = static_cast<size_t>(shape.ep_size);
   if (m < 0 || m > (int64_t{1} << 24)) return invalid_argument("ep_route: m = " + num(m) + " must be in [0, 2^24]");
   if (static_cast<int64_t>(topk_ids.size()) != m * topk) {
@@ -34,7 +34,7 @@ Result<EpRoute> ep_route(const MoeShape& shape, int64_t m, std::span<const int32
     for (int64_t s = 0; s < topk; ++s) {
       const int32_t id = topk_ids[static_cast<size_t>(t * topk + s)];
       if (id < 0) continue;
-      const size_t q = static_cast<size_t>(id / e_local);
+      const size_t q = static_cast<size_t>(shape.owner_of(id));
       if (last[q] != t) {
         last[q] = t;
         to[q].push_back(static_cast<int32_t>(t));
@@ -51,7 +51,8 @@ Result<EpRoute> ep_route(const MoeShape& shape, int64_t m, std::span<const int32
   r.slot_row.assign(static_cast<size_t>(m * topk), -1);
   int64_t back = 0;  // rows of the combine's receive buffer, rank order, then row, then slot
   for (size_t q = 0; q < W; ++q) {
-    const int64_t lo = static_cast<int64_t>(q) * e_local, hi = lo + e_local;
+    const ExpertRange held = expert_range(shape.num_experts, shape.ep_size, static_cast<int>(q));
+    const int64_t lo = held.first, hi = lo + held.count;
     for (int64_t i = r.sent_offsets[q]; i < r.sent_offsets[q + 1]; ++i) {
       const int64_t t = r.sent_tokens[static_cast<size_t>(i)];
       for (int64_t s = 0; s < topk; ++s) {
