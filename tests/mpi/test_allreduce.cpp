@@ -209,7 +209,9 @@ uint64_t fnv1a(const std::vector<uint16_t>& v) {
 // packs). At every world size — nine included, where no payload's row count divides evenly —
 // the sum and the residual + RMSNorm epilogue are (1) the one-process result of the exact sum,
 // (2) for narrow contributions, the FP64 reference rounded once, (3) the same on every rank and
-// (4) the same on a second run with other threads and message rounds.
+// (4) the same on a second run with other threads and message rounds (rounds of one row, and
+// rounds of W rows with a shorter last one). The shards are 16-byte packs, or rows for the
+// epilogue when a round has at least W rows.
 TEST(MpiAllreduce, SeedPayloadsAtAnyWorldSizeMatchTheReferenceOnEveryRank) {
   Communicator& w = k3test::world();
   auto self = k3::comm::make_self_communicator();
@@ -237,6 +239,13 @@ TEST(MpiAllreduce, SeedPayloadsAtAnyWorldSizeMatchTheReferenceOnEveryRank) {
     EXPECT_EQ(again.sum, got.sum);
     EXPECT_EQ(again.norm, got.norm);
     EXPECT_EQ(again.res, got.res);
+    if (rows > n) {  // rounds of W rows (the epilogue shards them by rows), then a last one of fewer (by packs)
+      const Outputs mixed = run_ops(w, parts[static_cast<size_t>(w.rank())], residual, g, rows, cols,
+                                    {.threads = 2, .max_call_bytes = (2 * n - 1) * 2 * cols + 16 * n});
+      EXPECT_EQ(mixed.sum, got.sum);
+      EXPECT_EQ(mixed.norm, got.norm);
+      EXPECT_EQ(mixed.res, got.res);
+    }
     const uint64_t mine[3] = {fnv1a(got.sum), fnv1a(got.norm), fnv1a(got.res)};
     std::vector<uint64_t> all(static_cast<size_t>(3 * n));
     ASSERT_TRUE(w.allgather(mine, sizeof mine, all.data()).is_ok());

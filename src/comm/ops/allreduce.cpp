@@ -1,6 +1,7 @@
 // Tensor-parallel all-reduce (k3/allreduce.hpp): argument agreement, then per round of whole
-// rows a two-shot exchange — alltoallv of each rank's partial rows to the rows' owner, an exact
-// reduction (+ residual add + RMSNorm) of the owned rows, allgatherv of the results.
+// rows a two-shot exchange — alltoallv of each rank's partial elements to the owner of their
+// 16-byte-pack shard, an exact reduction (+ residual add) of the owned elements, allgatherv of
+// the results — and, for the epilogue, the RMSNorm of every row on every rank.
 #include "k3/allreduce.hpp"
 
 #include <omp.h>
@@ -166,9 +167,12 @@ Status agree(Communicator& comm, const Call& c, const Status& local) {
   return Status::ok();
 }
 
-// One owned row i: the exact sums of its W contributions (recv plane q = rank q) and the
-// epilogue. Compiled for AVX2 and for the baseline ISA (ifunc dispatch): the same IEEE operations
-// in both (no FMA: -ffp-contract=off), so the bits do not depend on the CPU either.
+// The owned elements [off, off + len) of a round's shard: the exact sums of their W
+// contributions (recv plane q = rank q, each `plane` elements), written to `stage` as
+// bf16(s) (allreduce_bf16) or bf16(s + residual) (the residual_out of the epilogue; `global0` is
+// the shard's first element in the tensor, for the residual). Compiled for AVX2 and for the
+// baseline ISA (ifunc dispatch): the same IEEE operations in both (no FMA: -ffp-contract=off), so
+// the bits do not depend on the CPU either.
 // No clones under a sanitizer: the ifunc resolver runs before the sanitizer runtime is set up, and
 // an instrumented resolver crashes there (clang spells the check __has_feature, GCC __SANITIZE_*).
 #if defined(__has_feature)
@@ -182,20 +186,19 @@ Status agree(Communicator& comm, const Call& c, const Status& local) {
 #else
 #define K3_AR_CLONES
 #endif
-K3_AR_CLONES void reduce_row(const Call& c, const uint16_t* recv, int w, int64_t plane, int64_t i, int64_t row0,
-                             uint16_t* out_rows, uint16_t* res_rows, double* s, double* err, float* sum) {
-  const int64_t cols = c.cols;
-  const size_t ncols = static_cast<size_t>(cols);
+K3_AR_CLONES void reduce_chunk(const Call& c, const uint16_t* recv, int w, int64_t plane, int64_t off, int64_t len,
+                               int64_t global0, uint16_t* stage, double* s, double* err, float* sum) {
+  const size_t n = static_cast<size_t>(len);
   {  // plane 0: -0.0 + x is x exactly (the -0 start keeps exact_sum.hpp's zero-sign rule)
-    const uint16_t* src = recv + i * cols;
-    for (size_t j = 0; j < ncols; ++j) {
+    const uint16_t* src = recv + off;
+    for (size_t j = 0; j < n; ++j) {
       s[j] = static_cast<double>(bf16_to_f32(src[j]));
       err[j] = 0.0;
     }
   }
-  for (int q = 1; q < w; ++q) {  // FP64 + TwoSum, vectorized over columns
-    const uint16_t* src = recv + q * plane + i * cols;
-    for (size_t j = 0; j < ncols; ++j) {
+  for (int q = 1; q < w; ++q) {  // FP64 + TwoSum, vectorized over the elements
+    const uint16_t* src = recv + q * plane + off;
+    for (size_t j = 0; j < n; ++j) {
       const double xv = static_cast<double>(bf16_to_f32(src[j]));
       const double t = s[j] + xv;
       const double bp = t - s[j];
@@ -211,7 +214,7 @@ K3_AR_CLONES void reduce_row(const Call& c, const uint16_t* recv, int w, int64_t
   constexpr uint64_t kInfFromBits = 0x47EFFFFFF0000000ull;  // 0x1.ffffffp127
   constexpr uint64_t kOneBits = 0x3FF0000000000000ull;       // 1.0
   int64_t slow = 0;
-  for (size_t j = 0; j < ncols; ++j) {
+  for (size_t j = 0; j < n; ++j) {
     const uint64_t sb = std::bit_cast<uint64_t>(s[j]);
     const uint64_t ok = static_cast<uint64_t>((std::bit_cast<uint64_t>(err[j]) == 0) &
                                               ((sb & 0x7FFFFFFFFFFFFFFFull) < kInfFromBits));
@@ -221,28 +224,28 @@ K3_AR_CLONES void reduce_row(const Call& c, const uint16_t* recv, int w, int64_t
     slow += static_cast<int64_t>(1 - ok);
   }
   if (slow > 0) {
-    for (size_t j = 0; j < ncols; ++j) {
-      if (err[j] != 0.0) sum[j] = detail::exact_sum_bf16(recv + i * cols + static_cast<int64_t>(j), plane, w);
+    for (size_t j = 0; j < n; ++j) {
+      if (err[j] != 0.0) sum[j] = detail::exact_sum_bf16(recv + off + static_cast<int64_t>(j), plane, w);
     }
   }
-  uint16_t* o = out_rows + i * cols;
-  if (!c.norm) {
-    for (size_t j = 0; j < ncols; ++j) o[j] = bf16_from_f32(sum[j]);
+  uint16_t* o = stage + off;
+  if (!c.norm || c.residual.empty()) {
+    for (size_t j = 0; j < n; ++j) o[j] = bf16_from_f32(sum[j]);
     return;
   }
-  uint16_t* ro = res_rows + i * cols;
-  if (!c.residual.empty()) {
-    const uint16_t* res = c.residual.data() + (row0 + i) * cols;
-    for (size_t j = 0; j < ncols; ++j) ro[j] = bf16_from_f32(sum[j] + bf16_to_f32(res[j]));
-  } else {
-    for (size_t j = 0; j < ncols; ++j) ro[j] = bf16_from_f32(sum[j]);
-  }
+  const uint16_t* res = c.residual.data() + global0 + off;
+  for (size_t j = 0; j < n; ++j) o[j] = bf16_from_f32(sum[j] + bf16_to_f32(res[j]));
+}
+
+// The RMSNorm of one row from its residual_out `ro` (complete on every rank after phase 2).
+K3_AR_CLONES void norm_row(const Call& c, const uint16_t* ro, uint16_t* o) {
+  const size_t ncols = static_cast<size_t>(c.cols);
   double acc = 0.0;  // column order, FP64 (a serial chain by contract)
   for (size_t j = 0; j < ncols; ++j) {
     const double r = static_cast<double>(bf16_to_f32(ro[j]));
     acc += r * r;
   }
-  const double rstd = 1.0 / std::sqrt(acc / static_cast<double>(cols) + static_cast<double>(c.eps));
+  const double rstd = 1.0 / std::sqrt(acc / static_cast<double>(c.cols) + static_cast<double>(c.eps));
   const uint16_t* g = c.gamma.data();
   for (size_t j = 0; j < ncols; ++j) {
     const double y = (static_cast<double>(bf16_to_f32(ro[j])) * rstd) * static_cast<double>(bf16_to_f32(g[j]));
@@ -250,8 +253,25 @@ K3_AR_CLONES void reduce_row(const Call& c, const uint16_t* recv, int w, int64_t
   }
 }
 
-// Scratch of a call, one block: per thread the row buffers (s and err: double[cols], sum:
-// float[cols]), then the W receive planes and the two staging buffers ([max_mine, cols] BF16).
+// Shards of a round of n rows (N = n * cols elements). Two ways, the same bits:
+//  - packs (allreduce_bf16 always; the epilogue when n < W): the round is split into 16-byte
+//    packs of 8 BF16, P = ceil(N / 8), and rank q owns the elements [lo(q), lo(q + 1)) with
+//    lo(q) = min(N, 8 * floor(P q / W)): shards differ by at most one pack, however few the rows
+//    (one row of 7168 on nine ranks: 896 packs, 99 or 100 per rank). The epilogue then gathers
+//    residual_out and every rank normalizes the round's (fewer than W) rows itself.
+//  - rows (the epilogue when n >= W): rank q owns rows [n q / W, n (q + 1) / W), normalizes them
+//    and the ranks gather out and residual_out.
+constexpr int64_t kPack = 8;
+constexpr int64_t kChunk = 2048;  // elements per reduction task (one thread's s / err / sum buffers)
+
+int64_t shard_begin(int64_t elements, int q, int w) {
+  const int64_t packs = (elements + kPack - 1) / kPack;
+  return std::min(elements, kPack * (packs * q / w));
+}
+
+// Scratch of a call, one block: per thread the chunk buffers (s and err: double[kChunk], sum:
+// float[kChunk]), then the W receive planes and one staging buffer (two for the epilogue by
+// rows), each [max_mine] BF16.
 // Allocated before the agreement (an allocation failure is one more reason for every rank to
 // return an error), without zero-filling, and up to kKeepScratchBytes kept per calling thread so
 // that repeated calls do not fault its pages in again.
@@ -268,19 +288,25 @@ struct Scratch {
   AlignedBytes own;             // when too large to keep
   std::byte* base = nullptr;
   int threads = 1;
-  size_t thread_bytes = 0;      // row buffers of one thread
-  uint16_t *recv = nullptr, *out_stage = nullptr, *res_stage = nullptr;
+  size_t thread_bytes = 0;      // chunk buffers of one thread
+  uint16_t *recv = nullptr, *stage = nullptr, *stage2 = nullptr;  // stage2: out rows (by rows only)
 
   double* s(int t) const { return reinterpret_cast<double*>(base + static_cast<size_t>(t) * thread_bytes); }
 };
 
 Status make_scratch(const Call& c, int w, int64_t round_rows, Scratch& sc) {
-  const auto ncols = static_cast<size_t>(c.cols);
-  const int64_t max_mine = (std::min(round_rows, c.rows) + w - 1) / w;  // rows owned in a round
-  sc.threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(c.opt.threads, max_mine)));
-  sc.thread_bytes = round64(ncols * (2 * sizeof(double) + sizeof(float)));
-  const size_t planes = static_cast<size_t>(max_mine * c.cols);  // one [max_mine, cols] plane
-  const size_t bytes = static_cast<size_t>(sc.threads) * sc.thread_bytes + round64(planes * (static_cast<size_t>(w) + 2) * 2);
+  // Elements owned in any round (the last round may be smaller, and shard by packs where the
+  // others shard by rows): at most the larger of both bounds for the largest round.
+  const int64_t rows = std::min(round_rows, c.rows), elements = rows * c.cols;
+  const bool by_rows = c.norm && rows >= w;
+  const int64_t max_mine = std::max(by_rows ? (rows + w - 1) / w * c.cols : 0,
+                                    kPack * (((elements + kPack - 1) / kPack + w - 1) / w));
+  sc.threads = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(c.opt.threads, std::max((max_mine + kChunk - 1) / kChunk, rows))));
+  sc.thread_bytes = round64(static_cast<size_t>(kChunk) * (2 * sizeof(double) + sizeof(float)));
+  const size_t plane = static_cast<size_t>(max_mine);
+  const size_t planes = static_cast<size_t>(w) + (by_rows ? 2 : 1);  // receive planes + staging
+  const size_t bytes = static_cast<size_t>(sc.threads) * sc.thread_bytes + round64(plane * planes * 2);
   auto alloc = [](size_t n) {
     return AlignedBytes(static_cast<std::byte*>(::operator new[](n, std::align_val_t{64}, std::nothrow)));
   };
@@ -303,30 +329,25 @@ Status make_scratch(const Call& c, int w, int64_t round_rows, Scratch& sc) {
                        str(c.rows) + ", cols = " + str(c.cols) + ", " + str(w) + " ranks)");
   }
   sc.recv = reinterpret_cast<uint16_t*>(sc.base + static_cast<size_t>(sc.threads) * sc.thread_bytes);
-  sc.out_stage = sc.recv + static_cast<size_t>(w) * planes;
-  sc.res_stage = sc.out_stage + planes;
+  sc.stage = sc.recv + static_cast<size_t>(w) * plane;
+  sc.stage2 = by_rows ? sc.stage + plane : nullptr;
   return Status::ok();
 }
 
-// Reduces the owned rows: sc.recv holds W planes of [mine, cols] (plane q from rank q).
-void reduce_rows(const Call& c, const Scratch& sc, int w, int64_t mine, int64_t row0) {
-  const auto ncols = static_cast<size_t>(c.cols);
-  const auto kernel = [&](int t, int64_t i) {
-    double* s = sc.s(t);
-    double* err = s + ncols;
-    auto* sum = reinterpret_cast<float*>(err + ncols);
-    reduce_row(c, sc.recv, w, mine * c.cols, i, row0, sc.out_stage, sc.res_stage, s, err, sum);
-  };
-  const int threads = static_cast<int>(std::min<int64_t>(sc.threads, mine));
-  if (threads <= 1) {  // no parallel region for one thread (latency of small messages)
-    for (int64_t i = 0; i < mine; ++i) kernel(0, i);
+// Runs body(thread, i) for i in [0, n) on up to `threads` OpenMP threads (static schedule; no
+// parallel region for one: the latency of small messages). Every i is independent of the others.
+template <typename F>
+void parallel_for(int threads, int64_t n, const F& body) {
+  threads = static_cast<int>(std::min<int64_t>(threads, n));
+  if (threads <= 1) {
+    for (int64_t i = 0; i < n; ++i) body(0, i);
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num();
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < mine; ++i) kernel(t, i);
+    for (int64_t i = 0; i < n; ++i) body(t, i);
   }
 }
 
@@ -336,29 +357,49 @@ Status run(Communicator& comm, const Call& c) {
   Status local = validate_local(c);
   const int64_t row_bytes = 2 * c.cols;
   const int64_t limit = c.opt.max_call_bytes > 0 ? c.opt.max_call_bytes : kDefaultCallBytes;
-  // Rows per round: the owner receives ceil(n / W) <= (n + W - 1) / W rows from each of W
-  // ranks, so (n + W - 1) rows of bytes must fit the limit (at least one row per round).
-  const int64_t round_rows = row_bytes > 0 ? std::max<int64_t>(1, limit / row_bytes - (w - 1)) : 1;
+  // Rows per round: a rank receives W planes of at most ceil(n / W) rows (by rows) or
+  // ceil(P / W) packs, under (n + W - 1) rows or n rows + 16 W bytes: both must fit the limit
+  // (at least one row per round).
+  const int64_t round_rows =
+      row_bytes > 0 ? std::max<int64_t>(1, (limit - 2 * kPack * w) / row_bytes - (w - 1)) : 1;
   Scratch sc;
   if (local.is_ok() && c.rows > 0 && c.cols > 0) local = make_scratch(c, w, round_rows, sc);
   K3_RETURN_IF_ERROR(agree(comm, c, local));
   if (c.rows == 0 || c.cols == 0) return Status::ok();
   std::vector<int64_t> counts(uw), recv_counts(uw);
   for (int64_t r0 = 0; r0 < c.rows; r0 += round_rows) {
-    const int64_t n = std::min(round_rows, c.rows - r0);
-    auto lo = [&](int q) { return r0 + n * q / w; };  // rank q owns rows [lo(q), lo(q + 1))
+    const int64_t n = std::min(round_rows, c.rows - r0), elements = n * c.cols, e0 = r0 * c.cols;
+    const bool by_rows = c.norm && n >= w;
+    // Rank q owns the round's elements [lo(q), lo(q + 1)).
+    auto lo = [&](int q) { return by_rows ? n * q / w * c.cols : shard_begin(elements, q, w); };
     const int64_t mine = lo(me + 1) - lo(me);
     for (int q = 0; q < w; ++q) {
-      counts[static_cast<size_t>(q)] = (lo(q + 1) - lo(q)) * row_bytes;
-      recv_counts[static_cast<size_t>(q)] = mine * row_bytes;
+      counts[static_cast<size_t>(q)] = (lo(q + 1) - lo(q)) * 2;
+      recv_counts[static_cast<size_t>(q)] = mine * 2;
     }
-    // Phase 1: my partial rows of shard q go to rank q (x's shards are contiguous: no packing).
-    K3_RETURN_IF_ERROR(comm.alltoallv(c.x.data() + r0 * c.cols, counts, sc.recv, recv_counts));
-    if (mine > 0) reduce_rows(c, sc, w, mine, lo(me));
-    // Phase 2: every rank gathers every shard's results.
-    K3_RETURN_IF_ERROR(comm.allgatherv(sc.out_stage, mine * row_bytes, c.out.data() + r0 * c.cols, counts));
-    if (c.norm) {
-      K3_RETURN_IF_ERROR(comm.allgatherv(sc.res_stage, mine * row_bytes, c.residual_out.data() + r0 * c.cols, counts));
+    // Phase 1: my partial elements of shard q go to rank q (x's shards are contiguous: no packing).
+    K3_RETURN_IF_ERROR(comm.alltoallv(c.x.data() + e0, counts, sc.recv, recv_counts));
+    const int64_t chunks = (mine + kChunk - 1) / kChunk;
+    parallel_for(sc.threads, chunks, [&](int t, int64_t i) {
+      double* s = sc.s(t);
+      double* err = s + kChunk;
+      auto* sum = reinterpret_cast<float*>(err + kChunk);
+      reduce_chunk(c, sc.recv, w, mine, i * kChunk, std::min(kChunk, mine - i * kChunk), e0 + lo(me), sc.stage, s, err,
+                   sum);
+    });
+    // Phase 2: every rank gathers every shard.
+    if (!c.norm) {
+      K3_RETURN_IF_ERROR(comm.allgatherv(sc.stage, mine * 2, c.out.data() + e0, counts));
+    } else if (by_rows) {  // the owner normalizes its rows; out and residual_out are gathered
+      parallel_for(sc.threads, mine / c.cols,
+                   [&](int, int64_t i) { norm_row(c, sc.stage + i * c.cols, sc.stage2 + i * c.cols); });
+      K3_RETURN_IF_ERROR(comm.allgatherv(sc.stage2, mine * 2, c.out.data() + e0, counts));
+      K3_RETURN_IF_ERROR(comm.allgatherv(sc.stage, mine * 2, c.residual_out.data() + e0, counts));
+    } else {  // fewer rows than ranks: residual_out is gathered, every rank normalizes the rows
+      K3_RETURN_IF_ERROR(comm.allgatherv(sc.stage, mine * 2, c.residual_out.data() + e0, counts));
+      parallel_for(sc.threads, n, [&](int, int64_t i) {
+        norm_row(c, c.residual_out.data() + (r0 + i) * c.cols, c.out.data() + (r0 + i) * c.cols);
+      });
     }
   }
   return Status::ok();
