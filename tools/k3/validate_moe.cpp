@@ -209,6 +209,9 @@ void smoke(const ValidateOptions& o, Runner& run) {
   ep.routing = RoutingPattern::kEpMixed;
   ep.local_slots = 2;
   defs.push_back({"smoke m32 ep2r0 mixed-2of3", ep, OutDType::kFP32});
+  ep.problem.shape.ep_size = 3;  // an uneven partition: 10 experts as 4 + 3 + 3, rank 2 holds [7, 10)
+  ep.problem.shape.ep_rank = 2;
+  defs.push_back({"smoke m32 ep3r2 mixed-2of3", ep, OutDType::kBF16});
   MoeCaseSpec ov = smoke_spec(19, RoutingPattern::kUniform, o.seed + 8);
   ov.situ_overrides = true;
   defs.push_back({"smoke m19 situ-per-expert", ov, OutDType::kBF16});
