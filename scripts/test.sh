@@ -16,6 +16,9 @@ echo "== release build (warnings are errors)"
 "$root/scripts/build.sh" "$root/build" -DK3_WERROR=ON
 (cd "$root/build" && ctest -j "$jobs" --output-on-failure)
 
+echo "== device check rehearsal (scripts/device-check.sh dry-run: the failure cases of a GPU window)"
+"$root/scripts/device-check.sh" dry-run
+
 echo "== sanitizer build (ASan + UBSan)"
 "$root/scripts/build.sh" "$root/build-asan" -DK3_WERROR=ON -DK3_SANITIZE=ON -DK3_CUDA=OFF -DK3_BUILD_BENCH=OFF \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo

@@ -71,6 +71,18 @@ Status run_cuda(const Args& a) {
   auto devs = cuda::devices();
   const std::string device = devs.is_ok() ? devs.value()[0].name : std::string("?");
   nlohmann::json records = nlohmann::json::array();
+  // The JSON is rewritten after every case, so that a run stopped half way keeps what it measured;
+  // a failed case is a record with its error, the others still run, the command fails at the end.
+  Status first_error = Status::ok();
+  auto save = [&]() -> Status {
+    if (a.output.empty()) return Status::ok();
+    const nlohmann::json j = {{"device", device},
+                              {"device_copy_Bps", copy_bw},
+                              {"note", "CUDA KDA backend; see docs/kda.md"},
+                              {"records", records}};
+    return write_file_atomic(a.output, j.dump(2) + "\n", "--output");
+  };
+  K3_RETURN_IF_ERROR(save());
   auto timing_json = [](const cuda::DeviceTiming& t) {
     return nlohmann::json{{"median_s", t.median_s}, {"min_s", t.min_s}, {"max_s", t.max_s}, {"iterations", t.iterations}};
   };
@@ -97,13 +109,18 @@ Status run_cuda(const Args& a) {
         std::snprintf(buf, sizeof buf, "%28s", "not built");
         rec[kda::algorithm_name(algo)] = {{"error", t.status().message()}};
       } else {
-        return Status(t.status().code(), std::string("prefill T=") + std::to_string(T) + " " +
-                                             kda::algorithm_name(algo) + ": " + t.status().message());
+        const Status err(t.status().code(), std::string("prefill T=") + std::to_string(T) + " " +
+                                                kda::algorithm_name(algo) + ": " + t.status().message());
+        std::snprintf(buf, sizeof buf, "%28s", "FAILED");
+        rec[kda::algorithm_name(algo)] = {{"error", err.message()}};
+        if (first_error.is_ok()) first_error = err;
       }
       cols[i++] = buf;
     }
     std::printf("%7lld | %s | %s\n", static_cast<long long>(T), cols[0].c_str(), cols[1].c_str());
+    std::fflush(stdout);
     records.push_back(rec);
+    K3_RETURN_IF_ERROR(save());
   }
   std::printf("\ndecode H=%lld K=V=%lld, one token per sequence (state read + written once per step)\n",
               static_cast<long long>(cfg.num_heads), static_cast<long long>(cfg.head_k));
@@ -120,7 +137,16 @@ Status run_cuda(const Args& a) {
       const int64_t groups =
           std::max<int64_t>(4, static_cast<int64_t>(200e6 / (slot_bytes * static_cast<double>(N))) + 1);
       auto t = cuda::time_kda_decode(cfg, c.inputs(), groups * N, 2, std::max<int>(a.iters * 4, 20), bf16_state);
-      if (!t.is_ok()) return Status(t.status().code(), "decode N=" + std::to_string(N) + ": " + t.status().message());
+      if (!t.is_ok()) {
+        const Status err(t.status().code(), "decode N=" + std::to_string(N) + ": " + t.status().message());
+        std::printf("%5lld %6s | FAILED: %s\n", static_cast<long long>(N), bf16_state ? "bf16" : "fp32", err.message().c_str());
+        std::fflush(stdout);
+        records.push_back({{"kind", "decode"}, {"backend", "cuda"}, {"state_dtype", bf16_state ? "bf16" : "fp32"},
+                           {"N", N}, {"error", err.message()}});
+        if (first_error.is_ok()) first_error = err;
+        K3_RETURN_IF_ERROR(save());
+        continue;
+      }
       const double bytes = 2.0 * slot_bytes * static_cast<double>(N), rate = bytes / t->median_s;
       std::printf("%5lld %6s | %9.3f [%7.3f, %7.3f] %12.1f %9.1f %11.1f%%\n", static_cast<long long>(N),
                   bf16_state ? "bf16" : "fp32", t->median_s * 1e3, t->min_s * 1e3, t->max_s * 1e3, bytes / 1e6,
@@ -129,16 +155,11 @@ Status run_cuda(const Args& a) {
                          {"N", N}, {"H", cfg.num_heads}, {"K", cfg.head_k}, {"V", cfg.head_v},
                          {"state_bytes_read_written", bytes}, {"pool_slots", groups * N},
                          {"timing", timing_json(t.value())}, {"fraction_of_copy_bw", rate / copy_bw}});
+      std::fflush(stdout);
+      K3_RETURN_IF_ERROR(save());
     }
   }
-  if (!a.output.empty()) {
-    const nlohmann::json j = {{"device", device},
-                              {"device_copy_Bps", copy_bw},
-                              {"note", "CUDA KDA backend; see docs/kda.md"},
-                              {"records", records}};
-    K3_RETURN_IF_ERROR(write_file_atomic(a.output, j.dump(2) + "\n", "--output"));
-  }
-  return Status::ok();
+  return first_error;
 }
 
 Status run(const Args& a) {

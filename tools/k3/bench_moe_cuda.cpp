@@ -29,6 +29,15 @@ Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
   std::printf("%-6s %6s %-14s %-10s %9s %9s %9s %8s %7s %10s %8s\n", "recipe", "M", "path", "routing", "median_ms", "min_ms",
               "max_ms", "wTB/s", "%copy", "cublas_ms", "speedup");
   nlohmann::json records = nlohmann::json::array();
+  // The JSON is rewritten after every M, so that a run stopped half way (a time limit) keeps
+  // what it measured. A failed M is a record with its error; the sweep goes on.
+  Status first_error = Status::ok();
+  auto save = [&]() -> Status {
+    if (p.output.empty()) return Status::ok();
+    const std::string text = nlohmann::json{{"copy_bandwidth_Bps", copy_bw}, {"records", records}}.dump(2) + "\n";
+    return write_file_atomic(p.output, text, "--output");
+  };
+  K3_RETURN_IF_ERROR(save());
   for (Recipe recipe : p.sweep.recipes) {
     for (int64_t m : p.sweep.ms) {
       MoeProblem prob;
@@ -46,39 +55,52 @@ Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
       K3_ASSIGN_OR_RETURN(const EpMapping map, map_expert_parallel(sh, m, routing.ids));
       const int iters = p.iters > 0 ? p.iters : 20;
       // Decode-sized calls rotate 4 weight copies so that no call finds its weights in L2.
+      nlohmann::json rec = {{"op", "moe"},
+                            {"backend", "cuda"},
+                            {"device", devs.value()[0].name},
+                            {"recipe", recipe_name(recipe)},
+                            {"m", m},
+                            {"routing", p.sweep.routing.name()}};
       auto t = cuda::time_moe(prob, wv, in, p.warmup, iters, m <= 64 ? 4 : 1);
-      if (!t.is_ok()) return t.status();
+      if (!t.is_ok()) {  // k3's own failure: recorded, the sweep goes on, the command fails at the end
+        std::printf("%-6s %6lld k3 FAILED: %s\n", recipe_name(recipe), static_cast<long long>(m), t.status().to_string().c_str());
+        std::fflush(stdout);
+        rec["error"] = t.status().to_string();
+        records.push_back(rec);
+        if (first_error.is_ok()) first_error = t.status();
+        K3_RETURN_IF_ERROR(save());
+        continue;
+      }
+      // The baseline is optional: without cuBLAS (or when it fails) k3's timing stays, with the reason.
       auto base = cuda::time_cublas_baseline(prob, map.rows_per_expert, p.warmup, iters);
-      if (!base.is_ok()) return base.status();
       const int64_t active = traffic.active_experts;
       const double bytes = traffic.weight_bytes;
       const double tbps = bytes / t->median_s / 1e12;
-      std::printf("%-6s %6lld %-14s %-10s %9.3f %9.3f %9.3f %8.3f %6.1f%% %10.3f %7.2fx\n", recipe_name(recipe),
+      char cublas[64] = "       n/a      n/a";
+      if (base.is_ok()) std::snprintf(cublas, sizeof cublas, "%10.3f %7.2fx", base->median_s * 1e3, base->median_s / t->median_s);
+      std::printf("%-6s %6lld %-14s %-10s %9.3f %9.3f %9.3f %8.3f %6.1f%% %s\n", recipe_name(recipe),
                   static_cast<long long>(m), t->path.c_str(), p.sweep.routing.name().c_str(), t->median_s * 1e3, t->min_s * 1e3,
-                  t->max_s * 1e3, tbps, 100.0 * bytes / t->median_s / copy_bw, base->median_s * 1e3,
-                  base->median_s / t->median_s);
+                  t->max_s * 1e3, tbps, 100.0 * bytes / t->median_s / copy_bw, cublas);
+      if (!base.is_ok()) std::printf("       (cuBLAS baseline unavailable: %s)\n", base.status().message().c_str());
       std::fflush(stdout);
-      records.push_back({{"op", "moe"},
-                         {"backend", "cuda"},
-                         {"device", devs.value()[0].name},
-                         {"recipe", recipe_name(recipe)},
-                         {"m", m},
-                         {"path", t->path},
-                         {"routing", p.sweep.routing.name()},
-                         {"active_experts", active},
-                         {"timing", {{"median_s", t->median_s}, {"min_s", t->min_s}, {"max_s", t->max_s}}},
-                         {"cublas_bf16_median_s", base->median_s},
-                         {"weight_bytes_per_call", bytes},
-                         {"flop_per_call", traffic.flops},
-                         {"fraction_of_copy_bandwidth", bytes / t->median_s / copy_bw}});
+      rec["path"] = t->path;
+      rec["active_experts"] = active;
+      rec["timing"] = {{"median_s", t->median_s}, {"min_s", t->min_s}, {"max_s", t->max_s}};
+      if (base.is_ok()) {
+        rec["cublas_bf16_median_s"] = base->median_s;
+      } else {
+        rec["cublas_bf16_median_s"] = nullptr;
+        rec["cublas_unavailable"] = base.status().message();
+      }
+      rec["weight_bytes_per_call"] = bytes;
+      rec["flop_per_call"] = traffic.flops;
+      rec["fraction_of_copy_bandwidth"] = bytes / t->median_s / copy_bw;
+      records.push_back(rec);
+      K3_RETURN_IF_ERROR(save());
     }
   }
   std::printf("limits: device copy %.2f TB/s (read + write, 2 GiB, median of 10)\n", copy_bw / 1e12);
-  if (!p.output.empty()) {
-    const std::string text = nlohmann::json{{"copy_bandwidth_Bps", copy_bw}, {"records", records}}.dump(2) + "\n";
-    K3_RETURN_IF_ERROR(write_file_atomic(p.output, text, "--output"));
-  }
-  return Status::ok();
+  return first_error;
 }
 
 }  // namespace k3::tool
