@@ -14,7 +14,7 @@ if [ -f "$dest/include/cutlass/version.h" ]; then
 fi
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" "nvidia-cutlass==$version"
+"$root/scripts/pip-retry.sh" python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" "nvidia-cutlass==$version"
 wheel="$(ls "$tmp"/nvidia_cutlass-"$version"-*.whl)"
 got="$(sha256sum "$wheel" | cut -d' ' -f1)"
 if [ "$got" != "$sha256" ]; then

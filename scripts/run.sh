@@ -63,8 +63,8 @@ if [ "${K3_SKIP_HF:-0}" != 1 ]; then
   echo "== a real model: Kimi-Linear in transformers on k3 (python -m k3 hf generate; installs torch + transformers)"
   venv="$root/build-venv"
   if { [ -x "$venv/bin/python" ] || python3 -m venv "$venv"; } &&
-     "$venv/bin/pip" install -q --upgrade pip &&
-     "$venv/bin/pip" install -q numpy "scikit-build-core>=0.10" "nanobind>=2.4" torch "transformers>=5.17,<6" &&
+     "$root/scripts/pip-retry.sh" "$venv/bin/pip" install -q --upgrade pip &&
+     "$root/scripts/pip-retry.sh" "$venv/bin/pip" install -q numpy "scikit-build-core>=0.10" "nanobind>=2.4" torch "transformers>=5.17,<6" &&
      CMAKE_BUILD_PARALLEL_LEVEL="$(nproc 2>/dev/null || echo 2)" "$venv/bin/pip" install -q --no-build-isolation "$root"; then
     "$venv/bin/python" -m k3 hf generate --layers 2 --new-tokens 32 --dense 2>&1 |
       grep -v -E 'falling back to its reference|Loading weights|Writing model shards'
