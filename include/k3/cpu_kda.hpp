@@ -51,10 +51,20 @@ Status prefill(const KdaPlan& plan, const kda::KdaInputs& in, const kda::KdaOutp
 Status decode(const KdaPlan& plan, const kda::DecodeArgs& args, std::span<uint8_t> workspace);
 Status verify(const KdaPlan& plan, const kda::VerifyArgs& args, std::span<uint8_t> workspace);
 
+// Speculative verify without snapshots (k3/kda.hpp, "the replay window and the commit"):
+// verify_replay runs the draft tokens on copies of the slots' states (the state pool is only read)
+// and keeps their update inputs in the window pool; commit folds the first num_accepted[n] of them
+// into slot state_indices[n], bit-identical to decode run token by token on those tokens, for
+// every ISA level and thread count. Both take the plan's workspace.
+Status verify_replay(const KdaPlan& plan, const kda::ReplayVerifyArgs& args, std::span<uint8_t> workspace);
+Status commit(const KdaPlan& plan, const kda::CommitArgs& args, std::span<uint8_t> workspace);
+
 // Conveniences that plan and allocate the workspace.
 Status prefill(const kda::KdaConfig& cfg, const kda::KdaInputs& in, const kda::KdaOutputs& out,
                const KdaOptions& options = {});
 Status decode(const kda::KdaConfig& cfg, const kda::DecodeArgs& args, const KdaOptions& options = {});
 Status verify(const kda::KdaConfig& cfg, const kda::VerifyArgs& args, const KdaOptions& options = {});
+Status verify_replay(const kda::KdaConfig& cfg, const kda::ReplayVerifyArgs& args, const KdaOptions& options = {});
+Status commit(const kda::KdaConfig& cfg, const kda::CommitArgs& args, const KdaOptions& options = {});
 
 }  // namespace k3::cpu

@@ -180,6 +180,43 @@ struct VerifyArgs {
   std::span<uint16_t> state_pool_bf16 = {};  // BF16 state storage instead of state_pool (as DecodeArgs)
 };
 
+// ---- speculative verify without snapshots: the replay window and the commit -------------------
+// verify_replay runs each sequence's draft tokens from its slot's state without writing any state:
+// it returns the outputs and keeps, per token and head, the inputs the state update needs (after
+// the L2 norm, the gate and the non-finite policy) in a caller-owned window pool indexed like the
+// state pool. commit then folds the first num_accepted tokens of each window into the state, in
+// place, with the arithmetic of decode in its order: the state is bit-identical to decode run
+// token by token on the accepted tokens (docs/kda.md, "Speculative decoding").
+//
+// Window slot (FP32, replay_window_floats(cfg, Tw) floats): rows [Tw, H, R] with
+// R = 2K + V + 2 = [k (L2-normalized) K | alpha = exp(g) K | v V | beta | poisoned (0 or 1)], then
+// one float holding the number of draft tokens verified and not yet committed (an integer; 0 in a
+// zero-filled pool). commit sets it back to 0, so a window is committed at most once.
+inline constexpr int64_t kReplayRowExtra = 2;     // beta, poisoned
+inline constexpr int64_t kMaxWindowTokens = 64;  // the largest window_tokens (draft tokens per window slot)
+int64_t replay_row_floats(const KdaConfig& cfg);                           // R = 2K + V + 2
+Result<int64_t> replay_window_floats(const KdaConfig& cfg, int64_t window_tokens);  // Tw * H * R + 1
+
+struct ReplayVerifyArgs {
+  // [tokens, H, *]; initial_state empty. cu_seqlens [N + 1]: sequence n's draft tokens are
+  // [c[n], c[n + 1]), each at most window_tokens (varlen); empty: window_tokens tokens each.
+  KdaInputs in;
+  int64_t window_tokens = 0;               // Tw >= 1: the capacity of a window slot
+  std::span<const float> state_pool;       // [slots, H, K, V] or [slots, H, V, K] FP32, read only
+  std::span<const int32_t> state_indices;  // [N] distinct; < 0: padding (o rows 0, no window written)
+  std::span<float> window_pool;            // [slots, replay_window_floats(cfg, Tw)]: as many slots as state_pool
+  std::span<float> o;                      // [tokens, H, V]
+};
+struct CommitArgs {
+  int64_t window_tokens = 0;               // Tw of the verify_replay that filled the windows
+  std::span<float> state_pool;             // [slots, H, K, V] or [slots, H, V, K] FP32, updated in place
+  std::span<float> window_pool;            // as ReplayVerifyArgs; each named window's count is reset to 0
+  std::span<const int32_t> state_indices;  // [N] distinct; < 0: padding (skipped)
+  std::span<const int32_t> num_accepted;   // [N], each in [0, the tokens verified into that window]
+};
+Result<PrefillShape> check_replay_verify_args(const KdaConfig& cfg, const ReplayVerifyArgs& args);
+Result<PrefillShape> check_commit_args(const KdaConfig& cfg, const CommitArgs& args);
+
 // Decode / verify argument checks every backend's host entry runs (sizes, then the values:
 // state_indices within the pool's slots, written slots distinct over the batch, num_accepted in
 // [1, T]). Exactly one of state_pool / state_pool_bf16; the BF16 pool only where bf16_pool_ok (the

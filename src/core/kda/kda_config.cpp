@@ -342,4 +342,120 @@ Result<PrefillShape> check_verify_args(const KdaConfig& c, const VerifyArgs& a, 
   return shape;
 }
 
+
+int64_t replay_row_floats(const KdaConfig& c) { return 2 * c.head_k + c.head_v + kReplayRowExtra; }
+
+Result<int64_t> replay_window_floats(const KdaConfig& c, int64_t window_tokens) {
+  if (window_tokens < 1 || window_tokens > kMaxWindowTokens) {
+    return invalid_argument("window_tokens = " + num(window_tokens) + " must be in [1, " + num(kMaxWindowTokens) +
+                            "] (draft tokens a window slot holds)");
+  }
+  K3_ASSIGN_OR_RETURN(const int64_t rows,
+                      checked_product("window slot [Tw, H, 2K + V + 2]", {window_tokens, c.num_heads, replay_row_floats(c)}));
+  return rows + 1;
+}
+
+namespace {
+
+// The window pool against the state pool: a whole number of window slots, as many as state slots.
+Status check_window_pool(const KdaConfig& c, int64_t window_tokens, int64_t window_elems, int64_t state_slots) {
+  K3_ASSIGN_OR_RETURN(const int64_t per_slot, replay_window_floats(c, window_tokens));
+  if (window_elems != state_slots * per_slot) {
+    return invalid_argument("window_pool has " + num(window_elems) + " floats, expected " + num(state_slots) +
+                            " slots (the state pool's) x " + num(per_slot) +
+                            " (replay_window_floats: Tw * H * (2K + V + 2) + 1 with Tw = " + num(window_tokens) + ")");
+  }
+  return Status::ok();
+}
+
+// state_indices [N]: within the pool, and no slot named twice.
+Status check_slot_list(std::span<const int32_t> idx, int64_t slots) {
+  std::vector<std::pair<int64_t, int64_t>> named;
+  for (size_t n = 0; n < idx.size(); ++n) {
+    const int64_t slot = idx[n];
+    if (slot >= slots) {
+      return out_of_range("state_indices[" + num(static_cast<int64_t>(n)) + "] = " + num(slot) + " is past the pool's " +
+                          num(slots) + " slots");
+    }
+    if (slot >= 0) named.emplace_back(slot, static_cast<int64_t>(n));
+  }
+  std::sort(named.begin(), named.end());
+  for (size_t i = 1; i < named.size(); ++i) {
+    if (named[i].first == named[i - 1].first) {
+      return invalid_argument("state slot " + num(named[i].first) + " is named twice (sequences " +
+                              num(named[i - 1].second) + " and " + num(named[i].second) + ")");
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<PrefillShape> check_replay_verify_args(const KdaConfig& c, const ReplayVerifyArgs& a) {
+  if (!a.in.initial_state.empty()) {
+    return invalid_argument("verify_replay: initial_state must be empty (the state pool holds the states)");
+  }
+  K3_ASSIGN_OR_RETURN(auto shape, detail::validate_prefill_sizes(c, a.in, static_cast<int64_t>(a.o.size()), 0));
+  K3_ASSIGN_OR_RETURN(const int64_t slots, pool_slot_count(c, static_cast<int64_t>(a.state_pool.size()), "state_pool"));
+  K3_RETURN_IF_ERROR(check_window_pool(c, a.window_tokens, static_cast<int64_t>(a.window_pool.size()), slots));
+  const int64_t Tw = a.window_tokens;
+  if (a.in.cu_seqlens.empty()) {
+    if (shape.num_tokens % Tw != 0) {
+      return invalid_argument("the token count " + num(shape.num_tokens) + " is not a multiple of window_tokens = " +
+                              num(Tw) + " (without cu_seqlens every sequence has Tw draft tokens)");
+    }
+    shape.num_seqs = shape.num_tokens / Tw;
+  } else {
+    for (int64_t n = 0; n < shape.num_seqs; ++n) {
+      const int64_t len = a.in.cu_seqlens[n + 1] - a.in.cu_seqlens[n];
+      if (len > Tw) {
+        return invalid_argument("sequence " + num(n) + " has " + num(len) + " draft tokens (cu_seqlens), more than window_tokens = " +
+                                num(Tw));
+      }
+    }
+  }
+  if (static_cast<int64_t>(a.state_indices.size()) != shape.num_seqs) {
+    return invalid_argument("state_indices has " + num(static_cast<int64_t>(a.state_indices.size())) +
+                            " entries, expected N = " + num(shape.num_seqs) + " ([N])");
+  }
+  K3_RETURN_IF_ERROR(check_slot_list(a.state_indices, slots));
+  return shape;
+}
+
+Result<PrefillShape> check_commit_args(const KdaConfig& c, const CommitArgs& a) {
+  K3_ASSIGN_OR_RETURN(const int64_t slots, pool_slot_count(c, static_cast<int64_t>(a.state_pool.size()), "state_pool"));
+  K3_RETURN_IF_ERROR(check_window_pool(c, a.window_tokens, static_cast<int64_t>(a.window_pool.size()), slots));
+  const int64_t N = static_cast<int64_t>(a.state_indices.size());
+  if (static_cast<int64_t>(a.num_accepted.size()) != N) {
+    return invalid_argument("num_accepted has " + num(static_cast<int64_t>(a.num_accepted.size())) +
+                            " entries, expected N = " + num(N) + " (one per state_indices entry)");
+  }
+  K3_RETURN_IF_ERROR(check_slot_list(a.state_indices, slots));
+  const int64_t per_slot = replay_window_floats(c, a.window_tokens).value();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t acc = a.num_accepted[n];
+    if (acc < 0 || acc > a.window_tokens) {
+      return invalid_argument("num_accepted[" + num(n) + "] = " + num(acc) + " must be in [0, window_tokens = " +
+                              num(a.window_tokens) + "]");
+    }
+    const int64_t slot = a.state_indices[n];
+    if (slot < 0) continue;
+    const float held = a.window_pool[static_cast<size_t>((slot + 1) * per_slot - 1)];
+    if (!(held >= 0.0f && held <= static_cast<float>(a.window_tokens)) || held != std::floor(held)) {
+      return invalid_argument("window slot " + num(slot) + " holds a draft-token count of " + std::to_string(held) +
+                              ", not an integer in [0, window_tokens = " + num(a.window_tokens) +
+                              "] (a window pool written by something other than verify_replay, or another Tw)");
+    }
+    if (acc > static_cast<int64_t>(held)) {
+      return invalid_argument("num_accepted[" + num(n) + "] = " + num(acc) + " exceeds the " +
+                              num(static_cast<int64_t>(held)) + " draft tokens verified into window slot " + num(slot) +
+                              " and not yet committed (a window is committed once, after its verify_replay)");
+    }
+  }
+  PrefillShape shape;
+  shape.num_tokens = 0;
+  shape.num_seqs = N;
+  return shape;
+}
+
 }  // namespace k3::kda

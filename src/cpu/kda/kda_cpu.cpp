@@ -342,6 +342,92 @@ Status verify(const KdaPlan& p, const VerifyArgs& a, std::span<uint8_t> workspac
   return Status::ok();
 }
 
+Status verify_replay(const KdaPlan& p, const ReplayVerifyArgs& a, std::span<uint8_t> workspace) {
+  K3_RETURN_IF_ERROR(check_plan(p));
+  const KdaConfig& c = p.cfg;
+  K3_ASSIGN_OR_RETURN(const auto shape, kda::check_replay_verify_args(c, a));
+  const int64_t N = shape.num_seqs, H = c.num_heads, block = c.head_k * c.head_v, Tw = a.window_tokens;
+  const int64_t per_window = kda::replay_window_floats(c, Tw).value(), R = kda::replay_row_floats(c);
+  K3_ASSIGN_OR_RETURN(float* const ws, workspace_floats(p, workspace));
+  const kda_detail::KernelTable& kt = kernels_for(p.isa);
+  const int64_t per_thread = kda_detail::scratch_layout(c.head_k, c.head_v).total;
+  auto range = [&](int64_t n) {
+    return a.in.cu_seqlens.empty() ? std::pair<int64_t, int64_t>(n * Tw, (n + 1) * Tw)
+                                   : std::pair<int64_t, int64_t>(a.in.cu_seqlens[n], a.in.cu_seqlens[n + 1]);
+  };
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p.threads)
+  for (int64_t u = 0; u < N * H; ++u) {
+    const int64_t n = u / H, h = u % H;
+    const auto t = range(n);
+    const int64_t t0 = t.first, t1 = t.second, slot = a.state_indices[n];
+    if (slot < 0) {
+      for (int64_t r = t0; r < t1; ++r) {
+        float* row = a.o.data() + (r * H + h) * c.head_v;
+        std::fill(row, row + c.head_v, 0.0f);
+      }
+      continue;
+    }
+    float* scratch = ws + omp_get_thread_num() * per_thread;
+    kda_detail::HeadCtx x = head_ctx(p, a.in, a.o.data(), h);
+    float* window = a.window_pool.data() + slot * per_window;
+    x.window = window + h * R;
+    float* s = scratch + x.lay.state;
+    // A copy of the slot's state runs the draft tokens; the pool is not written.
+    load_state(c, a.state_pool.data() + (slot * H + h) * block, s, x.lay.vp);
+    kt.recurrent(x, t0, t1, s, x.lay.vp, x.lay.vp, scratch);
+    if (h == 0) window[per_window - 1] = static_cast<float>(t1 - t0);
+  }
+  return Status::ok();
+}
+
+Status commit(const KdaPlan& p, const CommitArgs& a, std::span<uint8_t> workspace) {
+  return kda_detail::commit_with_order(p, a, workspace, kda_detail::FoldOrder::kDecode);
+}
+
+namespace kda_detail {
+
+Status commit_with_order(const KdaPlan& p, const CommitArgs& a, std::span<uint8_t> workspace, FoldOrder order) {
+  K3_RETURN_IF_ERROR(check_plan(p));
+  const KdaConfig& c = p.cfg;
+  K3_ASSIGN_OR_RETURN(const auto shape, kda::check_commit_args(c, a));
+  const int64_t N = shape.num_seqs, H = c.num_heads, block = c.head_k * c.head_v;
+  const int64_t per_window = kda::replay_window_floats(c, a.window_tokens).value(), R = kda::replay_row_floats(c);
+  K3_ASSIGN_OR_RETURN(float* const ws, workspace_floats(p, workspace));
+  const KernelTable& kt = kernels_for(p.isa);
+  const int64_t per_thread = scratch_layout(c.head_k, c.head_v).total;
+  // As decode: K-first states whose rows are whole SIMD vectors are updated in place.
+  const bool direct = c.layout == StateLayout::kKFirst && c.head_v % kPad == 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p.threads)
+  for (int64_t u = 0; u < N * H; ++u) {
+    const int64_t n = u / H, h = u % H, slot = a.state_indices[n], accepted = a.num_accepted[n];
+    if (slot < 0 || accepted == 0) continue;
+    float* scratch = ws + omp_get_thread_num() * per_thread;
+    HeadCtx x;  // what the fold reads: the shape and the scratch layout (the window holds the rest)
+    x.num_heads = H;
+    x.head = h;
+    x.head_k = c.head_k;
+    x.head_v = c.head_v;
+    x.lay = scratch_layout(c.head_k, c.head_v);
+    const float* rows = a.window_pool.data() + slot * per_window + h * R;
+    float* state = a.state_pool.data() + (slot * H + h) * block;
+    if (direct) {
+      kt.commit(x, rows, accepted, state, c.head_v, c.head_v, scratch, order);
+    } else {
+      float* s = scratch + x.lay.state;
+      load_state(c, state, s, x.lay.vp);
+      kt.commit(x, rows, accepted, s, x.lay.vp, x.lay.vp, scratch, order);
+      store_state(c, s, x.lay.vp, state);
+    }
+  }
+  // Every named window is consumed: a second commit of it is refused until the next verify_replay.
+  for (int64_t n = 0; n < N; ++n) {
+    if (a.state_indices[n] >= 0) a.window_pool[static_cast<size_t>((a.state_indices[n] + 1) * per_window - 1)] = 0.0f;
+  }
+  return Status::ok();
+}
+
+}  // namespace kda_detail
+
 Status prefill(const KdaConfig& cfg, const KdaInputs& in, const KdaOutputs& out, const KdaOptions& opt) {
   K3_ASSIGN_OR_RETURN(auto pl, plan(cfg, opt));
   std::vector<uint8_t> ws(static_cast<size_t>(pl.workspace_bytes));
@@ -359,6 +445,18 @@ Status verify(const KdaConfig& cfg, const VerifyArgs& args, const KdaOptions& op
   K3_ASSIGN_OR_RETURN(auto pl, plan(cfg, opt));
   std::vector<uint8_t> ws(static_cast<size_t>(pl.workspace_bytes));
   return verify(pl, args, ws);
+}
+
+Status verify_replay(const KdaConfig& cfg, const ReplayVerifyArgs& args, const KdaOptions& opt) {
+  K3_ASSIGN_OR_RETURN(auto pl, plan(cfg, opt));
+  std::vector<uint8_t> ws(static_cast<size_t>(pl.workspace_bytes));
+  return verify_replay(pl, args, ws);
+}
+
+Status commit(const KdaConfig& cfg, const CommitArgs& args, const KdaOptions& opt) {
+  K3_ASSIGN_OR_RETURN(auto pl, plan(cfg, opt));
+  std::vector<uint8_t> ws(static_cast<size_t>(pl.workspace_bytes));
+  return commit(pl, args, ws);
 }
 
 }  // namespace k3::cpu

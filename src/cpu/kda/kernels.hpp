@@ -4,6 +4,9 @@
 
 #include <cstdint>
 
+#include <span>
+
+#include "k3/cpu_kda.hpp"
 #include "k3/kda.hpp"
 
 namespace k3::cpu::kda_detail {
@@ -54,7 +57,17 @@ struct HeadCtx {
   bool beta_logits = true;
   bool l2norm = true;
   ScratchLayout lay;
+  // verify_replay: where the recurrent path keeps each token's update inputs (the replay window
+  // row of token t0 for this head, k3/kda.hpp: [k | alpha | v | beta | poisoned]; the next token's
+  // row is num_heads * replay_row_floats further). nullptr: not kept.
+  float* window = nullptr;
 };
+
+// The order of the commit's fold. kDecode is the only one the library uses: the arithmetic of the
+// recurrent path, operation for operation (its bits are decode's). kReversedForTest sums the
+// k-dimension of S^T (alpha k) backwards; a test uses it to show that the bit-identity checks
+// catch a reordered fold.
+enum class FoldOrder : uint8_t { kDecode, kReversedForTest };
 
 struct KernelTable {
   // Tokens [t0, t1) one by one on the state s (K rows of `lds` floats, K-first; columns up to
@@ -62,10 +75,19 @@ struct KernelTable {
   void (*recurrent)(const HeadCtx& x, int64_t t0, int64_t t1, float* s, int64_t lds, int64_t vw, float* scratch);
   // Tokens [t0, t1) in chunks of kChunk on the local padded state s ([kp, vp]).
   void (*chunked)(const HeadCtx& x, int64_t t0, int64_t t1, float* s, float* scratch);
+  // Folds `tokens` replay window rows (the first at `rows`, each num_heads * R floats after the
+  // previous) into the state s (as recurrent: K rows of `lds`, columns up to `vw`). No output.
+  // DO NOT REORDER: every state entry must get exactly the operations recurrent() applies, in its
+  // order (commit's result is bit-identical to decode; tests/cpu/test_kda_replay.cpp checks it).
+  void (*commit)(const HeadCtx& x, const float* rows, int64_t tokens, float* s, int64_t lds, int64_t vw,
+                 float* scratch, FoldOrder order);
 };
 
 const KernelTable& kernels_scalar();
 const KernelTable& kernels_avx2();
 const KernelTable& kernels_avx512();
+
+// k3::cpu::commit with a chosen fold order (kDecode is commit itself; tests pass kReversedForTest).
+Status commit_with_order(const KdaPlan& p, const kda::CommitArgs& a, std::span<uint8_t> workspace, FoldOrder order);
 
 }  // namespace k3::cpu::kda_detail

@@ -254,6 +254,50 @@ inline void rec_pass2(float* s, int64_t lds, int64_t K, int64_t j0, const float*
   for (int i = 0; i < NB; ++i) VF::store(out + j0 + i * kW, acc[i]);
 }
 
+// verify_replay: the update inputs of token t (relative to the window's first token, t0 of the
+// sequence: x.window points at that token's row) as the commit reads them back.
+inline int64_t window_row_floats(const HeadCtx& x) { return 2 * x.head_k + x.head_v + kReplayRowExtra; }
+inline void keep_window_row(const HeadCtx& x, int64_t t, const float* k, const float* alpha, const float* v,
+                            float beta, bool poisoned) {
+  float* row = x.window + t * x.num_heads * window_row_floats(x);
+  const int64_t K = x.head_k, V = x.head_v;
+  for (int64_t d = 0; d < K; ++d) row[d] = k[d];
+  for (int64_t d = 0; d < K; ++d) row[K + d] = alpha[d];
+  for (int64_t j = 0; j < V; ++j) row[2 * K + j] = v[j];
+  row[2 * K + V] = beta;
+  row[2 * K + V + 1] = poisoned ? 1.0f : 0.0f;
+}
+
+// Reversed k-order of rec_pass1: the kReversedForTest fold only.
+template <int NB>
+inline void rec_pass1_reversed(const float* s, int64_t lds, int64_t K, int64_t j0, const float* ak, const float* v,
+                               float beta, float* vnew) {
+  Vec acc[NB];
+  for (int i = 0; i < NB; ++i) acc[i] = VF::zero();
+  for (int64_t d = K - 1; d >= 0; --d) {
+    const Vec a = VF::set1(ak[d]);
+    const float* row = s + d * lds + j0;
+    for (int i = 0; i < NB; ++i) acc[i] = VF::fmadd(a, VF::load(row + i * kW), acc[i]);
+  }
+  const Vec bv = VF::set1(beta);
+  for (int i = 0; i < NB; ++i) {
+    VF::store(vnew + j0 + i * kW, VF::mul(bv, VF::sub(VF::load(v + j0 + i * kW), acc[i])));
+  }
+}
+
+// rec_pass2's state update without the output: s[d, j0 ..] = alpha[d] s + k[d] vnew.
+template <int NB>
+inline void rec_pass2_state(float* s, int64_t lds, int64_t K, int64_t j0, const float* alpha, const float* k,
+                            const float* vnew) {
+  Vec vn[NB];
+  for (int i = 0; i < NB; ++i) vn[i] = VF::load(vnew + j0 + i * kW);
+  for (int64_t d = 0; d < K; ++d) {
+    const Vec a = VF::set1(alpha[d]), kd = VF::set1(k[d]);
+    float* row = s + d * lds + j0;
+    for (int i = 0; i < NB; ++i) VF::store(row + i * kW, VF::fmadd(kd, vn[i], VF::mul(a, VF::load(row + i * kW))));
+  }
+}
+
 inline void recurrent_impl(const HeadCtx& x, int64_t t0, int64_t t1, float* s, int64_t lds, int64_t vw,
                            float* scratch) {
   const ScratchLayout& L = x.lay;
@@ -275,6 +319,7 @@ inline void recurrent_impl(const HeadCtx& x, int64_t t0, int64_t t1, float* s, i
     for (; j + kBlock <= vw; j += kBlock) rec_pass1<4>(s, lds, K, j, ak, v, beta, vnew);
     for (; j < vw; j += kW) rec_pass1<1>(s, lds, K, j, ak, v, beta, vnew);
     poison_vnew(x, p, vnew, vw);
+    if (x.window != nullptr) keep_window_row(x, t - t0, k, alpha, v, beta, p.whole);
     j = 0;
     for (; j + kBlock <= vw; j += kBlock) rec_pass2<4>(s, lds, K, j, alpha, k, q, vnew, out);
     for (; j < vw; j += kW) rec_pass2<1>(s, lds, K, j, alpha, k, q, vnew, out);
@@ -552,7 +597,41 @@ inline void chunked_impl(const HeadCtx& x, int64_t t0, int64_t t1, float* s, flo
   }
 }
 
+// The commit (KernelTable::commit). DO NOT REORDER: per token, the operations of recurrent_impl
+// on the state in its order (alpha k; pass 1 over d ascending; the poison rule; pass 2), each
+// state column on its own, so that the state's bits are decode's.
+inline void commit_impl(const HeadCtx& x, const float* rows, int64_t tokens, float* s, int64_t lds, int64_t vw,
+                        float* scratch, FoldOrder order) {
+  const ScratchLayout& L = x.lay;
+  float *k = scratch + L.k, *v = scratch + L.v, *alpha = scratch + L.alpha, *ak = scratch + L.ak;
+  float* vnew = scratch + L.vnew;
+  const int64_t K = x.head_k, V = x.head_v, kp = L.kp, vp = L.vp;
+  const int64_t stride = x.num_heads * window_row_floats(x);
+  constexpr int64_t kBlock = 4 * kW;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* row = rows + t * stride;
+    load_row(nullptr, row, 0, K, kp, k);
+    load_row(nullptr, row, K, K, kp, alpha);
+    load_row(nullptr, row, 2 * K, V, vp, v);
+    const float beta = row[2 * K + V];
+    TokenPoison p;
+    p.whole = row[2 * K + V + 1] != 0.0f;
+    mul_rows(alpha, k, ak, kp);
+    int64_t j = 0;
+    if (order == FoldOrder::kDecode) {
+      for (; j + kBlock <= vw; j += kBlock) rec_pass1<4>(s, lds, K, j, ak, v, beta, vnew);
+      for (; j < vw; j += kW) rec_pass1<1>(s, lds, K, j, ak, v, beta, vnew);
+    } else {
+      for (; j < vw; j += kW) rec_pass1_reversed<1>(s, lds, K, j, ak, v, beta, vnew);
+    }
+    poison_vnew(x, p, vnew, vw);
+    j = 0;
+    for (; j + kBlock <= vw; j += kBlock) rec_pass2_state<4>(s, lds, K, j, alpha, k, vnew);
+    for (; j < vw; j += kW) rec_pass2_state<1>(s, lds, K, j, alpha, k, vnew);
+  }
+}
+
 inline const KernelTable& table() {
-  static const KernelTable kTable{recurrent_impl, chunked_impl};
+  static const KernelTable kTable{recurrent_impl, chunked_impl, commit_impl};
   return kTable;
 }
