@@ -91,6 +91,9 @@ struct KdaBackend {
   // Empty when the backend has no decode / verify entry (the registry then reports it).
   std::function<Status(const kda::KdaConfig&, const kda::DecodeArgs&, const BackendOptions&)> decode;
   std::function<Status(const kda::KdaConfig&, const kda::VerifyArgs&, const BackendOptions&)> verify;
+  // Speculative verify without snapshots (k3/kda.hpp): the cpu backend only so far.
+  std::function<Status(const kda::KdaConfig&, const kda::ReplayVerifyArgs&, const BackendOptions&)> verify_replay;
+  std::function<Status(const kda::KdaConfig&, const kda::CommitArgs&, const BackendOptions&)> commit;
 };
 
 std::span<const KdaBackend> kda_backends();
@@ -103,6 +106,10 @@ Status run_kda_prefill(const KdaBackend& b, const kda::KdaConfig& cfg, const kda
 Status run_kda_decode(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::DecodeArgs& args,
                       const BackendOptions& opt = {});
 Status run_kda_verify(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::VerifyArgs& args,
+                      const BackendOptions& opt = {});
+Status run_kda_verify_replay(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::ReplayVerifyArgs& args,
+                             const BackendOptions& opt = {});
+Status run_kda_commit(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::CommitArgs& args,
                       const BackendOptions& opt = {});
 
 }  // namespace k3

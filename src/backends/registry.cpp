@@ -101,6 +101,12 @@ std::vector<KdaBackend> make_kda_backends() {
   cpu.verify = [](const kda::KdaConfig& c, const kda::VerifyArgs& a, const BackendOptions& o) {
     return cpu::verify(c, a, kda_cpu_options(o));
   };
+  cpu.verify_replay = [](const kda::KdaConfig& c, const kda::ReplayVerifyArgs& a, const BackendOptions& o) {
+    return cpu::verify_replay(c, a, kda_cpu_options(o));
+  };
+  cpu.commit = [](const kda::KdaConfig& c, const kda::CommitArgs& a, const BackendOptions& o) {
+    return cpu::commit(c, a, kda_cpu_options(o));
+  };
   v.push_back(std::move(cpu));
   KdaBackend cuda;
   cuda.name = "cuda";
@@ -245,6 +251,8 @@ Status kda_ready(const KdaBackend& b, const kda::KdaConfig& cfg, bool has_entry,
   if (b.prefill) has += "prefill";
   if (b.decode) has += std::string(has.empty() ? "" : ", ") + "decode";
   if (b.verify) has += std::string(has.empty() ? "" : ", ") + "verify";
+  if (b.verify_replay) has += std::string(has.empty() ? "" : ", ") + "verify_replay";
+  if (b.commit) has += std::string(has.empty() ? "" : ", ") + "commit";
   return unsupported("kda backend '" + b.name + "' has no " + entry + " entry (it implements: " +
                      (has.empty() ? "nothing" : has) + ")");
 }
@@ -267,6 +275,18 @@ Status run_kda_verify(const KdaBackend& b, const kda::KdaConfig& cfg, const kda:
                       const BackendOptions& opt) {
   K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.verify), "verify"));
   return b.verify(cfg, args, opt);
+}
+
+Status run_kda_verify_replay(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::ReplayVerifyArgs& args,
+                             const BackendOptions& opt) {
+  K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.verify_replay), "verify_replay"));
+  return b.verify_replay(cfg, args, opt);
+}
+
+Status run_kda_commit(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::CommitArgs& args,
+                      const BackendOptions& opt) {
+  K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.commit), "commit"));
+  return b.commit(cfg, args, opt);
 }
 
 }  // namespace k3

@@ -209,6 +209,20 @@ TEST(BackendRegistry, RunKdaNamesAMissingEntryAndPassesTheOptions) {
   const std::vector<int32_t> acc = {1};
   st = run_kda_verify(ref, cfg, {step, 3, pool, idx, acc, o});
   EXPECT_NE(st.message().find("has no verify entry"), std::string::npos) << st.message();
+  std::vector<float> window(4 * kda::replay_window_floats(cfg, 1).value(), 0.0f);
+  const std::vector<int32_t> one_each(idx.size(), 1);
+  st = run_kda_commit(ref, cfg, {1, pool, window, idx, one_each});
+  EXPECT_EQ(st.message(), "kda backend 'reference' has no commit entry (it implements: prefill)");
+  st = run_kda_verify_replay(ref, cfg, {step, 1, pool, idx, window, o});
+  EXPECT_EQ(st.message(), "kda backend 'reference' has no verify_replay entry (it implements: prefill)");
+  {  // cpu: verify_replay + commit of one token each through the registry = decode
+    std::vector<float> p1 = pool, p2 = pool, o_dec(o.size()), o_rep(o.size());
+    ASSERT_TRUE(run_kda_decode(cpu, cfg, {step, p1, idx, o_dec}).is_ok());
+    ASSERT_TRUE(run_kda_verify_replay(cpu, cfg, {step, 1, p2, idx, window, o_rep}).is_ok());
+    ASSERT_TRUE(run_kda_commit(cpu, cfg, {1, p2, window, idx, one_each}).is_ok());
+    EXPECT_EQ(0, std::memcmp(p1.data(), p2.data(), p1.size() * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(o_dec.data(), o_rep.data(), o.size() * sizeof(float)));
+  }
   std::vector<float> o1(q.size()), o2(q.size());
   if (!cuda.available().is_ok()) {
     st = run_kda_prefill(cuda, cfg, in, {o1, {}});

@@ -22,7 +22,9 @@ TEST(KdaCli, ValidateSmokePassesAndCoversTheMatrix) {
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(r.out.find("FAIL"), std::string::npos) << r.out;
   for (const char* text : {"chunked/fp32 T=63 D=60", "softplus vf", "varlen 15/", "decode: 36 unnamed slots bit-identical",
-                           "verify/fp32", "1/2/3 threads x 2 runs chunked", "isa scalar", "conv1d+silu", "gated rmsnorm"}) {
+                           "verify/fp32", "replay: commit = decode token by token, bit for bit",
+                           "replay: non-finite k / v follow decode's policy", "replay: refusals",
+                           "1/2/3 threads x 2 runs chunked", "isa scalar", "conv1d+silu", "gated rmsnorm"}) {
     EXPECT_NE(r.out.find(text), std::string::npos) << text << "\n" << r.out;
   }
   EXPECT_NE(r.out.find("prefill/fp32 T=63 D=60"), std::string::npos) << r.out;
@@ -48,7 +50,8 @@ TEST(KdaCli, ValidateReferenceBackendRunsItsOwnEntries) {
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("SKIP  skipped: kda backend 'reference' has no decode entry (it implements: prefill)"),
             std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("failed, 2 skipped"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("failed, 3 skipped"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("SKIP  skipped: kda backend 'reference' has no verify_replay entry"), std::string::npos) << r.out;
   std::ifstream f(path);
   const auto j = nlohmann::json::parse(f);
   int prefill = 0, skipped = 0, determinism = 0;
@@ -65,12 +68,12 @@ TEST(KdaCli, ValidateReferenceBackendRunsItsOwnEntries) {
     }
     if (rec["skipped"].get<bool>()) {
       ++skipped;
-      EXPECT_TRUE(c.rfind("decode ", 0) == 0 || c.rfind("verify ", 0) == 0) << c;
+      EXPECT_TRUE(c.rfind("decode ", 0) == 0 || c.rfind("verify ", 0) == 0 || c.rfind("replay ", 0) == 0) << c;
     }
     if (c == "1/2/3 threads x 2 runs auto") ++determinism;
   }
   EXPECT_EQ(prefill, 6);  // 3 smoke cases x (FP32, FP64)
-  EXPECT_EQ(skipped, 2);
+  EXPECT_EQ(skipped, 3);
   EXPECT_EQ(determinism, 1);
   std::remove(path.c_str());
 }

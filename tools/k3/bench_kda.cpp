@@ -30,6 +30,8 @@ struct Args {
   int iters = 5;
   int64_t pool_mib = 256;  // decode rotates over at least this much state (8x a 32 MiB L3)
   int64_t bw_mib = 512;    // buffer of the read-bandwidth probe
+  std::vector<int64_t> verify_n = {64};  // speculative verify: requests (0: skip the section)
+  int64_t draft_tokens = 4;               // T of the speculative verify
   std::string output;
 };
 
@@ -198,7 +200,19 @@ Status run(const Args& a) {
                                                    std::to_string(pool_slots(N)) + " slots",
                                                pool_slots(N) * cfg.num_heads * cfg.head_k * cfg.head_v, 4));
   }
-  const int total = static_cast<int>(a.prefill_t.size() + a.decode_n.size()) + 1;
+  // Speculative verify: the snapshot design's pool holds N T states, the replay design's N states
+  // and N windows.
+  const int64_t Td = a.draft_tokens;
+  const bool verify_section = !(a.verify_n.size() == 1 && a.verify_n[0] == 0);
+  if (verify_section) {
+    for (const int64_t N : a.verify_n) {
+      if (N < 1) return invalid_argument("--verify-n " + std::to_string(N) + " must be >= 1 (or a single 0: no verify section)");
+      K3_RETURN_IF_ERROR(kda::check_buffer_bytes("--verify-n " + std::to_string(N) + " --draft-tokens " +
+                                                     std::to_string(Td) + ": the snapshot pool of N T states",
+                                                 N * Td * cfg.num_heads * cfg.head_k * cfg.head_v, 4));
+    }
+  }
+  const int total = static_cast<int>(a.prefill_t.size() + a.decode_n.size() + (verify_section ? a.verify_n.size() : 0)) + 1;
   int done = 0;
   progress(done, total, "measuring FP32 FMA peak and read bandwidth");
   const MeasuredRate peak = measure_fp32_fma_peak(threads, isa.value());  // the level's widest FMA
@@ -299,6 +313,80 @@ Status run(const Args& a) {
     progress(++done, total, "decode N=" + std::to_string(N));
   }
 
+  // Speculative verify of T draft tokens for N requests, all accepted (the commit's largest fold):
+  // the snapshot verify (T states written per request) against verify_replay + commit, run
+  // alternately (A B, B A, ...).
+  struct VerifyRow { int64_t n; Timing snap, replay, commit, both; double snap_bytes, replay_bytes; };
+  std::vector<VerifyRow> vrows;
+  const int64_t window_floats = kda::replay_window_floats(cfg, Td).value();
+  for (int64_t N : verify_section ? a.verify_n : std::vector<int64_t>{}) {
+    progress(done, total, "verify N=" + std::to_string(N));
+    kda::CaseSpec spec;
+    spec.cfg = cfg;
+    spec.seqlens = {N * Td};
+    spec.initial_state = false;
+    const kda::KdaCase c = kda::make_case(spec);
+    cpu::KdaOptions o;
+    o.threads = threads;
+    o.isa = isa.value();
+    K3_ASSIGN_OR_RETURN(const cpu::KdaPlan plan, cpu::plan(cfg, o));
+    std::vector<uint8_t> ws(static_cast<size_t>(plan.workspace_bytes));
+    const int64_t block = cfg.num_heads * cfg.head_k * cfg.head_v;
+    std::vector<float> snap_pool(static_cast<size_t>(N * Td * block), 0.01f), pool(static_cast<size_t>(N * block), 0.01f);
+    std::vector<float> window(static_cast<size_t>(N * window_floats), 0.0f), out(c.o_size());
+    std::vector<int32_t> snap_idx(static_cast<size_t>(N * Td)), snap_acc(static_cast<size_t>(N), static_cast<int32_t>(Td));
+    std::vector<int32_t> idx(static_cast<size_t>(N)), acc(static_cast<size_t>(N), static_cast<int32_t>(Td));
+    for (int64_t i = 0; i < N * Td; ++i) snap_idx[i] = static_cast<int32_t>(i);
+    for (int64_t n = 0; n < N; ++n) idx[n] = static_cast<int32_t>(n);
+    kda::KdaInputs in = c.inputs();
+    in.cu_seqlens = {};
+    Status failed;
+    auto snap_once = [&]() {
+      const double t0 = now_s();
+      const Status st = cpu::verify(plan, {in, Td, snap_pool, snap_idx, snap_acc, out}, ws);
+      if (!st.is_ok() && failed.is_ok()) failed = st;
+      return now_s() - t0;
+    };
+    auto replay_once = [&](double& tv, double& tc) {
+      const double t0 = now_s();
+      Status st = cpu::verify_replay(plan, {in, Td, pool, idx, window, out}, ws);
+      const double t1 = now_s();
+      if (st.is_ok()) st = cpu::commit(plan, {Td, pool, window, idx, acc}, ws);
+      tc = now_s() - t1;
+      tv = t1 - t0;
+      if (!st.is_ok() && failed.is_ok()) failed = st;
+    };
+    double tv = 0, tc = 0;
+    snap_once();  // warm-up of both
+    replay_once(tv, tc);
+    K3_RETURN_IF_ERROR(failed);
+    std::vector<double> ts, tr, tcm, tb;
+    for (int i = 0; i < a.iters; ++i) {
+      double sn;
+      if (i % 2 == 0) {
+        sn = snap_once();
+        replay_once(tv, tc);
+      } else {
+        replay_once(tv, tc);
+        sn = snap_once();
+      }
+      K3_RETURN_IF_ERROR(failed);
+      ts.push_back(sn);
+      tr.push_back(tv);
+      tcm.push_back(tc);
+      tb.push_back(tv + tc);
+    }
+    VerifyRow row{N, summarize(ts), summarize(tr), summarize(tcm), summarize(tb),
+                  static_cast<double>(Td) * slot_bytes, slot_bytes + static_cast<double>(window_floats) * 4};
+    vrows.push_back(row);
+    records.push_back({{"kind", "verify"}, {"isa", isa_level_name(isa.value())}, {"N", N}, {"T", Td}, {"accepted", Td},
+                       {"H", cfg.num_heads}, {"K", cfg.head_k}, {"V", cfg.head_v},
+                       {"snapshot_bytes_per_request", row.snap_bytes}, {"replay_bytes_per_request", row.replay_bytes},
+                       {"snapshot_verify", to_json(row.snap)}, {"verify_replay", to_json(row.replay)},
+                       {"commit", to_json(row.commit)}, {"verify_replay_plus_commit", to_json(row.both)}});
+    progress(++done, total, "verify N=" + std::to_string(N));
+  }
+
   std::printf("machine: %s, %d thread(s), isa %s\n", cpu_info().model.c_str(), threads, isa_level_name(isa.value()));
   std::printf("limits:  %s %.1f GFLOP/s; %s %.2f GB/s\n\n", peak.what.c_str(), peak.value / 1e9, bw.what.c_str(),
               bw.value / 1e9);
@@ -331,6 +419,18 @@ Status run(const Args& a) {
     std::printf("%5lld | %9.3f [%7.3f, %7.3f] %12.1f %9.2f %9.1f%%\n", static_cast<long long>(r.n), r.t.median * 1e3,
                 r.t.min * 1e3, r.t.max * 1e3, r.bytes / 1e6, rate / 1e9, 100 * rate / bw.value);
   }
+  if (!vrows.empty()) {
+    std::printf("\nspeculative verify H=%lld K=V=%lld, T=%lld draft tokens per request, all accepted (median ms)\n",
+                static_cast<long long>(cfg.num_heads), static_cast<long long>(cfg.head_k), static_cast<long long>(Td));
+    std::printf("%5s | %13s %10s | %13s %10s %10s %10s | %9s\n", "N", "snapshot MB/r", "verify ms", "replay MB/r",
+                "verify ms", "commit ms", "total ms", "total/snap");
+    for (const auto& r : vrows) {
+      std::printf("%5lld | %13.2f %10.3f | %13.2f %10.3f %10.3f %10.3f | %9.2f\n", static_cast<long long>(r.n),
+                  r.snap_bytes / 1e6, r.snap.median * 1e3, r.replay_bytes / 1e6, r.replay.median * 1e3,
+                  r.commit.median * 1e3, r.both.median * 1e3, r.both.median / r.snap.median);
+    }
+    std::printf("(MB/r: state memory per request: T snapshot states, or one state + its replay window)\n");
+  }
   if (!a.output.empty()) {
     nlohmann::json machine = machine_json(threads);
     machine["isa"] = isa_level_name(isa.value());
@@ -345,7 +445,7 @@ Status run(const Args& a) {
 }
 
 const BenchRegistration kRegistration("kda", [](CLI::App& bench) -> CommandRun {
-  auto* cmd = bench.add_subcommand("kda", "KDA prefill (chunked vs recurrent) and decode sweeps");
+  auto* cmd = bench.add_subcommand("kda", "KDA prefill (chunked vs recurrent), decode and speculative-verify sweeps");
   auto a = std::make_shared<Args>();
   cmd->add_option("--backend", a->backend, "cpu | cuda (cuda: CUDA events, vs the device copy bandwidth)")
       ->capture_default_str();
@@ -369,6 +469,14 @@ const BenchRegistration kRegistration("kda", [](CLI::App& bench) -> CommandRun {
   cmd->add_option("--bw-mib", a->bw_mib, "Buffer of the read-bandwidth probe in MiB")
       ->capture_default_str()
       ->check(CLI::Range(16, 65536));
+  cmd->add_option("--verify-n", a->verify_n,
+                  "Speculative verify: requests N (1 to 65536; a single 0 skips the section): snapshot verify against "
+                  "verify_replay + commit")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 16));
+  cmd->add_option("--draft-tokens", a->draft_tokens, "Speculative verify: draft tokens T per request")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, kda::kMaxWindowTokens));
   cmd->add_option("--output", a->output, "Write JSON records to this file");
   return [a]() { return run(*a); };
 });

@@ -8,6 +8,7 @@
 // the registry's reason; an entry a backend lacks (the reference has no decode) is a SKIP row.
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <random>
 #include <string>
@@ -353,6 +354,171 @@ void pool_rows(const Target& tgt, int64_t heads, uint64_t seed, std::vector<Vali
   }
 }
 
+// Speculative verify without snapshots on the K3 shape: 4 sequences of 8 / 5 / 3 / 2 draft tokens
+// (varlen, a 8-token window; one padding row) from slots of a 40-slot pool, accepting 3 / 5 / - / 0.
+// verify_replay + commit against decode run token by token through the same backend (bit for
+// bit), against the FP32 reference (err_ratio), with non-finite inputs, and the refusals.
+void replay_rows(const Target& tgt, int64_t heads, uint64_t seed, std::vector<ValidateRow>& rows) {
+  const std::string& bn = tgt.b.name;
+  const std::string hs = "H=" + std::to_string(heads);
+  const std::vector<int64_t> lens = {8, 5, 3, 2};
+  kda::CaseSpec s = spec_of(heads, 128, GateMode::kSafe, StateLayout::kKFirst, true, lens, {}, seed + 9);
+  s.initial_state = false;
+  kda::KdaCase c = kda::make_case(s);
+  const auto& cfg = c.spec.cfg;
+  const int64_t H = cfg.num_heads, K = cfg.head_k, V = cfg.head_v, block = H * K * V, slots = 40, tw = 8;
+  kda::CaseSpec ps = s;
+  ps.seqlens = std::vector<int64_t>(slots, 0);
+  ps.initial_state = true;
+  const std::vector<float> pool0 = kda::make_case(ps).initial_state;
+  const std::vector<int32_t> idx = {4, 17, -1, 30}, acc = {3, 5, 0, 0};
+  const int64_t per_window = kda::replay_window_floats(cfg, tw).value();
+  const std::string name = "replay " + hs + " K=V=128 varlen 8/5/3/2 acc 3/5/-/0";
+
+  // Decode token by token through the backend: every draft token's o, and each slot after its
+  // accepted prefix.
+  auto decode_steps = [&](const kda::KdaCase& k, std::vector<float>& o, std::vector<float>& pool) -> Status {
+    const kda::KdaInputs in = k.inputs();
+    std::vector<float> run = pool0;
+    pool = pool0;
+    o.assign(k.o_size(), 0.0f);
+    for (int64_t t = 0; t <= tw; ++t) {
+      for (size_t n = 0; n < idx.size(); ++n) {
+        if (idx[n] >= 0 && acc[n] == t) {
+          std::copy(run.begin() + idx[n] * block, run.begin() + (idx[n] + 1) * block, pool.begin() + idx[n] * block);
+        }
+      }
+      if (t == tw) break;
+      std::vector<uint16_t> q, kk, v;
+      std::vector<float> g, beta;
+      std::vector<int32_t> sidx;
+      std::vector<int64_t> tok;
+      for (size_t n = 0; n < idx.size(); ++n) {
+        const int64_t r = k.cu_seqlens[n] + t;
+        if (r >= k.cu_seqlens[n + 1]) continue;
+        q.insert(q.end(), in.q.bf16.begin() + r * H * K, in.q.bf16.begin() + (r + 1) * H * K);
+        kk.insert(kk.end(), in.k.bf16.begin() + r * H * K, in.k.bf16.begin() + (r + 1) * H * K);
+        v.insert(v.end(), in.v.bf16.begin() + r * H * V, in.v.bf16.begin() + (r + 1) * H * V);
+        g.insert(g.end(), in.g.begin() + r * H * K, in.g.begin() + (r + 1) * H * K);
+        beta.insert(beta.end(), in.beta.begin() + r * H, in.beta.begin() + (r + 1) * H);
+        sidx.push_back(idx[n]);
+        tok.push_back(r);
+      }
+      if (tok.empty()) continue;
+      kda::KdaInputs step = in;
+      step.cu_seqlens = {};
+      step.q = kda::ActSpan::of(std::span<const uint16_t>(q));
+      step.k = kda::ActSpan::of(std::span<const uint16_t>(kk));
+      step.v = kda::ActSpan::of(std::span<const uint16_t>(v));
+      step.g = g;
+      step.beta = beta;
+      std::vector<float> so(tok.size() * H * V);
+      K3_RETURN_IF_ERROR(run_kda_decode(tgt.b, cfg, {step, run, sidx, so}, tgt.opt));
+      for (size_t j = 0; j < tok.size(); ++j) {
+        std::copy(so.begin() + j * H * V, so.begin() + (j + 1) * H * V, o.begin() + tok[j] * H * V);
+      }
+    }
+    return Status::ok();
+  };
+  auto replay = [&](const kda::KdaCase& k, std::vector<float>& o, std::vector<float>& pool,
+                    std::vector<float>& window) -> Status {
+    pool = pool0;
+    o.assign(k.o_size(), 0.0f);
+    window.assign(slots * per_window, 0.0f);
+    kda::ReplayVerifyArgs va{k.inputs(), tw, pool, idx, window, o};
+    K3_RETURN_IF_ERROR(run_kda_verify_replay(tgt.b, cfg, va, tgt.opt));
+    if (pool != pool0) return check_failed("verify_replay wrote the state pool");
+    return run_kda_commit(tgt.b, cfg, {tw, pool, window, idx, acc}, tgt.opt);
+  };
+  auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+
+  std::vector<float> o, pool, window, od, pd;
+  const Status st = replay(c, o, pool, window);
+  if (!tgt.b.verify_replay || !tgt.b.commit) {
+    rows.push_back(skip_row(name, bn, st));
+    return;
+  }
+  if (!st.is_ok()) {
+    rows.push_back(flag_row(name, bn, false, st.to_string()));
+    return;
+  }
+  const Status sd = decode_steps(c, od, pd);
+  if (!sd.is_ok()) {
+    rows.push_back(flag_row(name, bn, false, "decode: " + sd.to_string()));
+    return;
+  }
+  // Against the FP32 reference: each sequence's o from its slot, and the committed states.
+  kda::ErrorStats e;
+  for (size_t n = 0; n < idx.size(); ++n) {
+    if (idx[n] < 0) continue;
+    kda::KdaInputs in = c.inputs();
+    const int64_t first = c.cu_seqlens[n], count = c.cu_seqlens[n + 1] - first;
+    in.cu_seqlens = {};
+    in.q.bf16 = in.q.bf16.subspan(first * H * K, count * H * K);
+    in.k.bf16 = in.k.bf16.subspan(first * H * K, count * H * K);
+    in.v.bf16 = in.v.bf16.subspan(first * H * V, count * H * V);
+    in.g = in.g.subspan(first * H * K, count * H * K);
+    in.beta = in.beta.subspan(first * H, count * H);
+    in.initial_state = {pool0.data() + idx[n] * block, static_cast<size_t>(block)};
+    std::vector<float> ro(count * H * V), rf(block);
+    (void)kda::reference_fp32(cfg, in, {ro, {}}, tgt.opt.threads);
+    e = worst(e, kda::compare(std::span<const float>(o).subspan(first * H * V, count * H * V), ro));
+    kda::KdaInputs acc_in = in;  // the accepted prefix only: the committed state
+    acc_in.q.bf16 = acc_in.q.bf16.first(acc[n] * H * K);
+    acc_in.k.bf16 = acc_in.k.bf16.first(acc[n] * H * K);
+    acc_in.v.bf16 = acc_in.v.bf16.first(acc[n] * H * V);
+    acc_in.g = acc_in.g.first(acc[n] * H * K);
+    acc_in.beta = acc_in.beta.first(acc[n] * H);
+    std::vector<float> ao(acc[n] * H * V);
+    if (acc[n] > 0) {
+      (void)kda::reference_fp32(cfg, acc_in, {ao, rf}, tgt.opt.threads);
+    } else {
+      rf.assign(pool0.begin() + idx[n] * block, pool0.begin() + (idx[n] + 1) * block);
+    }
+    e = worst(e, kda::compare(std::span<const float>(pool).subspan(idx[n] * block, block), rf));
+  }
+  auto r = make_row(name, bn, e, kda::kTolFp32, "o and committed states vs the FP32 reference");
+  r.digest = sha256_hex_of<float>(pool);
+  rows.push_back(r);
+  rows.push_back(flag_row("replay: commit = decode token by token, bit for bit", bn, same(o, od) && same(pool, pd),
+                          same(o, od) ? (same(pool, pd) ? "o of every draft token and all 40 slots (acc 0: untouched)"
+                                                        : "the committed states differ from decode's")
+                                      : "verify_replay's o differs from decode's"));
+  {  // non-finite inputs: a NaN k in sequence 0's accepted token 1, +inf v in sequence 1's token 2
+    kda::KdaCase bad = c;
+    bad.k16[(c.cu_seqlens[0] + 1) * H * K + 5 * K + 3] = bf16_from_f32(std::nanf(""));
+    bad.v16[(c.cu_seqlens[1] + 2) * H * V + 7 * V + 9] = bf16_from_f32(INFINITY);
+    std::vector<float> bo, bp, bw, bdo, bdp;
+    const Status s1 = replay(bad, bo, bp, bw), s2 = decode_steps(bad, bdo, bdp);
+    const bool poisoned = std::isnan(bp[idx[0] * block + 5 * K * V]) && std::isnan(bp[idx[1] * block + 7 * K * V + 9]);
+    const bool ok = s1.is_ok() && s2.is_ok() && same(bo, bdo) && same(bp, bdp) && poisoned;
+    rows.push_back(flag_row("replay: non-finite k / v follow decode's policy, bit for bit", bn, ok,
+                            !s1.is_ok() ? s1.to_string()
+                            : !s2.is_ok() ? s2.to_string()
+                            : ok ? "the poisoned head / column of the committed states is NaN, as decode's"
+                                 : "differs from decode"));
+  }
+  {  // refusals: each named, nothing changed
+    std::vector<float> p2 = pool0, w2(slots * per_window, 0.0f), o2(c.o_size());
+    kda::ReplayVerifyArgs va{c.inputs(), tw, p2, idx, w2, o2};
+    bool ok = run_kda_verify_replay(tgt.b, cfg, va, tgt.opt).is_ok();
+    const std::vector<int32_t> too_many = {3, 6, 0, 0}, twice = {4, 4, -1, 30};
+    const std::string m1 = run_kda_commit(tgt.b, cfg, {tw, p2, w2, idx, too_many}, tgt.opt).message();
+    const std::string m2 = run_kda_commit(tgt.b, cfg, {tw, p2, w2, twice, acc}, tgt.opt).message();
+    ok &= m1.find("num_accepted[1] = 6 exceeds the 5 draft tokens") != std::string::npos;
+    ok &= m2 == "state slot 4 is named twice (sequences 0 and 1)";
+    ok &= same(p2, pool0);
+    ok &= run_kda_commit(tgt.b, cfg, {tw, p2, w2, idx, acc}, tgt.opt).is_ok();
+    const std::string m3 = run_kda_commit(tgt.b, cfg, {tw, p2, w2, idx, acc}, tgt.opt).message();
+    ok &= m3.find("exceeds the 0 draft tokens verified into window slot 4") != std::string::npos;
+    rows.push_back(flag_row("replay: refusals (num_accepted past the verified tokens, a slot named twice, a second "
+                            "commit)",
+                            bn, ok, ok ? "each refused by name, the pool unchanged" : m1 + " | " + m2 + " | " + m3));
+  }
+}
+
 // The same bytes for 1, 2 and 3 threads, twice each: the backend as called (algorithm auto); on
 // the cpu and cuda backends each algorithm instead (cuda: the thread count is not used, the runs
 // check run-to-run determinism).
@@ -498,6 +664,7 @@ std::vector<ValidateRow> run_kda(const ValidateOptions& opt) {
   }
   for (const auto& k : cases) prefill_rows(t, k, rows);
   pool_rows(t, smoke ? 8 : 96, s + 8, rows);
+  replay_rows(t, smoke ? 8 : 96, s + 8, rows);
   determinism_rows(t, s, rows);
   if (t.is_cpu()) isa_rows(t, s, rows);
   if (t.is_cpu() || t.b.name == "cuda") ops_rows(t, s + 9, rows);
