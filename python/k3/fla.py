@@ -14,7 +14,8 @@ honoured                      ``scale``, ``initial_state``, ``output_final_state
                               ``use_beta_sigmoid_in_kernel``, ``cu_seqlens`` (B = 1),
                               ``state_v_first``, ``ssm_state_indices`` /
                               ``num_accepted_tokens`` (decode and speculative verify on a
-                              state pool, in place), ``out``
+                              state pool, in place), ``out``; k3's ``replay_window``
+                              (speculative verify without snapshots)
 no effect on the result       ``chunk_size``, ``disable_recompute``, ``cu_seqlens_cpu``,
                               ``use_graph``, ``max_num_seqs``, ``inplace_final_state=True``
 refused                       ``allow_neg_eigval=True``, ``return_intermediate_states=True``,
@@ -191,6 +192,52 @@ def _prefill(fn, q, k, v, g, beta, b, t, h, hk, hv, sc, layout, cu_seqlens, init
     return _finish(o, out, v, b, t, h, hv), (final if output_final_state else None)
 
 
+def _replay(fn, q, k, v, g, beta, b, t, h, hk, hv, sc, layout, cu_seqlens, pool, indices, num_accepted, window,
+            l2norm, beta_logits, gate, threads, isa, out):
+    """fused_recurrent_kda with replay_window: commit the previous drafts' accepted prefix, then
+    verify this call's drafts without writing the pool."""
+    if indices.dim() != 1:
+        raise ValueError(f"k3.fla.{fn}: with replay_window, ssm_state_indices must be [N] (one slot per sequence), "
+                         f"got shape {tuple(indices.shape)}")
+    _check_tensor(fn, "replay_window", window)
+    slots, n = pool.shape[0], indices.shape[0]
+    row = 2 * hk + hv + 2
+    if (window.dtype != torch.float32 or window.dim() != 2 or not window.is_contiguous() or window.shape[0] != slots
+            or window.shape[1] < 1 or (window.shape[1] - 1) % (h * row) != 0):
+        raise ValueError(f"k3.fla.{fn}: replay_window must be a contiguous float32 [slots = {slots}, "
+                         f"Tw * H * (2K + V + 2) + 1 = Tw * {h * row} + 1] tensor (k3.kda.replay_window_floats), got "
+                         f"{window.dtype} of shape {tuple(window.shape)}")
+    tw = (window.shape[1] - 1) // (h * row)
+    rows = b * t
+    if cu_seqlens is not None:
+        cu, seqs = _cu(fn, cu_seqlens, b, t)
+    elif b == n:
+        cu, seqs = torch.arange(0, (n + 1) * t, t, dtype=torch.int64), n
+    else:
+        raise ValueError(f"k3.fla.{fn}: ssm_state_indices names {n} sequences but q has B = {b} (without "
+                         "cu_seqlens, one sequence per batch row)")
+    if seqs != n:
+        raise ValueError(f"k3.fla.{fn}: cu_seqlens holds {seqs} sequences, ssm_state_indices {n}")
+    idx = indices.to(torch.int32).contiguous()
+    out = _out(fn, out, v, (b, t, h, hv))
+    mode, lb, a_log, dt_bias = gate
+    with _k3torch.kda_options(threads, isa):
+        if num_accepted is not None:
+            _check_tensor(fn, "num_accepted_tokens", num_accepted)
+            if tuple(num_accepted.shape) != (n,):
+                raise ValueError(f"k3.fla.{fn}: num_accepted_tokens has shape {tuple(num_accepted.shape)}, "
+                                 f"expected ({n},)")
+            torch.ops.k3.kda_commit(pool, window, idx, num_accepted.to(torch.int32).contiguous(), tw, h, hk, hv,
+                                    layout)
+        qa, ka, va = _act(fn, q, k, v)
+        o = torch.empty((rows, h, hv), dtype=torch.float32)
+        torch.ops.k3.kda_verify_replay(qa.view(rows, h, hk), ka.view(rows, h, hk), va.view(rows, h, hv),
+                                       g.detach().to(torch.float32).reshape(rows, h, hk).contiguous(),
+                                       beta.detach().to(torch.float32).reshape(rows, h).contiguous(), a_log, dt_bias,
+                                       cu, tw, pool, idx, window, mode, lb, beta_logits, l2norm, sc, layout, o)
+    return _finish(o, out, v, b, t, h, hv), pool
+
+
 def _finish(o, out, v, b, t, h, hv):
     """k3's float32 [B T, H, V] output as [B, T, H, V] in v's dtype, or copied into ``out``."""
     o = o.view(b, t, h, hv)
@@ -224,7 +271,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                         output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
                         state_v_first=False, cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
-                        inplace_final_state=True, out=None, threads=None, isa="", **kwargs):
+                        inplace_final_state=True, out=None, replay_window=None, threads=None, isa="", **kwargs):
     """fla's ``fused_recurrent_kda`` on k3's CPU backend.
 
     Without ``ssm_state_indices``: the recurrence over each sequence from ``initial_state``
@@ -241,6 +288,15 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
       ``ssm_state_indices[n, t]``.
 
     Tokens are ``[N, T, H, K]`` or packed ``[1, N T, H, K]`` with ``cu_seqlens`` of equal lengths.
+
+    ``replay_window`` (a k3 extension: speculative verify without snapshots) is a float32
+    ``[slots, F]`` tensor beside the pool, zeros at first, with
+    ``F = k3.kda.replay_window_floats(H, K, V, Tw)`` for a window of Tw draft tokens. With it,
+    ``ssm_state_indices`` is ``[N]`` (one slot per sequence) and the call first folds the first
+    ``num_accepted_tokens[n]`` tokens of the previous call's drafts into slot n's state (absent:
+    nothing is folded), bit-identical to decoding them one by one, then runs this call's draft
+    tokens (``[N, T]``, or packed with ``cu_seqlens``, each at most Tw) from that state without
+    writing it, keeping their inputs in the window. Pool memory per sequence: one state instead of T.
     Returns ``(o in v's dtype, the pool or None)``."""
     fn = "fused_recurrent_kda"
     _refuse_kwargs(fn, kwargs)
@@ -270,6 +326,9 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     if ssm_state_indices.dtype not in (torch.int32, torch.int64) or ssm_state_indices.dim() not in (1, 2):
         raise ValueError(f"k3.fla.{fn}: ssm_state_indices must be a 1-D [N] or 2-D [N, T] integer tensor, got "
                          f"{ssm_state_indices.dtype} of shape {tuple(ssm_state_indices.shape)}")
+    if replay_window is not None:
+        return _replay(fn, q, k, v, g, beta, b, t, h, hk, hv, sc, layout, cu_seqlens, pool, ssm_state_indices,
+                       num_accepted_tokens, replay_window, l2norm, beta_logits, gate, threads, isa, out)
     rows = b * t
     if ssm_state_indices.dim() == 1:
         n, steps = ssm_state_indices.shape[0], 1

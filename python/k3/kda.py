@@ -140,6 +140,74 @@ def verify(q, k, v, g, beta, state_pool, state_indices, num_accepted, a_log=None
     return o if given is None else given
 
 
+def replay_window_floats(heads, head_k, head_v, window_tokens):
+    """Floats per slot of a replay window pool (:func:`verify_replay` / :func:`commit`):
+    ``window_tokens * heads * (2 head_k + head_v + 2) + 1``. Allocate the pool as
+    ``np.zeros((slots, replay_window_floats(...)), np.float32)``, with as many slots as the state
+    pool (zeros: no verified tokens pending)."""
+    cfg = _k3.kda_config(int(heads), int(head_k), int(head_v), "log_decay", -5.0, True, True, 0.0, "k_first")
+    return int(_k3.kda_replay_window_floats(cfg, int(window_tokens)))
+
+
+def verify_replay(q, k, v, g, beta, state_pool, state_indices, window_pool, window_tokens, cu_seqlens=None,
+                  a_log=None, dt_bias=None, gate="safe", gate_lower_bound=-5.0, beta_logits=True, l2norm_qk=True,
+                  scale=0.0, layout="k_first", backend=None, threads=0, isa="", o=None):
+    """Speculative verify without snapshots. Sequence n's draft tokens (``window_tokens`` each, or
+    ``[cu_seqlens[n], cu_seqlens[n + 1])``, each at most ``window_tokens``) run from the state
+    ``state_pool[state_indices[n]]``, which is only read (< 0: padding, o rows 0). Their update
+    inputs are kept in ``window_pool[state_indices[n]]`` (float32 [slots, replay_window_floats(...)],
+    as many slots as the state pool) for :func:`commit`. Returns o [tokens, H, V] float32."""
+    q, k, v, g, beta = _host_qkv(q, k, v, g, beta)
+    state_indices, state_pool, window_pool = host_view(state_indices), host_view(state_pool), host_view(window_pool)
+    if len(getattr(state_indices, "shape", ())) != 1:
+        raise ValueError(f"state_indices must be [N] int32, got shape {tuple(getattr(state_indices, 'shape', ()))}")
+    if not hasattr(q, "shape") or len(q.shape) != 3:
+        raise ValueError(f"q must be [tokens, H, K], got shape {tuple(getattr(q, 'shape', ()))}")
+    rows = int(q.shape[0])
+    h, hk, hv = _step_checks(q, k, v, g, beta, rows)
+    n = int(state_indices.shape[0])
+    need("state_indices", state_indices, (n,), np.int32)
+    need("state_pool", state_pool, dtype=np.float32)
+    need("window_pool", window_pool, dtype=np.float32, writable=True)
+    if cu_seqlens is not None:
+        cu_seqlens = need("cu_seqlens", host_view(cu_seqlens), (n + 1,), np.int64)
+    a_log, dt_bias = _gate_args(a_log, dt_bias)
+    cfg = _k3.kda_config(h, hk, hv, gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout)
+    given = o
+    o = out_or_new("o", host_view(o), (rows, h, hv), np.float32)
+    ins = (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("a_log", a_log), ("dt_bias", dt_bias),
+           ("state_indices", state_indices), ("cu_seqlens", cu_seqlens), ("state_pool", state_pool))
+    no_overlap("o", o, ins + (("window_pool", window_pool),))
+    no_overlap("window_pool", window_pool, ins)
+    _k3.kda_verify_replay(cfg, q, k, v, g, beta, a_log, dt_bias, cu_seqlens, int(window_tokens), state_pool,
+                          state_indices, window_pool, backend or "", threads, isa, o)
+    return o if given is None else given
+
+
+def commit(state_pool, window_pool, state_indices, num_accepted, window_tokens, heads, head_k, head_v,
+           layout="k_first", backend=None, threads=0, isa=""):
+    """Folds the first ``num_accepted[n]`` draft tokens kept by :func:`verify_replay` into
+    ``state_pool[state_indices[n]]``, in place: bit-identical to :func:`decode` run token by token
+    on those tokens. ``num_accepted`` int32 [N], each in [0, the tokens verified into that window]
+    (0: the state is untouched); a slot named twice is refused. Each named window is consumed: a
+    second commit before the next verify_replay is refused."""
+    state_pool, window_pool = host_view(state_pool), host_view(window_pool)
+    state_indices, num_accepted = host_view(state_indices), host_view(num_accepted)
+    if len(getattr(state_indices, "shape", ())) != 1:
+        raise ValueError(f"state_indices must be [N] int32, got shape {tuple(getattr(state_indices, 'shape', ()))}")
+    n = int(state_indices.shape[0])
+    need("state_indices", state_indices, (n,), np.int32)
+    need("num_accepted", num_accepted, (n,), np.int32)
+    need("state_pool", state_pool, dtype=np.float32, writable=True)
+    need("window_pool", window_pool, dtype=np.float32, writable=True)
+    no_overlap("state_pool", state_pool, (("window_pool", window_pool), ("state_indices", state_indices),
+                                          ("num_accepted", num_accepted)))
+    no_overlap("window_pool", window_pool, (("state_indices", state_indices), ("num_accepted", num_accepted)))
+    cfg = _k3.kda_config(int(heads), int(head_k), int(head_v), "log_decay", -5.0, True, True, 0.0, layout)
+    _k3.kda_commit(cfg, int(window_tokens), state_pool, window_pool, state_indices, num_accepted, backend or "",
+                   threads, isa)
+
+
 class CudaKda:
     """The CUDA backend's serving form (NEVER RUN ON A GPU: compiled, not verified on hardware).
 

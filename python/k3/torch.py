@@ -8,6 +8,8 @@ Importing ``k3.torch`` registers, in the ``k3`` op namespace:
 - ``torch.ops.k3.moe_run(layer, x, topk_ids, topk_weights, out!)``: the fused MoE of a prepared
   layer (``layer`` is the integer handle of a :class:`FusedMoE` / :func:`prepare_moe`), ``x`` BF16
   ``[M, K]``, ``out`` ``[M, K]`` in the layer's output dtype (bfloat16, float16 or float32).
+- ``torch.ops.k3.kda_verify_replay / kda_commit``: speculative verify without snapshots (k3.kda's
+  verify_replay / commit; CPU only).
 - ``torch.ops.k3.kda_prefill / kda_decode / kda_verify``: Kimi Delta Attention (k3.kda's
   prefill / decode / verify; the configuration as scalar arguments, absent optional tensors as
   empty ones), writing ``o!`` (and ``final_state!`` / the state pool ``state_pool!`` in place).
@@ -184,6 +186,12 @@ _lib.define("kda_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Ten
 _lib.define("kda_verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor a_log, Tensor dt_bias, "
             "Tensor(a!) state_pool, Tensor state_indices, Tensor num_accepted, " + _KDA_CFG +
             ", Tensor(b!) o) -> ()")
+# Speculative verify without snapshots (k3.kda.verify_replay / commit; the CPU backend only).
+_lib.define("kda_verify_replay(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor a_log, Tensor dt_bias, "
+            "Tensor cu_seqlens, int window_tokens, Tensor state_pool, Tensor state_indices, Tensor(a!) window_pool, "
+            + _KDA_CFG + ", Tensor(b!) o) -> ()")
+_lib.define("kda_commit(Tensor(a!) state_pool, Tensor(b!) window_pool, Tensor state_indices, Tensor num_accepted, "
+            "int window_tokens, int heads, int head_k, int head_v, str layout) -> ()")
 
 
 def _route_cpu(logits, bias, top_k, n_group, topk_group, renormalize, routed_scaling_factor, topk_ids, topk_weights):
@@ -325,6 +333,43 @@ def _kda_verify_cpu(q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices,
                 _np(state_indices), _np(num_accepted), a_log=_opt_np(a_log), dt_bias=_opt_np(dt_bias), o=_np(o),
                 backend="cpu", threads=_threads(), isa=_isa(),
                 **_kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
+
+
+def _kda_verify_replay_cpu(q, k, v, g, beta, a_log, dt_bias, cu_seqlens, window_tokens, state_pool, state_indices,
+                           window_pool, gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout, o):
+    _kda.verify_replay(_np(_act(q, "q")), _np(_act(k, "k")), _np(_act(v, "v")), _np(g), _np(beta), _np(state_pool),
+                       _np(state_indices), _np(window_pool), window_tokens, cu_seqlens=_opt_np(cu_seqlens),
+                       a_log=_opt_np(a_log), dt_bias=_opt_np(dt_bias), o=_np(o), backend="cpu", threads=_threads(),
+                       isa=_isa(), **_kda_cfg(gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout))
+
+
+def _kda_commit_cpu(state_pool, window_pool, state_indices, num_accepted, window_tokens, heads, head_k, head_v, layout):
+    _kda.commit(_np(state_pool), _np(window_pool), _np(state_indices), _np(num_accepted), window_tokens, heads, head_k,
+                head_v, layout=layout, backend="cpu", threads=_threads(), isa=_isa())
+
+
+def _cpu_only(name):
+    def refuse(*args):
+        raise ValueError(f"k3::{name} runs on the CPU backend only (its CUDA side waits for a GPU window): pass CPU "
+                         "tensors, or use k3::kda_verify, which writes every prefix state")
+    return refuse
+
+
+_lib.impl("kda_verify_replay", _kda_verify_replay_cpu, "CPU")
+_lib.impl("kda_commit", _kda_commit_cpu, "CPU")
+_lib.impl("kda_verify_replay", _cpu_only("kda_verify_replay"), "CUDA")
+_lib.impl("kda_commit", _cpu_only("kda_commit"), "CUDA")
+
+
+@torch.library.register_fake("k3::kda_verify_replay", lib=_lib)
+def _(q, k, v, g, beta, a_log, dt_bias, cu_seqlens, window_tokens, state_pool, state_indices, window_pool, gate,
+      gate_lower_bound, beta_logits, l2norm_qk, scale, layout, o):
+    return None
+
+
+@torch.library.register_fake("k3::kda_commit", lib=_lib)
+def _(state_pool, window_pool, state_indices, num_accepted, window_tokens, heads, head_k, head_v, layout):
+    return None
 
 
 # One k3.kda.CudaKda (plan + workspace) per configuration, device and batch-size bound, made on

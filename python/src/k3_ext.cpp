@@ -523,6 +523,46 @@ void kda_verify(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v, In<flo
   check(k3::run_kda_verify(*b, cfg, args, opt));
 }
 
+// Speculative verify without snapshots (k3/kda.hpp): verify_replay reads the pool and fills the
+// window pool; commit folds the accepted prefix into the states and consumes the windows.
+template <typename A>
+void kda_verify_replay(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v, In<float> g, In<float> beta,
+                       std::optional<In<float>> a_log, std::optional<In<float>> dt_bias,
+                       std::optional<In<int64_t>> cu_seqlens, int64_t window_tokens, In<float> state_pool,
+                       In<int32_t> state_indices, Out<float> window_pool, const std::string& backend, int threads,
+                       const std::string& isa, Out<float> o) {
+  const k3::KdaBackend* b = kda_backend(backend);
+  k3::kda::ReplayVerifyArgs args;
+  args.in = step_inputs(q, k, v, g, beta, a_log, dt_bias);
+  args.in.cu_seqlens = span(cu_seqlens);
+  args.window_tokens = window_tokens;
+  args.state_pool = span(state_pool);
+  args.state_indices = span(state_indices);
+  args.window_pool = span(window_pool);
+  args.o = span(o);
+  const k3::BackendOptions opt = options(threads, isa);
+  nb::gil_scoped_release release;
+  check(k3::run_kda_verify_replay(*b, cfg, args, opt));
+}
+
+void kda_commit(const k3::kda::KdaConfig& cfg, int64_t window_tokens, Out<float> state_pool, Out<float> window_pool,
+                In<int32_t> state_indices, In<int32_t> num_accepted, const std::string& backend, int threads,
+                const std::string& isa) {
+  const k3::KdaBackend* b = kda_backend(backend);
+  k3::kda::CommitArgs args;
+  args.window_tokens = window_tokens;
+  args.state_pool = span(state_pool);
+  args.window_pool = span(window_pool);
+  args.state_indices = span(state_indices);
+  args.num_accepted = span(num_accepted);
+  const k3::BackendOptions opt = options(threads, isa);
+  nb::gil_scoped_release release;
+  check(k3::run_kda_commit(*b, cfg, args, opt));
+}
+
+int64_t kda_replay_window_floats(const k3::kda::KdaConfig& cfg, int64_t window_tokens) {
+  return value(k3::kda::replay_window_floats(cfg, window_tokens));
+}
 
 // ---- CUDA (device arrays; NEVER RUN ON A GPU) ---------------------------------------------
 // Arrays are CUDA DLPack tensors (torch / CuPy / JAX on the GPU), used in place: no copy, no
@@ -955,6 +995,18 @@ NB_MODULE(_k3, m) {
   m.def("kda_verify", &kda_verify<uint16_t>, "cfg"_a, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(),
         "dt_bias"_a.noconvert().none(), "draft_tokens"_a, "state_pool"_a.noconvert(), "state_indices"_a.noconvert(), "num_accepted"_a.noconvert(), "backend"_a,
         "threads"_a, "isa"_a, "o"_a.noconvert());
+  m.def("kda_verify_replay", &kda_verify_replay<float>, "cfg"_a, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(),
+        "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(), "dt_bias"_a.noconvert().none(),
+        "cu_seqlens"_a.noconvert().none(), "window_tokens"_a, "state_pool"_a.noconvert(), "state_indices"_a.noconvert(),
+        "window_pool"_a.noconvert(), "backend"_a, "threads"_a, "isa"_a, "o"_a.noconvert());
+  m.def("kda_verify_replay", &kda_verify_replay<uint16_t>, "cfg"_a, "q"_a.noconvert(), "k"_a.noconvert(),
+        "v"_a.noconvert(), "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(),
+        "dt_bias"_a.noconvert().none(), "cu_seqlens"_a.noconvert().none(), "window_tokens"_a,
+        "state_pool"_a.noconvert(), "state_indices"_a.noconvert(), "window_pool"_a.noconvert(), "backend"_a,
+        "threads"_a, "isa"_a, "o"_a.noconvert());
+  m.def("kda_commit", &kda_commit, "cfg"_a, "window_tokens"_a, "state_pool"_a.noconvert(), "window_pool"_a.noconvert(),
+        "state_indices"_a.noconvert(), "num_accepted"_a.noconvert(), "backend"_a, "threads"_a, "isa"_a);
+  m.def("kda_replay_window_floats", &kda_replay_window_floats, "cfg"_a, "window_tokens"_a);
   m.def("kda_prefill", &kda_prefill<float>, "cfg"_a, "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "g"_a.noconvert(), "beta"_a.noconvert(), "a_log"_a.noconvert().none(),
         "dt_bias"_a.noconvert().none(), "cu_seqlens"_a.noconvert().none(), "initial_state"_a.noconvert().none(), "backend"_a, "threads"_a, "isa"_a,
         "o"_a.noconvert(), "final_state"_a.noconvert().none());

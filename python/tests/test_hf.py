@@ -790,3 +790,16 @@ def test_dense_projections_on_k3_match_an_exact_reference_and_unpatch_restores()
         k3.hf.unpatch(full)
     with pytest.raises(ValueError, match="dense=True needs a bfloat16 model"):
         k3.hf.patch(build(tiny_config(), seed=4), dense=True)
+
+
+def test_transformers_runs_no_assisted_generation_for_kimi_linear(pair):
+    """Speculative decoding with a rollback (assisted generation, prompt lookup) is where k3's
+    replay commit would go in transformers (verify the drafts without writing the KDA state, then
+    commit the accepted ones). transformers refuses it for Kimi-Linear, stock and patched alike
+    (the model is stateful: its KDA cache cannot be cropped), so k3.hf has nothing to wire. If a
+    release starts running it, this fails: then k3.hf should route it through verify_replay/commit."""
+    _, patched, _ = pair
+    prompt = torch.tensor([[1, 5, 9, 12, 5, 9]])
+    for model in (build(tiny_config()), patched):
+        with pytest.raises(ValueError, match="(?i)assist"):
+            model.generate(prompt, prompt_lookup_num_tokens=2, max_new_tokens=4, do_sample=False)

@@ -105,13 +105,23 @@ TEST(KdaCli, ValidateDefaultBackendIsTheRegistrysAndUnknownNamesListTheKnown) {
 TEST(KdaCli, BenchPrintsBothSweepsAndWritesJson) {
   const std::string path = ::testing::TempDir() + "k3_bench_kda.json";
   const auto r = run_cli("bench kda --threads 2 --heads 2 --head-dim 32 --prefill-t 5 40 --decode-n 1 3 --iters 2 "
-                         "--pool-mib 1 --bw-mib 16 --output " + path);
+                         "--pool-mib 1 --bw-mib 16 --verify-n 2 --draft-tokens 3 --output " + path);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("rec/chk"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("of read bw"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("speculative verify H=2 K=V=32, T=3 draft tokens per request"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("total/snap"), std::string::npos) << r.out;
   std::ifstream f(path);
   const auto j = nlohmann::json::parse(f);
-  ASSERT_EQ(j["records"].size(), 4u);
+  ASSERT_EQ(j["records"].size(), 5u);
+  // Speculative verify: T states per request (snapshots) against one state + its replay window
+  // (T H (2K + V + 2) + 1 floats).
+  const auto& ver = j["records"][4];
+  EXPECT_EQ(ver["kind"], "verify");
+  EXPECT_EQ(ver["snapshot_bytes_per_request"].get<double>(), 3.0 * 2 * 32 * 32 * 4);
+  EXPECT_EQ(ver["replay_bytes_per_request"].get<double>(), 2.0 * 32 * 32 * 4 + (3.0 * 2 * (2 * 32 + 32 + 2) + 1) * 4);
+  EXPECT_GT(ver["commit"]["median_s"].get<double>(), 0.0);
+  EXPECT_GT(ver["snapshot_verify"]["median_s"].get<double>(), 0.0);
   EXPECT_EQ(j["records"][0]["kind"], "prefill");
   EXPECT_EQ(j["records"][1]["T"], 40);
   EXPECT_GT(j["records"][1]["chunked"]["median_s"].get<double>(), 0.0);
@@ -123,6 +133,10 @@ TEST(KdaCli, BenchPrintsBothSweepsAndWritesJson) {
 
 TEST(KdaCli, BenchRejectsBadOptions) {
   EXPECT_NE(run_cli("bench kda --heads 0").code, 0);
+  EXPECT_NE(run_cli("bench kda --draft-tokens 65").code, 0);
+  const auto v = run_cli("bench kda --prefill-t 8 --decode-n 1 --verify-n 4 0");
+  EXPECT_EQ(v.code, 2) << v.out;
+  EXPECT_NE(v.out.find("--verify-n 0 must be >= 1 (or a single 0: no verify section)"), std::string::npos) << v.out;
   EXPECT_NE(run_cli("bench kda --iters 0").code, 0);
   const auto r = run_cli("bench kda --isa avx3");
   EXPECT_EQ(r.code, 2);
