@@ -244,11 +244,11 @@ Result<int64_t> check_pool_inputs(const KdaConfig& c, const KdaInputs& in, std::
 
 // (slot, owner) pairs of the written slots must be distinct. (A sequence's read slot is one of
 // its own write slots, so no other sequence can write it.)
-Status check_distinct_writes(std::vector<std::pair<int64_t, int64_t>> writes) {
+Status check_distinct_writes(std::vector<std::pair<int64_t, int64_t>> writes, const char* verb = "written") {
   std::sort(writes.begin(), writes.end());
   for (size_t i = 1; i < writes.size(); ++i) {
     if (writes[i].first == writes[i - 1].first) {
-      return invalid_argument("state slot " + num(writes[i].first) + " is written twice (sequences " +
+      return invalid_argument("state slot " + num(writes[i].first) + " is " + verb + " twice (sequences " +
                               num(writes[i - 1].second) + " and " + num(writes[i].second) + ")");
     }
   }
@@ -379,14 +379,7 @@ Status check_slot_list(std::span<const int32_t> idx, int64_t slots) {
     }
     if (slot >= 0) named.emplace_back(slot, static_cast<int64_t>(n));
   }
-  std::sort(named.begin(), named.end());
-  for (size_t i = 1; i < named.size(); ++i) {
-    if (named[i].first == named[i - 1].first) {
-      return invalid_argument("state slot " + num(named[i].first) + " is named twice (sequences " +
-                              num(named[i - 1].second) + " and " + num(named[i].second) + ")");
-    }
-  }
-  return Status::ok();
+  return check_distinct_writes(std::move(named), "named");
 }
 
 }  // namespace

@@ -217,12 +217,14 @@ inline void store_out(const HeadCtx& x, int64_t t, const float* row) {
 
 // ---- recurrent path ----------------------------------------------------------------------
 // acc[0..NB) = sum_{d<K} ak[d] s[d, j0 ..]; vnew = beta (v - acc)
-template <int NB>
+// (kReversed: d from K - 1 down, the commit's kReversedForTest fold only.)
+template <int NB, bool kReversed = false>
 inline void rec_pass1(const float* s, int64_t lds, int64_t K, int64_t j0, const float* ak, const float* v, float beta,
                       float* vnew) {
   Vec acc[NB];
   for (int i = 0; i < NB; ++i) acc[i] = VF::zero();
-  for (int64_t d = 0; d < K; ++d) {
+  for (int64_t e = 0; e < K; ++e) {
+    const int64_t d = kReversed ? K - 1 - e : e;
     const Vec a = VF::set1(ak[d]);
     const float* row = s + d * lds + j0;
     for (int i = 0; i < NB; ++i) acc[i] = VF::fmadd(a, VF::load(row + i * kW), acc[i]);
@@ -266,23 +268,6 @@ inline void keep_window_row(const HeadCtx& x, int64_t t, const float* k, const f
   for (int64_t j = 0; j < V; ++j) row[2 * K + j] = v[j];
   row[2 * K + V] = beta;
   row[2 * K + V + 1] = poisoned ? 1.0f : 0.0f;
-}
-
-// Reversed k-order of rec_pass1: the kReversedForTest fold only.
-template <int NB>
-inline void rec_pass1_reversed(const float* s, int64_t lds, int64_t K, int64_t j0, const float* ak, const float* v,
-                               float beta, float* vnew) {
-  Vec acc[NB];
-  for (int i = 0; i < NB; ++i) acc[i] = VF::zero();
-  for (int64_t d = K - 1; d >= 0; --d) {
-    const Vec a = VF::set1(ak[d]);
-    const float* row = s + d * lds + j0;
-    for (int i = 0; i < NB; ++i) acc[i] = VF::fmadd(a, VF::load(row + i * kW), acc[i]);
-  }
-  const Vec bv = VF::set1(beta);
-  for (int i = 0; i < NB; ++i) {
-    VF::store(vnew + j0 + i * kW, VF::mul(bv, VF::sub(VF::load(v + j0 + i * kW), acc[i])));
-  }
 }
 
 // rec_pass2's state update without the output: s[d, j0 ..] = alpha[d] s + k[d] vnew.
@@ -622,7 +607,7 @@ inline void commit_impl(const HeadCtx& x, const float* rows, int64_t tokens, flo
       for (; j + kBlock <= vw; j += kBlock) rec_pass1<4>(s, lds, K, j, ak, v, beta, vnew);
       for (; j < vw; j += kW) rec_pass1<1>(s, lds, K, j, ak, v, beta, vnew);
     } else {
-      for (; j < vw; j += kW) rec_pass1_reversed<1>(s, lds, K, j, ak, v, beta, vnew);
+      for (; j < vw; j += kW) rec_pass1<1, true>(s, lds, K, j, ak, v, beta, vnew);
     }
     poison_vnew(x, p, vnew, vw);
     j = 0;
