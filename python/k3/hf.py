@@ -580,8 +580,25 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
                     setattr(mod.experts, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                                   requires_grad=False))
         mod.forward = _moe_forward(mod, r, r.stock_forward)
+    if kda_layers:
+        model._get_candidate_generator = types.MethodType(_refuse_assisted_decoding, model)
     model._k3_patch = rec
     return rec
+
+
+def _refuse_assisted_decoding(model, *args, **kwargs):
+    """generate()'s draft source of assisted decoding (its assisted loop asks the model for it), on a
+    patched model. From transformers 5.25 it runs on
+    Kimi-Linear, but its rollback (cache.crop) does not restore the KDA recurrent state, so after a
+    rejected draft the tokens differ from plain greedy decoding (stock transformers gives the same
+    wrong tokens). Refused rather than silently wrong."""
+    import transformers
+    raise ValueError(f"k3.hf: assisted generation (assistant_model / prompt_lookup_num_tokens) is refused on a "
+                     f"patched Kimi-Linear model: transformers {transformers.__version__} does not restore the KDA "
+                     "recurrent state when it rolls back rejected draft tokens, so its tokens would differ from "
+                     "plain decoding (stock gives the same wrong tokens). k3's replay commit "
+                     "(k3.kda.verify_replay / commit) is the fix, not yet wired into k3.hf; generate without "
+                     "assistance")
 
 
 def _patch_moe(mod, index, cfg, recipe, threads, plan_threads, keep_original, max_tokens, rec, isa):
@@ -654,5 +671,6 @@ def unpatch(model):
         r.release()
     for parent, name, stock, _ in rec.dense:
         setattr(parent, name, stock)
+    model.__dict__.pop("_get_candidate_generator", None)
     model._k3_patch = None
     return model

@@ -792,14 +792,26 @@ def test_dense_projections_on_k3_match_an_exact_reference_and_unpatch_restores()
         k3.hf.patch(build(tiny_config(), seed=4), dense=True)
 
 
-def test_transformers_runs_no_assisted_generation_for_kimi_linear(pair):
-    """Speculative decoding with a rollback (assisted generation, prompt lookup) is where k3's
-    replay commit would go in transformers (verify the drafts without writing the KDA state, then
-    commit the accepted ones). transformers refuses it for Kimi-Linear, stock and patched alike
-    (the model is stateful: its KDA cache cannot be cropped), so k3.hf has nothing to wire. If a
-    release starts running it, this fails: then k3.hf should route it through verify_replay/commit."""
-    _, patched, _ = pair
+def test_assisted_generation_is_refused_on_a_patched_model_never_wrong(pair):
+    """Speculative decoding with a rollback (assisted generation, prompt lookup). transformers 5.17
+    to 5.24 refuse it for Kimi-Linear (a stateful model). From 5.25 transformers runs it, but its
+    rollback does not restore the KDA recurrent state, so the tokens differ from plain greedy
+    decoding. k3.hf therefore refuses it on a patched model, naming the reason, rather than give
+    wrong tokens; unpatch restores transformers' own behaviour. (k3's replay commit is the fix: not
+    yet wired into k3.hf.)"""
     prompt = torch.tensor([[1, 5, 9, 12, 5, 9]])
-    for model in (build(tiny_config()), patched):
-        with pytest.raises(ValueError, match="(?i)assist"):
-            model.generate(prompt, prompt_lookup_num_tokens=2, max_new_tokens=4, do_sample=False)
+    stock = build(tiny_config())
+    patched = copy.deepcopy(stock)
+    k3.hf.patch(patched, recipe="w4a16", keep_original=True)
+    with pytest.raises(ValueError, match="(?i)assist") as err:
+        patched.generate(prompt, prompt_lookup_num_tokens=2, max_new_tokens=4, do_sample=False)
+    stock_runs = True
+    try:
+        stock.generate(prompt, prompt_lookup_num_tokens=2, max_new_tokens=4, do_sample=False)
+    except ValueError as e:
+        assert "stateful" in str(e)  # 5.17 to 5.24: transformers' own refusal, before k3's
+        stock_runs = False
+    if stock_runs:  # 5.25 on: k3's refusal, naming the reason
+        assert "does not restore the KDA recurrent state" in str(err.value)
+    k3.hf.unpatch(patched)
+    assert "_get_candidate_generator" not in patched.__dict__
