@@ -20,7 +20,10 @@ from transformers >= 5.17 and, in place:
   the latent space instead of re-expanding the whole cache through ``kv_b_proj`` at every step
   as transformers does, so the step time no longer grows with the prefix (``mla=False`` keeps
   the stock path);
-- the shared experts, MLA prefill, norms, embeddings and the LM head stay torch.
+- the shared experts, MLA prefill, norms, embeddings and the LM head stay torch;
+- speculative decoding (assisted generation, prompt lookup: transformers >= 5.25) verifies the
+  drafts with k3's ``verify_replay`` and folds exactly the accepted ones into the KDA state at the
+  rollback (``cache.crop``) with k3's ``commit``, so the tokens are those of plain decoding.
 
 ``k3.hf.unpatch(model)`` undoes it (needs ``keep_original=True`` for the experts; otherwise
 reload the model). What k3 cannot serve is refused here with an error naming it: a model that
@@ -50,7 +53,7 @@ from . import torch as _k3torch
 __all__ = ["patch", "unpatch", "is_patched", "mxfp4_roundtrip_", "TESTED_TRANSFORMERS"]
 
 #: transformers releases the integration is tested with (the oldest and the newest pip serves here).
-TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")
+TESTED_TRANSFORMERS = ("5.17.0", "5.25.0")
 
 _MAX_EXPERTS = 4096
 _MAX_TOP_K = 32
@@ -84,7 +87,7 @@ def _warn_once(key, msg):
 class _KdaLayer:
     def __init__(self, index, threads, isa):
         self.index, self.threads, self.isa = index, threads, isa
-        self.calls = {"prefill": 0, "decode": 0, "conv": 0}
+        self.calls = {"prefill": 0, "decode": 0, "conv": 0, "verify": 0, "commit": 0}
 
 
 def _needs_grad(*ts):
@@ -235,11 +238,189 @@ def _wrap_kda_forward(layer, rec):
         saved = getattr(_tls, "kda", None)
         _tls.kda = rec
         try:
+            # transformers >= 5.25 records the past on the cache when it will roll drafts back
+            # (assisted generation): that step runs on k3's verify + replay commit.
+            cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            if (cache is not None and hidden is not None and hasattr(cache, "get_recurrent_states_to_keep")
+                    and cache.is_recording_past(layer.layer_idx) and not _needs_grad(hidden)):
+                mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+                return _speculative_forward(layer, rec, hidden, cache, mask)
             return stock(*args, **kwargs)
         finally:
             _tls.kda = saved
 
     layer.forward = forward
+
+
+# ---- speculative decoding: verify the drafts, commit the accepted prefix at the rollback -----
+#
+# transformers >= 5.25 runs assisted generation (an assistant model's or prompt lookup's drafts)
+# on Kimi-Linear: it calls `cache.activate_past_recording(...)`, runs the target model on the last
+# token plus the drafts, and rolls the rejected drafts back with `cache.crop(-n)`. Its own rollback
+# restores the KDA recurrent state from a list of snapshots that is one state short when no draft
+# is accepted, so its tokens can differ from plain decoding. On a patched model such a step runs
+# here instead: the draft tokens are verified from the layer's state without writing it
+# (k3.kda.verify_replay: their inputs are kept in a replay window), and the crop folds exactly the
+# accepted tokens into the state (k3.kda.commit: bit-identical to decoding them one by one). Memory
+# per layer: the state and one window (at most MAX_DRAFT_TOKENS tokens), not one state per draft.
+
+#: the most tokens a patched KDA layer can roll back in one crop (k3's replay window, kMaxWindowTokens)
+MAX_DRAFT_TOKENS = 64
+
+
+class _Pending:
+    """Draft tokens verified but not yet committed, kept on the cache layer until its crop: one
+    replay window per forward since the last crop (oldest first), the layer's state they start
+    from, and (once a second forward came) ``head``, a copy of that state with every pending token
+    folded in, which the next forward's drafts start from."""
+    __slots__ = ("windows", "state", "head", "head_windows", "index", "rec")
+
+    def __init__(self, state, index, rec):
+        self.windows, self.state, self.head, self.head_windows, self.index, self.rec = [], state, None, 0, index, rec
+
+    @property
+    def tokens(self):
+        return sum(t for _, t in self.windows)
+
+    def fold_into_state(self, accepted):
+        """Commits the first `accepted` pending tokens into the layer's state; consumes every window."""
+        for window, t in self.windows:
+            a = min(accepted, t)
+            if a:
+                _commit(self.rec, self.state, window, t, a)
+            accepted -= a
+        self.windows, self.head, self.head_windows = [], None, 0
+
+    def start(self):
+        """The state after every pending token: this forward's drafts start there."""
+        if self.head is None:
+            self.head, self.head_windows = self.state.clone(), 0
+        for window, t in self.windows[self.head_windows:]:
+            _commit(self.rec, self.head, window.clone(), t, t)  # a copy: the window stays for the crop
+        self.head_windows = len(self.windows)
+        return self.head
+
+
+def _speculative_forward(mod, rec, hidden_states, cache, attention_mask):
+    """The stock KDA layer forward, with the recurrence on k3's verify + replay commit. The
+    projections, short convolution (transformers records its inputs for the rollback), gates and
+    output norm are the stock modules'."""
+    m = _modeling()
+    idx = mod.layer_idx
+    hs = m.apply_mask_to_padding_states(hidden_states, attention_mask)
+    b, t = hs.shape[:2]
+    shape = (b, t, -1, mod.head_dim)
+    mixed = torch.cat([mod.q_proj(hs), mod.k_proj(hs), mod.v_proj(hs)], dim=-1).transpose(1, 2)
+    mixed = m.causal_conv1d_forward(mod.conv1d, mixed, cache, idx, activation=mod.activation)
+    q, k, v = torch.split(mixed.transpose(1, 2), [mod.qkv_dim] * 3, dim=-1)
+    q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
+    g = mod.forget_gate(hs)
+    beta = torch.sigmoid(mod.b_proj(hs))
+    core = _verify_drafts(rec, cache, idx, q, k, v, g, beta).to(q.dtype)
+    gate = mod.g_b_proj(mod.g_a_proj(hs)).view(shape)
+    return mod.o_proj(mod.o_norm(core, gate).reshape(b, t, -1))
+
+
+def _layer_state(cache, idx, b, h, hk, hv):
+    """The cache's recurrent state of layer idx as float32 [B, H, K, V], contiguous, created
+    (zeros) on the first call; the drafts are committed into it in place."""
+    shape = (b, h, hk, hv)
+    state = cache.get_recurrent_state(idx)
+    if state is None or state.dtype != torch.float32 or not state.is_contiguous() or tuple(state.shape) != shape:
+        fresh = torch.zeros(shape, dtype=torch.float32) if state is None else state.to(torch.float32).contiguous()
+        if tuple(fresh.shape) != shape:
+            raise ValueError(f"k3.hf: KDA layer {idx}: the cache's recurrent state has shape {tuple(fresh.shape)}, "
+                             f"expected {shape} for this batch")
+        cache.update_recurrent_state(fresh, idx)
+        state = cache.get_recurrent_state(idx)
+        if state.dtype != torch.float32 or not state.is_contiguous():
+            raise ValueError(f"k3.hf: KDA layer {idx}: the cache keeps its recurrent state as {state.dtype}"
+                             f"{'' if state.is_contiguous() else ', not contiguous'}; k3's commit needs float32")
+    return state
+
+
+def _verify(rec, state, q, k, v, g, beta):
+    """k3's verify of [B, T] draft tokens from state (not written); returns (o [B, T, H, V] float32,
+    the replay window holding their inputs)."""
+    b, t, h, hk = q.shape
+    window = torch.zeros((b, _kda_mod.replay_window_floats(h, hk, v.shape[-1], t)), dtype=torch.float32)
+    o, _ = _fla.fused_recurrent_kda(q, k, v, g, beta, initial_state=state,
+                                    ssm_state_indices=torch.arange(b, dtype=torch.int32), replay_window=window,
+                                    use_qk_l2norm_in_kernel=True, threads=rec.threads, isa=rec.isa,
+                                    out=torch.empty((b, t, h, v.shape[-1]), dtype=torch.float32))
+    rec.calls["verify"] += 1
+    return o, window
+
+
+def _commit(rec, state, window, tokens, accepted):
+    b, h, hk, hv = state.shape
+    with _k3torch.kda_options(rec.threads, rec.isa):
+        torch.ops.k3.kda_commit(state, window, torch.arange(b, dtype=torch.int32),
+                                torch.full((b,), accepted, dtype=torch.int32), tokens, h, hk, hv, "k_first")
+    rec.calls["commit"] += 1
+
+
+def _verify_drafts(rec, cache, idx, q, k, v, g, beta):
+    """This forward's T tokens, after any drafts still pending on the layer (several forwards may
+    come before one crop, as an assistant model drafts token by token): verified from the state
+    after the pending ones, kept pending for the crop. At most MAX_DRAFT_TOKENS stay pending:
+    older windows are committed now, and a longer forward (the prompt) prefills its head, which
+    can no longer be rolled back. Returns the T tokens' outputs [B, T, H, V] float32."""
+    lay = cache.layers[idx]
+    _hook_crop(lay)
+    b, t, h, hk = q.shape
+    state = _layer_state(cache, idx, b, h, hk, v.shape[-1])
+    drafts = (q, k, v, g.to(torch.float32), beta.to(torch.float32))
+    pend = lay.__dict__.get("_k3_pending")
+    if pend is not None and (pend.state is not state or pend.state.shape[0] != b):
+        pend = None  # the cache was reset or reassigned since: the drafts went with it
+    if pend is None or t > MAX_DRAFT_TOKENS:
+        if pend is not None:
+            pend.fold_into_state(pend.tokens)
+        pend = lay._k3_pending = _Pending(state, idx, rec)
+    outs = []
+    fold = max(0, t - MAX_DRAFT_TOKENS)
+    if fold:  # a long forward (the prompt): its head is never rolled back, prefill it
+        o, final = _fla.chunk_kda(*[x[:, :fold] for x in drafts], initial_state=state, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True, threads=rec.threads, isa=rec.isa)
+        state.copy_(final)
+        outs.append(o.to(torch.float32))
+        rec.calls["prefill"] += 1
+        drafts = tuple(x[:, fold:] for x in drafts)
+    o, window = _verify(rec, pend.start() if pend.windows else state, *drafts)
+    outs.append(o)
+    pend.windows.append((window, drafts[0].shape[1]))
+    while pend.tokens > MAX_DRAFT_TOKENS:  # the oldest window leaves: its tokens can no longer be rolled back
+        old, tokens = pend.windows.pop(0)
+        _commit(rec, state, old, tokens, tokens)
+        pend.head_windows -= 1
+    return torch.cat(outs, dim=1) if len(outs) > 1 else o
+
+
+def _hook_crop(lay):
+    """Puts k3's commit in front of the cache layer's own crop (once per cache layer)."""
+    if "_k3_stock_crop" in lay.__dict__:
+        return
+    stock = lay.crop
+    lay._k3_stock_crop = stock
+
+    def crop(tokens_to_remove):
+        pend = lay.__dict__.get("_k3_pending")
+        n = -int(tokens_to_remove)
+        if pend is None or not pend.windows or n < 0:
+            return stock(tokens_to_remove)
+        if n > pend.tokens:
+            raise ValueError(f"k3.hf: cache.crop({int(tokens_to_remove)}) rolls back {n} tokens of KDA layer "
+                             f"{pend.index}, which keeps only its last {pend.tokens} verified tokens (k3 keeps at "
+                             f"most MAX_DRAFT_TOKENS = {MAX_DRAFT_TOKENS} draft tokens per layer)")
+        del lay._k3_pending
+        pend.fold_into_state(pend.tokens - n)
+        if n:  # transformers' crop then takes its rolled-back state from this list: the committed one
+            lay.recurrent_states_history[0] = [pend.state] * n
+        return stock(tokens_to_remove)
+
+    lay.crop = crop
 
 
 # ---- MoE ------------------------------------------------------------------------------------
@@ -580,25 +761,8 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
                     setattr(mod.experts, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                                   requires_grad=False))
         mod.forward = _moe_forward(mod, r, r.stock_forward)
-    if kda_layers:
-        model._get_candidate_generator = types.MethodType(_refuse_assisted_decoding, model)
     model._k3_patch = rec
     return rec
-
-
-def _refuse_assisted_decoding(model, *args, **kwargs):
-    """generate()'s draft source of assisted decoding (its assisted loop asks the model for it), on a
-    patched model. From transformers 5.25 it runs on
-    Kimi-Linear, but its rollback (cache.crop) does not restore the KDA recurrent state, so after a
-    rejected draft the tokens differ from plain greedy decoding (stock transformers gives the same
-    wrong tokens). Refused rather than silently wrong."""
-    import transformers
-    raise ValueError(f"k3.hf: assisted generation (assistant_model / prompt_lookup_num_tokens) is refused on a "
-                     f"patched Kimi-Linear model: transformers {transformers.__version__} does not restore the KDA "
-                     "recurrent state when it rolls back rejected draft tokens, so its tokens would differ from "
-                     "plain decoding (stock gives the same wrong tokens). k3's replay commit "
-                     "(k3.kda.verify_replay / commit) is the fix, not yet wired into k3.hf; generate without "
-                     "assistance")
 
 
 def _patch_moe(mod, index, cfg, recipe, threads, plan_threads, keep_original, max_tokens, rec, isa):
@@ -671,6 +835,5 @@ def unpatch(model):
         r.release()
     for parent, name, stock, _ in rec.dense:
         setattr(parent, name, stock)
-    model.__dict__.pop("_get_candidate_generator", None)
     model._k3_patch = None
     return model

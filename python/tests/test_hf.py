@@ -792,26 +792,141 @@ def test_dense_projections_on_k3_match_an_exact_reference_and_unpatch_restores()
         k3.hf.patch(build(tiny_config(), seed=4), dense=True)
 
 
-def test_assisted_generation_is_refused_on_a_patched_model_never_wrong(pair):
-    """Speculative decoding with a rollback (assisted generation, prompt lookup). transformers 5.17
-    to 5.24 refuse it for Kimi-Linear (a stateful model). From 5.25 transformers runs it, but its
-    rollback does not restore the KDA recurrent state, so the tokens differ from plain greedy
-    decoding. k3.hf therefore refuses it on a patched model, naming the reason, rather than give
-    wrong tokens; unpatch restores transformers' own behaviour. (k3's replay commit is the fix: not
-    yet wired into k3.hf.)"""
-    prompt = torch.tensor([[1, 5, 9, 12, 5, 9]])
-    stock = build(tiny_config())
-    patched = copy.deepcopy(stock)
-    k3.hf.patch(patched, recipe="w4a16", keep_original=True)
-    with pytest.raises(ValueError, match="(?i)assist") as err:
-        patched.generate(prompt, prompt_lookup_num_tokens=2, max_new_tokens=4, do_sample=False)
-    stock_runs = True
+RECORDS_PAST = hasattr(transformers.DynamicCache, "get_recurrent_states_to_keep")  # transformers >= 5.25
+
+
+def assisted_or_refused(model, prompt, **kw):
+    """model.generate with assistance; None where transformers refuses it for a stateful model
+    (5.17 to 5.24, its own refusal, before k3 sees anything)."""
     try:
-        stock.generate(prompt, prompt_lookup_num_tokens=2, max_new_tokens=4, do_sample=False)
+        return model.generate(prompt, max_new_tokens=16, do_sample=False, **kw)
     except ValueError as e:
-        assert "stateful" in str(e)  # 5.17 to 5.24: transformers' own refusal, before k3's
-        stock_runs = False
-    if stock_runs:  # 5.25 on: k3's refusal, naming the reason
-        assert "does not restore the KDA recurrent state" in str(err.value)
-    k3.hf.unpatch(patched)
-    assert "_get_candidate_generator" not in patched.__dict__
+        assert not RECORDS_PAST and "stateful" in str(e), e
+        return None
+
+
+def test_assisted_generation_on_a_patched_model_gives_the_tokens_of_plain_decoding():
+    """Speculative decoding with a rollback (assisted generation: prompt lookup, an assistant
+    model). From transformers 5.25 it runs on Kimi-Linear; on a patched model each verify step of
+    a KDA layer runs on k3's verify + replay commit: the drafts run from the state without writing
+    it, and transformers' cache.crop commits exactly the accepted ones. The tokens must be those of
+    plain greedy decoding, for every draft length and whether drafts are accepted or not."""
+    stock = build(tiny_config())
+    kda_only = copy.deepcopy(stock)
+    rec_kda = k3.hf.patch(kda_only, recipe="w4a16", moe=False, keep_original=True)
+    full = copy.deepcopy(stock)
+    rec = k3.hf.patch(full, recipe="w4a16", keep_original=True)
+    draft_stock = build(tiny_config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                    mlp_layer_types=["sparse", "sparse"]), seed=3)
+    draft = copy.deepcopy(draft_stock)
+    rec_draft = k3.hf.patch(draft, recipe="w4a16", keep_original=True)
+    for prompt in ([[1, 5, 9, 12, 5, 9]], [[1, 5, 9, 12, 5, 9, 12, 5, 9, 12, 5]], [[1] + list(range(3, 80))]):
+        prompt = torch.tensor(prompt)
+        for model in (kda_only, full):
+            plain = model.generate(prompt, max_new_tokens=16, do_sample=False)
+            runs = [assisted_or_refused(model, prompt, prompt_lookup_num_tokens=n) for n in (1, 2, 4)]
+            runs.append(assisted_or_refused(model, prompt, assistant_model=draft))
+            runs.append(assisted_or_refused(model, prompt, assistant_model=draft_stock))
+            for got in runs:
+                if RECORDS_PAST:
+                    assert torch.equal(got, plain), (prompt.shape, got.tolist(), plain.tolist())
+        # The KDA-only patch computes the stock model (up to FP32 rounding): plain stock tokens.
+        assert torch.equal(kda_only.generate(prompt, max_new_tokens=16, do_sample=False),
+                           stock.generate(prompt, max_new_tokens=16, do_sample=False))
+    if RECORDS_PAST:  # the verify steps ran on k3, in the target and in the patched assistant
+        for r in (rec_kda, rec, rec_draft):
+            assert all(lr.calls["verify"] > 0 and lr.calls["commit"] > 0 for _, lr in r.kda), [lr.calls for _, lr in r.kda]
+    k3.hf.unpatch(full)
+    assert full.generate(torch.tensor([[1, 5, 9]]), max_new_tokens=4, do_sample=False).shape == (1, 7)
+
+
+def kda_state(cache, layer=0):
+    return cache.get_recurrent_state(layer).clone()
+
+
+def recording_cache(model, prompt, keep):
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.model(input_ids=prompt, use_cache=True, **cache_kw(cache))
+    cache.activate_past_recording(recurrent_states_to_keep=keep)
+    return cache
+
+
+@pytest.mark.skipif(not RECORDS_PAST, reason="transformers < 5.25 has no rollback (cache.crop) for linear attention")
+def test_a_rolled_back_verify_leaves_the_state_of_the_accepted_tokens_bit_for_bit(monkeypatch):
+    """The layer-level contract under generate: after forwards of T drafts and cache.crop(-n), the
+    KDA state is bit-identical to k3's decode run token by token on the T - n accepted tokens from
+    the state before the drafts, and every verified output to that decode's output. For every n,
+    for the drafts in one forward or spread over several before one crop (as an assistant model
+    drafts), and for a forward longer than k3's window. (The inputs are captured at the KDA core:
+    torch's own projections give other bits for another number of rows.)"""
+    model = build(tiny_config())
+    k3.hf.patch(model, recipe="w4a16", keep_original=True)
+    prompt = torch.tensor([[1, 5, 9, 12, 5, 9, 7]])
+    drafts = torch.tensor([[11, 23, 35, 47, 59, 61]])
+    seen = []
+    real = k3.hf._verify
+
+    def spy(rec, state, q, k, v, g, beta):
+        o, window = real(rec, state, q, k, v, g, beta)
+        if rec.index == 0:
+            seen.append((state.clone(), [x.clone() for x in (q, k, v, g, beta)], o.clone()))
+        return o, window
+
+    monkeypatch.setattr(k3.hf, "_verify", spy)
+
+    def decode(state, inputs, tokens):
+        """k3's decode, one token at a time, from state; returns (state, outputs [1, tokens, H, V])."""
+        pool, outs = state.clone(), []
+        for i in range(tokens):
+            q, k, v, g, beta = (x[:, i:i + 1] for x in inputs)
+            o, _ = k3.fla.fused_recurrent_kda(q, k, v, g, beta, initial_state=pool,
+                                              ssm_state_indices=torch.zeros(1, dtype=torch.int32),
+                                              use_qk_l2norm_in_kernel=True)
+            outs.append(o.to(torch.float32))
+        return pool, torch.cat(outs, dim=1) if outs else None
+
+    def check(pieces, remove):
+        seen.clear()
+        cache = recording_cache(model, prompt, keep=6)
+        start = kda_state(cache)
+        with torch.no_grad():
+            for piece in pieces:
+                model.model(input_ids=piece, use_cache=True, **cache_kw(cache))
+        cache.crop(-remove)
+        inputs = [torch.cat([c[1][i] for c in seen], dim=1) for i in range(5)]
+        t = inputs[0].shape[1]
+        want, outs = decode(start, inputs, t)
+        assert torch.equal(torch.cat([c[2] for c in seen], dim=1), outs), "verify outputs != decode outputs"
+        got = kda_state(cache)
+        assert torch.equal(got, decode(start, inputs, t - remove)[0]), (remove, len(pieces))
+        return got
+
+    for n in range(0, 7):
+        for pieces in ([drafts], [drafts[:, :2], drafts[:, 2:3], drafts[:, 3:]], [drafts[:, i:i + 1] for i in range(6)]):
+            check(pieces, n)
+    # The comparison can fail: one more rejected token gives another state.
+    assert not torch.equal(check([drafts], 2), check([drafts], 3))
+
+    # Rolling back more than was verified since the last crop is refused by name, and nothing is
+    # lost: a valid crop then works.
+    cache = recording_cache(model, prompt, keep=6)
+    with torch.no_grad():
+        model.model(input_ids=drafts[:, :3], use_cache=True, **cache_kw(cache))
+    with pytest.raises(ValueError, match=r"crop\(-4\) rolls back 4 tokens of KDA layer 0, which keeps only its last 3"):
+        cache.crop(-4)
+    cache.crop(-3)
+    assert torch.equal(kda_state(cache), seen[-1][0])  # all three rejected: the state before them
+
+    # A forward longer than k3's window (the first verify step's prompt): its head is prefilled,
+    # its last MAX_DRAFT_TOKENS tokens can be rolled back, one more cannot.
+    w = k3.hf.MAX_DRAFT_TOKENS
+    seen.clear()
+    cache = recording_cache(model, prompt, keep=6)
+    with torch.no_grad():
+        model.model(input_ids=torch.arange(3, 3 + w + 10).view(1, -1), use_cache=True, **cache_kw(cache))
+    assert seen[0][1][0].shape[1] == w
+    with pytest.raises(ValueError, match=f"keeps only its last {w} verified tokens"):
+        cache.crop(-(w + 1))
+    cache.crop(-w)
+    assert torch.equal(kda_state(cache), seen[0][0])  # the prefilled head only
