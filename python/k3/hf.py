@@ -246,11 +246,80 @@ def _wrap_kda_forward(layer, rec):
                     and cache.is_recording_past(layer.layer_idx) and not _needs_grad(hidden)):
                 mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
                 return _speculative_forward(layer, rec, hidden, cache, mask)
+            if _decode_fast_path(layer, cache, hidden):
+                mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+                return _decode_forward(layer, rec, hidden, cache, mask)
             return stock(*args, **kwargs)
         finally:
             _tls.kda = saved
 
     layer.forward = forward
+
+
+# ---- single-token decode: the layer step without the module function's glue -----------------
+#
+# With transformers >= 5.25's cache API a KDA layer's decode step runs here: the stock modules for
+# the projections, the forget gate, beta and the output norm (so the numbers are those of the
+# stock step, bit for bit), k3's conv update, and k3's decode called directly on the cache's state
+# in place (no module function, no fla-signature checks, no dispatcher, no state copy-back).
+
+
+def _decode_fast_path(mod, cache, hidden):
+    if (cache is None or hidden is None or hidden.dim() != 3 or hidden.shape[1] != 1 or _needs_grad(hidden)
+            or hidden.dtype not in (torch.bfloat16, torch.float32) or not hasattr(cache, "get_conv_state")
+            or not hasattr(cache, "get_recurrent_states_to_keep") or cache.is_recording_past(mod.layer_idx)
+            or "causal_conv1d_update" not in _installed):
+        return False
+    conv = cache.get_conv_state(mod.layer_idx)
+    state = cache.get_recurrent_state(mod.layer_idx)
+    return (conv is not None and state is not None and state.dtype == torch.float32 and state.is_contiguous()
+            and tuple(state.shape) == (hidden.shape[0], mod.num_heads, mod.head_dim, mod.head_dim))
+
+
+def _decode_cfg(mod, rec):
+    cfg = getattr(rec, "decode_cfg", None)
+    if cfg is None:
+        d = mod.head_dim
+        cfg = rec.decode_cfg = _k3_native.kda_config(mod.num_heads, d, d, "log_decay", -5.0, False, True, 0.0,
+                                                     "k_first")
+    return cfg
+
+
+def _bits(t):
+    """q / k / v for k3: bfloat16 as its uint16 bits, float32 as is (contiguous numpy views)."""
+    t = t.contiguous()
+    return _np(t.view(torch.uint16) if t.dtype == torch.bfloat16 else t)
+
+
+def _decode_forward(mod, rec, hidden_states, cache, attention_mask):
+    m = _modeling()
+    idx = mod.layer_idx
+    hs = m.apply_mask_to_padding_states(hidden_states, attention_mask)
+    b = hs.shape[0]
+    h, d = mod.num_heads, mod.head_dim
+    mixed = torch.cat([mod.q_proj(hs), mod.k_proj(hs), mod.v_proj(hs)], dim=-1).transpose(1, 2)
+    mixed = m.causal_conv1d_forward(mod.conv1d, mixed, cache, idx, activation=mod.activation)  # k3's conv update
+    qkv = mixed.transpose(1, 2).reshape(b, 3, h, d)
+    g = mod.forget_gate(hs).reshape(b, h, d).to(torch.float32).contiguous()  # the log decay, as stock
+    beta = torch.sigmoid(mod.b_proj(hs)).reshape(b, h).to(torch.float32).contiguous()
+    o = torch.empty((b, h, d), dtype=torch.float32)
+    _k3_native.kda_decode(_decode_cfg(mod, rec), _bits(qkv[:, 0]), _bits(qkv[:, 1]), _bits(qkv[:, 2]), _np(g),
+                          _np(beta), None, None, _np(cache.get_recurrent_state(idx)), _decode_slots(b), "cpu",
+                          rec.threads or torch.get_num_threads(), rec.isa, _np(o))
+    rec.calls["decode"] += 1
+    core = o.view(b, 1, h, d).to(hs.dtype)
+    gate = mod.g_b_proj(mod.g_a_proj(hs)).view(b, 1, h, d)
+    return mod.o_proj(mod.o_norm(core, gate).reshape(b, 1, -1))
+
+
+_slots_cache = {}
+
+
+def _decode_slots(b):
+    r = _slots_cache.get(b)
+    if r is None:
+        r = _slots_cache[b] = np.arange(b, dtype=np.int32)
+    return r
 
 
 # ---- speculative decoding: verify the drafts, commit the accepted prefix at the rollback -----

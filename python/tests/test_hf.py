@@ -930,3 +930,38 @@ def test_a_rolled_back_verify_leaves_the_state_of_the_accepted_tokens_bit_for_bi
         cache.crop(-(w + 1))
     cache.crop(-w)
     assert torch.equal(kda_state(cache), seen[0][0])  # the prefilled head only
+
+
+@pytest.mark.skipif(not RECORDS_PAST, reason="the decode fast path needs transformers >= 5.25's cache API")
+def test_the_decode_step_fast_path_is_the_stock_step_bit_for_bit(monkeypatch):
+    """A patched KDA layer's single-token decode runs k3's conv update and decode directly on the
+    cache (transformers >= 5.25), without the module function's glue: the output, recurrent state
+    and conv state must be those of the patched layer's stock forward, bit for bit, at batch 1
+    and 2, step after step; and generate must take it."""
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build(tiny_config(), dtype=dtype)
+        k3.hf.patch(model, recipe="w4a16", keep_original=True)
+        mod, rec = model._k3_patch.kda[0]
+        for b in (1, 2):
+            torch.manual_seed(b)
+            with torch.no_grad():
+                cache = transformers.DynamicCache(config=model.config)
+                model.model(input_ids=torch.tensor([[3, 4, 5, 6, 7, 8]] * b), use_cache=True, **cache_kw(cache))
+                for step in range(6):
+                    hs = torch.randn(b, 1, 64).to(dtype)
+                    other = copy.deepcopy(cache)
+                    before = rec.calls["decode"]
+                    got = mod(hidden_states=hs, cache=cache)
+                    assert rec.calls["decode"] == before + 1
+                    monkeypatch.setattr(k3.hf, "_decode_fast_path", lambda *a: False)
+                    want = mod(hidden_states=hs, cache=other)
+                    monkeypatch.undo()
+                    assert torch.equal(got, want), (dtype, b, step)
+                    assert torch.equal(cache.get_recurrent_state(0), other.get_recurrent_state(0))
+                    assert torch.equal(cache.get_conv_state(0), other.get_conv_state(0))
+                    assert int(cache.get_seq_length(0)) == int(other.get_seq_length(0))
+    taken = []
+    real = k3.hf._decode_forward
+    monkeypatch.setattr(k3.hf, "_decode_forward", lambda *a: taken.append(1) or real(*a))
+    model.generate(torch.tensor([[1, 5, 9]]), max_new_tokens=4, do_sample=False)
+    assert len(taken) == 3 * 2  # 3 decode steps (the first token comes from the prefill) x 2 KDA layers
