@@ -71,7 +71,7 @@ build() {
   local info
   info="$("$bdir/k3" info 2>&1)" || build_fail "k3 info failed: $info"
   local path
-  for path in "decode," "decode-splitk" "prefill," "prefill-sm90 (CUTLASS"; do
+  for path in "decode-splitk" "prefill," "prefill-sm90 (CUTLASS"; do
     grep -q -- "$path" <<<"$info" || build_fail "k3 info does not list the MoE path '$path': $(grep 'moe paths' <<<"$info")"
   done
   mkdir -p "$carry/tests" "$carry/lib" "$carry/wheels"

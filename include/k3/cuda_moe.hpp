@@ -22,12 +22,12 @@
 namespace k3::cuda {
 
 
-// The bounded list of kernel instances (a fixed, small list keeps CI builds short).
+// The bounded list of kernel instances (a fixed, small list keeps CI builds short): the canonical
+// paths, one weight layout each (docs/cuda_moe.md). NONE HAS RUN ON A GPU.
 enum class MoePath : uint8_t {
-  kDecode,   // few rows per expert: tile 16 rows, weights streamed once per active expert
-  kPrefill,  // many rows per expert: tile 64 rows
-  // few rows per expert, the automatic decode choice: swap AB (weights = M operand, tokens = N),
-  // split-K over kSplitKWarps warps per CTA, weights in a fragment-native prepacked layout
+  kPrefill,  // many rows per expert: mma.sync BF16 tiles of 64 rows, the checkpoint weight layout
+  // few rows per expert, the decode choice: swap AB (weights = M operand, tokens = N), split-K over
+  // kSplitKWarps warps per CTA, weights in a fragment-native prepacked layout
   // (src/cuda/moe/moe_pack.hpp). NEVER RUN ON A GPU.
   kDecodeSplitK,
   // many rows per expert on sm_90: CUTLASS wgmma/TMA grouped mixed-input GEMMs (E4M3 weights with
@@ -49,7 +49,7 @@ Result<MoePath> moe_path_from_name(const std::string& name);
 // DeviceCaps::has_sm90_grouped. False in builds without CUDA.
 bool has_sm90_grouped_gemm();
 
-// The plan runs the decode path while the expected rows per local expert are at most this.
+// The plan runs decode-splitk while the expected rows per local expert are at most this.
 inline constexpr double kDecodeMaxRowsPerExpert = 16.0;
 // kDecodeSplitK's CTA: kSplitKWarps warps split the reduction of kSplitKRows weight rows (4 m-tiles
 // of 16; FC1: 32 intermediate columns, gate and up) x 16 token rows (2 n-tiles of 8).
@@ -66,12 +66,12 @@ inline constexpr int64_t kSm90CutlassWorkspaceFixed = 8192;
 struct MoePlan {
   MoeProblem problem;
   int64_t max_tokens = 0; // the largest M a run may use (graph capture size)
-  MoePath path = MoePath::kDecode;
+  MoePath path = MoePath::kDecodeSplitK;
   bool path_forced = false; // MoeOptions::path chose it, not the expected rows per local expert
   // max_tokens * top_k / num_experts: the rows each local expert receives under uniform routing
-  // (EP-aware: a rank gets only its experts' slots). The path is decode up to kDecodeMaxRowsPerExpert.
+  // (EP-aware: a rank gets only its experts' slots). The path is decode-splitk up to kDecodeMaxRowsPerExpert.
   double expected_rows_per_local_expert = 0;
-  int block_m = 16;       // token rows per GEMM tile (expert segments are padded to it)
+  int block_m = 16;       // token rows per GEMM tile (expert segments are padded to it): 16 decode-splitk, 64 the others
   int block_n = 32;       // output columns per tile: 32 or 64 (must divide N for FC1 and K for FC2)
   int block_k = 32;       // one MX block per k step
   int64_t max_slots = 0;  // max_tokens * top_k
@@ -88,12 +88,6 @@ struct MoePlan {
   int64_t ws_y = 0;              // [max_tiles * block_m, K] FP32: FC2 output per permuted row
   int64_t ws_status = 0;         // [1] int32: error bits set by kernels: 1 = an x block (W4A8) and 2 = an activation
                                  // block (W4A8) has values BF16 holds only as subnormals or not at all
-  // sm_120a native block-scaled W4A8 path only (MoeOptions::sm120_native_w4a8), else 0:
-  bool sm120_native = false;
-  int64_t ws_x_codes = 0;        // [max_tokens, K] E4M3 codes of x
-  int64_t ws_x_scales = 0;       // [max_tokens, K/32] UE8M0
-  int64_t ws_act_codes = 0;      // [max_tiles * block_m, N] E4M3 codes of the activation output
-  int64_t ws_act_scales = 0;     // [max_tiles * block_m, N/32] UE8M0
   // prefill-sm90 only (path == kPrefillSm90), else 0:
   int sm_count = 0;              // the persistent GEMM grid (the planned device's SMs)
   int64_t ws_xg = 0;             // [max_tiles * block_m, K] BF16: x_bf16 rows gathered into expert order
@@ -118,10 +112,6 @@ struct MoeOptions {
   // The device to plan for: device_caps(ordinal) on a machine with the device, or written by hand
   // to plan for another one (tests, cross-planning). Required: an empty one is an error.
   DeviceCaps device;
-  // W4A8 on sm_120's native block-scaled MMA (mma.sync kind::mxf8f6f4.block_scale). NEVER RUN ON
-  // HARDWARE: off by default until it has passed `k3 validate` on an sm_120 GPU.
-  // CLI / run_host: environment variable K3_CUDA_SM120_NATIVE=1.
-  bool sm120_native_w4a8 = false;
   // Force a path instead of the plan's choice from the expected rows per local expert (tests, the
   // device check, comparisons). CLI / run_host: environment variable K3_CUDA_MOE_PATH=<name>.
   std::optional<MoePath> path = std::nullopt;

@@ -153,15 +153,15 @@ class CudaMoe:
     ``path`` forces a kernel path by name instead of the plan's choice from the expected rows per
     local expert (``plan`` prints the choice; an unknown name raises ValueError listing the names)."""
 
-    def __init__(self, p, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=8192, device=0, sm120_native_w4a8=False,
-                 caps=None, path=None):
+    def __init__(self, p, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=8192, device=0, caps=None,
+                 path=None):
         self.problem = p
         self.device = int(device)
         _k3.cuda_require()  # the build-without-CUDA message before anything else
         w = [host_view(a) for a in (fc1_q, fc1_scale, fc2_q, fc2_scale)]
         _check_weights(p, *w)
         self._native = _prepare_on(self.device, lambda: _k3.cuda_moe_prepare(
-            p.native, max_tokens, self.device, sm120_native_w4a8, path, caps, *w))
+            p.native, max_tokens, self.device, path, caps, *w))
 
     @property
     def plan(self):

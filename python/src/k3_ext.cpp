@@ -799,15 +799,14 @@ struct CudaMoe {
 
 // Plans for `device` and uploads the host weights (checkpoint layout) to the CURRENT CUDA device:
 // the Python layer makes `device` current first. Synchronous (copies), not for graph capture.
-CudaMoe* cuda_moe_prepare(const k3::MoeProblem& p, int64_t max_tokens, int device, bool sm120_native,
-                          std::optional<std::string> path, std::optional<nb::dict> caps, In<uint8_t> fc1_q,
-                          In<uint8_t> fc1_scale, In<uint8_t> fc2_q, In<uint8_t> fc2_scale) {
+CudaMoe* cuda_moe_prepare(const k3::MoeProblem& p, int64_t max_tokens, int device, std::optional<std::string> path,
+                          std::optional<nb::dict> caps, In<uint8_t> fc1_q, In<uint8_t> fc1_scale, In<uint8_t> fc2_q,
+                          In<uint8_t> fc2_scale) {
   require_cuda();
   k3::cuda::MoeOptions o;
   o.max_tokens = max_tokens;
   if (path) o.path = value(k3::cuda::moe_path_from_name(*path));  // before the device: a bad name is a ValueError
   o.device = caps_of(device, caps);
-  o.sm120_native_w4a8 = sm120_native;
   auto plan = value(k3::cuda::plan(p, o));
   const MoeWeights w{fc1_q, fc1_scale, fc2_q, fc2_scale};
   std::optional<k3::Result<k3::cuda::DeviceWeights>> packed;
@@ -1050,7 +1049,7 @@ NB_MODULE(_k3, m) {
       .def("run", &cuda_moe_run, "x"_a.noconvert(), "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "out"_a.noconvert(), "m_device"_a.noconvert(), "workspace"_a.noconvert(),
            "stream"_a);
   m.def("cuda_moe_prepare", &cuda_moe_prepare, nb::rv_policy::take_ownership, "problem"_a, "max_tokens"_a,
-        "device"_a, "sm120_native_w4a8"_a, "path"_a.none(), "caps"_a.none(), "fc1_q"_a.noconvert(), "fc1_scale"_a.noconvert(), "fc2_q"_a.noconvert(), "fc2_scale"_a.noconvert());
+        "device"_a, "path"_a.none(), "caps"_a.none(), "fc1_q"_a.noconvert(), "fc1_scale"_a.noconvert(), "fc2_q"_a.noconvert(), "fc2_scale"_a.noconvert());
   m.def("cuda_route", &cuda_route, "logits"_a.noconvert(), "bias"_a.noconvert().none(), "m_device"_a.noconvert(), "num_experts"_a, "top_k"_a,
         "n_group"_a, "topk_group"_a, "renormalize"_a, "routed_scaling_factor"_a, "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(),
         "stream"_a);

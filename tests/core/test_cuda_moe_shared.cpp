@@ -272,10 +272,9 @@ TEST(CudaMoeShared, LaunchGridsStayWithinLimitsUpToTheLargestPlan) {
   const S shapes[] = {{896, 32, 16, 3584, 3072}, {4096, 1, 32, 64, 32}, {32, 32, 1, 96, 160}, {4096, 4096, 32, 32, 64}};
   for (const auto& sh : shapes) {
     for (int64_t max_m : {int64_t{1}, int64_t{16}, int64_t{4096}, int64_t{65535}, int64_t{65536}}) {
-    // The plan's own choice, and the mma.sync paths forced onto every size (more row tiles than
-    // gridDim.y allows: their kernels grid-stride over the tiles).
-    for (const std::optional<MoePath> forced : {std::optional<MoePath>{}, std::optional<MoePath>{MoePath::kDecode},
-                                                std::optional<MoePath>{MoePath::kPrefill}}) {
+    // The plan's own choice, and the mma.sync prefill path forced onto every size (more row tiles
+    // than gridDim.y allows: its kernels grid-stride over the tiles).
+    for (const std::optional<MoePath> forced : {std::optional<MoePath>{}, std::optional<MoePath>{MoePath::kPrefill}}) {
       MoeProblem p;
       p.shape = {sh.k, sh.n, sh.e, sh.top_k, sh.ep, 0};
       MoeOptions o{.max_tokens = max_m, .device = h200()};

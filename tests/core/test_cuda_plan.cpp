@@ -50,14 +50,14 @@ TEST(CudaMoePlan, ForcedPathOverridesTheChoice) {
   ASSERT_TRUE(a.is_ok());
   EXPECT_FALSE(a->path_forced);
   EXPECT_EQ(a->describe().find("forced"), std::string::npos) << a->describe();
-  for (MoePath path : {MoePath::kDecode, MoePath::kPrefill, MoePath::kDecodeSplitK}) {
+  for (MoePath path : {MoePath::kPrefill, MoePath::kDecodeSplitK, MoePath::kPrefillSm90, MoePath::kW4a8Sm120Cutlass}) {
     auto back = moe_path_from_name(moe_path_name(path));
     ASSERT_TRUE(back.is_ok());
     EXPECT_EQ(back.value(), path);
   }
   auto bad = moe_path_from_name("fast");
   ASSERT_FALSE(bad.is_ok());
-  EXPECT_NE(bad.status().message().find("'fast' is not one of decode, prefill, decode-splitk"), std::string::npos)
+  EXPECT_NE(bad.status().message().find("'fast' is not one of prefill, decode-splitk, prefill-sm90, w4a8-sm120-cutlass"), std::string::npos)
       << bad.status().message();
 }
 
@@ -98,14 +98,10 @@ TEST(CudaMoePlan, DecodeSplitKGeometryAndDescribe) {
   EXPECT_NE(s.find("path decode-splitk"), std::string::npos) << s;
   EXPECT_NE(s.find("K split over 8 warps"), std::string::npos) << s;
   EXPECT_NE(s.find("16 token rows (2 n-tiles of 8) x 64 weight rows"), std::string::npos) << s;
-  MoeOptions o{.max_tokens = 64, .device = h200()};
-  o.path = MoePath::kDecode;
-  auto old = cuda::plan(kimi_rank7(), o);
-  ASSERT_TRUE(old.is_ok());
-  EXPECT_EQ(old->path, MoePath::kDecode);
-  EXPECT_EQ(old->block_m, 16);
-  EXPECT_EQ(old->splitk_warps, 0);
-  EXPECT_EQ(old->describe().find("split-K"), std::string::npos);
+  // The old forced-only "decode" path (mma.sync tiles of 16 rows) is gone: one decode path.
+  auto gone = moe_path_from_name("decode");
+  ASSERT_FALSE(gone.is_ok());
+  EXPECT_NE(gone.status().message().find("'decode' is not one of"), std::string::npos) << gone.status().message();
   // Odd shapes (K, N multiples of 32, not of 64) plan too; FC2's last row group is half full.
   MoeProblem odd;
   odd.shape.hidden = 96;
@@ -180,27 +176,23 @@ TEST(CudaMoePlan, MissingCapabilitiesNameTheFixAndTheAlternative) {
 namespace k3::cuda {
 namespace {
 
-TEST(CudaMoePlan, Sm120NativePathIsOptInAndChecked) {
+// sm_120 plans the same canonical paths as sm_90 (decode-splitk, prefill); its block-scaled W4A8
+// GEMM (w4a8-sm120-cutlass) is taken only when forced. There is no other sm_120 W4A8 option.
+TEST(CudaMoePlan, Sm120PlansTheCanonicalPaths) {
   MoeProblem p;
-  DeviceCaps h = h200();
-  auto r = cuda::plan(p, {.max_tokens = 8, .device = h, .sm120_native_w4a8 = true});
-  ASSERT_FALSE(r.is_ok());
-  EXPECT_NE(r.status().message().find("needs an sm_120 device"), std::string::npos) << r.status().message();
-
-  DeviceCaps rtx = h;
+  DeviceCaps rtx = h200();
   rtx.name = "NVIDIA RTX PRO 6000 Blackwell";
   rtx.cc_major = 12;
   rtx.smem_per_block_optin = 99 * 1024;
-  auto off = cuda::plan(p, {.max_tokens = 8, .device = rtx});
-  ASSERT_TRUE(off.is_ok());
-  EXPECT_FALSE(off->sm120_native);  // default: the BF16 mma.sync path
-  auto on = cuda::plan(p, {.max_tokens = 8, .device = rtx, .sm120_native_w4a8 = true});
-  ASSERT_TRUE(on.is_ok()) << on.status().to_string();
-  EXPECT_TRUE(on->sm120_native);
-  EXPECT_GT(on->ws_act_scales, on->ws_act_codes);
-  EXPECT_NE(on->describe().find("UNVERIFIED"), std::string::npos);
-  p.recipe = Recipe::kW4A16;
-  EXPECT_NE(cuda::plan(p, {.max_tokens = 8, .device = rtx, .sm120_native_w4a8 = true}).status().message().find("w4a8 recipe only"), std::string::npos);
+  rtx.compiled_archs = {90, 120};
+  rtx.has_sm120_blockscaled = true;
+  for (const auto& [max_tokens, want] : {std::pair{8, MoePath::kDecodeSplitK}, std::pair{8192, MoePath::kPrefill}}) {
+    auto r = cuda::plan(p, {.max_tokens = max_tokens, .device = rtx});
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    EXPECT_EQ(r->path, want) << max_tokens;
+    EXPECT_EQ(r->block_m, want == MoePath::kDecodeSplitK ? 16 : 64);
+    EXPECT_EQ(r->describe().find("UNVERIFIED"), std::string::npos) << r->describe();  // no opt-in native MMA path
+  }
 }
 
 // w4a8-sm120-cutlass (CUTLASS sm_120a block-scaled GEMMs) is forced only, and every condition it
@@ -246,9 +238,6 @@ TEST(CudaMoePlan, W4a8Sm120CutlassIsForcedOnlyAndChecked) {
   MoeProblem k96 = p;
   k96.shape.hidden = 96;
   refused(k96, o, "K and N multiples of 128 (CUTLASS's scale-factor atoms); K = 96, N = 3072");
-  MoeOptions both = o;
-  both.sm120_native_w4a8 = true;
-  refused(p, both, "exclude each other");
   MoeOptions no_sms = o;
   no_sms.device.sm_count = 0;
   refused(p, no_sms, "sm_count = 0 must be >= 1");

@@ -194,7 +194,7 @@ TEST(CudaMoeGraphLayout, WeightsPrepackedForAnotherLayoutAreRefused) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, CudaMoeGraph,
-                         ::testing::Values(cuda::MoePath::kDecode, cuda::MoePath::kDecodeSplitK, cuda::MoePath::kPrefill,
+                         ::testing::Values(cuda::MoePath::kDecodeSplitK, cuda::MoePath::kPrefill,
                                            cuda::MoePath::kPrefillSm90),
                          [](const ::testing::TestParamInfo<cuda::MoePath>& param_info) {
                            std::string name = cuda::moe_path_name(param_info.param);

@@ -31,7 +31,7 @@ TEST(Cli, InfoJsonHasTheFacts) {
     }
     // The MoE paths of the build, prefill-sm90 present exactly when its CUTLASS GEMM was built.
     const std::string paths = j["cuda"]["moe_paths"].get<std::string>();
-    EXPECT_NE(paths.find("decode-splitk"), std::string::npos) << paths;
+    EXPECT_EQ(paths.rfind("decode-splitk (auto", 0), 0u) << paths;  // the one decode path (no forced-only "decode")
     EXPECT_NE(paths.find("never run on a GPU"), std::string::npos) << paths;
     EXPECT_EQ(paths.find("prefill-sm90 (CUTLASS") != std::string::npos, k3::cuda::has_sm90_grouped_gemm()) << paths;
     EXPECT_EQ(paths.find("w4a8-sm120-cutlass") != std::string::npos, k3::cuda::has_sm120_blockscaled_gemm()) << paths;

@@ -33,7 +33,7 @@ nlohmann::json info_json() {
         "compiled, never run on a GPU (recurrent prefill / decode / verify, opt-in chunked prefill, conv1d, "
         "RMSNorm): unverified until scripts/device-check.sh passes";
     // The MoE kernel paths in this build (the plan picks one; K3_CUDA_MOE_PATH forces one).
-    std::string paths = "decode, decode-splitk (auto up to 16 rows per local expert), prefill";
+    std::string paths = "decode-splitk (auto up to 16 rows per local expert), prefill";
     paths += cuda::has_sm90_grouped_gemm() ? ", prefill-sm90 (CUTLASS sm_90a; auto above 16 rows on sm_90)"
                                            : "; prefill-sm90 not built (needs the CUTLASS headers: scripts/setup.sh)";
     if (cuda::has_sm120_blockscaled_gemm()) paths += ", w4a8-sm120-cutlass (CUTLASS sm_120a; forced only)";

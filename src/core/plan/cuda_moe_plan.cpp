@@ -10,13 +10,12 @@
 namespace k3::cuda {
 
 namespace {
-constexpr MoePath kAllPaths[] = {MoePath::kDecode, MoePath::kPrefill, MoePath::kDecodeSplitK, MoePath::kPrefillSm90,
+constexpr MoePath kAllPaths[] = {MoePath::kPrefill, MoePath::kDecodeSplitK, MoePath::kPrefillSm90,
                                   MoePath::kW4a8Sm120Cutlass};
 }  // namespace
 
 const char* moe_path_name(MoePath p) {
   switch (p) {
-    case MoePath::kDecode: return "decode";
     case MoePath::kPrefill: return "prefill";
     case MoePath::kDecodeSplitK: return "decode-splitk";
     case MoePath::kPrefillSm90: return "prefill-sm90";
@@ -52,12 +51,12 @@ std::string MoePlan::describe() const {
      << out_dtype_name(problem.out_dtype) << ", K " << problem.shape.hidden << ", N " << problem.shape.intermediate
      << ", E_local " << problem.shape.local_experts() << " of " << problem.shape.num_experts << ", top-"
      << problem.shape.top_k << "\n"
-     << "  path " << moe_path_name(path) << (path_forced ? " (forced by the options)" : "") << (sm120_native ? " (sm_120 native block-scaled MMA, UNVERIFIED)" : "")
+     << "  path " << moe_path_name(path) << (path_forced ? " (forced by the options)" : "")
      << " (expected " << expected_rows_per_local_expert << " rows per local expert = max_tokens x top-"
      << problem.shape.top_k << " / " << problem.shape.num_experts << " experts, uniform routing; decode up to "
      << kDecodeMaxRowsPerExpert << ")" << ": tile " << block_m << "x" << block_n << "x" << block_k << ", max_tokens "
      << max_tokens << ", max_slots " << max_slots << ", max_tiles " << max_tiles << ", smem " << smem_bytes << " B\n";
-  if (path == MoePath::kDecodeSplitK && !sm120_native) {
+  if (path == MoePath::kDecodeSplitK) {
     os << "  split-K: swap AB, " << block_m << " token rows (2 n-tiles of 8) x " << splitk_rows
        << " weight rows per CTA (FC1: gate + up of " << splitk_rows / 2 << " columns), K split over " << splitk_warps
        << " warps in 128-wide pairs, reduced in warp order; FC1 " << splitk_fc1_ctas << " CTAs, FC2 "
@@ -99,16 +98,6 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
                        " only; rebuild with -DK3_CUDA_ARCHS including " + std::to_string(arch) +
                        "a, or run the layer with --backend cpu");
   }
-  if (options.sm120_native_w4a8) {
-    if (arch != 120) {
-      return unsupported("the native block-scaled W4A8 path (sm120_native_w4a8) needs an sm_120 device; '" +
-                         caps.name + "' is sm_" + std::to_string(arch));
-    }
-    if (problem.recipe != Recipe::kW4A8) {
-      return unsupported(std::string("the native block-scaled path (sm120_native_w4a8) runs the w4a8 recipe only, not ") +
-                         recipe_name(problem.recipe));
-    }
-  }
   const int64_t k = problem.shape.hidden, n = problem.shape.intermediate;
   const int e_local = problem.shape.local_experts();
   MoePlan plan;
@@ -121,9 +110,9 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
   // rows) wins while tiles of 64 rows would mostly hold padding.
   plan.expected_rows_per_local_expert =
       static_cast<double>(plan.max_slots) / static_cast<double>(problem.shape.num_experts);
-  // prefill-sm90 where the device is sm_90 and the build has the CUTLASS GEMM (and the sm_120
-  // native option is off); otherwise the mma.sync prefill path.
-  const bool sm90_ok = arch == 90 && caps.has_sm90_grouped && !options.sm120_native_w4a8;
+  // prefill-sm90 where the device is sm_90 and the build has the CUTLASS GEMM; otherwise the
+  // mma.sync prefill path.
+  const bool sm90_ok = arch == 90 && caps.has_sm90_grouped;
   plan.path = plan.expected_rows_per_local_expert <= kDecodeMaxRowsPerExpert
                   ? MoePath::kDecodeSplitK
                   : (sm90_ok ? MoePath::kPrefillSm90 : MoePath::kPrefill);
@@ -137,9 +126,6 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
     if (!caps.has_sm90_grouped) {
       return unsupported("the prefill-sm90 path is not in this build (the CUTLASS headers were missing when k3 was "
                          "built); rebuild after scripts/setup.sh fetched CUTLASS, or use path prefill");
-    }
-    if (options.sm120_native_w4a8) {
-      return unsupported("prefill-sm90 and sm120_native_w4a8 exclude each other");
     }
     if (caps.sm_count < 1) {
       return invalid_argument("options.device.sm_count = " + std::to_string(caps.sm_count) +
@@ -163,26 +149,20 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
       return unsupported("the w4a8-sm120-cutlass path needs K and N multiples of 128 (CUTLASS's scale-factor atoms); "
                          "K = " + std::to_string(k) + ", N = " + std::to_string(n));
     }
-    if (options.sm120_native_w4a8) {
-      return unsupported("w4a8-sm120-cutlass and sm120_native_w4a8 exclude each other");
-    }
     if (caps.sm_count < 1) {
       return invalid_argument("options.device.sm_count = " + std::to_string(caps.sm_count) +
                               " must be >= 1 for w4a8-sm120-cutlass (its persistent grid)");
     }
     plan.sm_count = caps.sm_count;
   }
-  plan.block_m = plan.path == MoePath::kPrefill || plan.path == MoePath::kPrefillSm90 ||
-                         plan.path == MoePath::kW4a8Sm120Cutlass
-                     ? 64
-                     : 16;
+  plan.block_m = plan.path == MoePath::kDecodeSplitK ? 16 : 64;
   // block_n must divide N (FC1 output columns per half) and K (FC2 output columns).
   plan.block_n = (n % 64 == 0 && k % 64 == 0) ? 64 : 32;
   plan.block_k = kMxBlock;
   plan.max_tiles = (plan.max_slots + static_cast<int64_t>(e_local) * (plan.block_m - 1) + plan.block_m - 1) / plan.block_m;
   // Shared memory: the A tile [block_m, block_k + 8] BF16 (rows padded by 16 bytes against bank conflicts).
   plan.smem_bytes = int64_t{plan.block_m} * (plan.block_k + 8) * 2;
-  if (plan.path == MoePath::kDecodeSplitK && !options.sm120_native_w4a8) {  // (the native path runs its own kernels)
+  if (plan.path == MoePath::kDecodeSplitK) {
     // Swap AB, split-K (src/cuda/moe/moe_gemm_splitk.cu): the warps' FP32 partial accumulators,
     // [warps][4 m-tiles x 2 n-tiles x 4][32 lanes], static shared memory.
     plan.splitk_warps = kSplitKWarps;
@@ -213,13 +193,6 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
   plan.ws_act = take(rows * n * 2);
   plan.ws_y = take(rows * k * 4);
   plan.ws_status = take(4);
-  if (options.sm120_native_w4a8) {
-    plan.sm120_native = true;
-    plan.ws_x_codes = take(max_m * k);
-    plan.ws_x_scales = take(max_m * k / kMxBlock);
-    plan.ws_act_codes = take(rows * n);
-    plan.ws_act_scales = take(rows * n / kMxBlock);
-  }
   if (plan.path == MoePath::kPrefillSm90) {
     plan.sm_count = caps.sm_count;
     plan.ws_xg = take(rows * k * 2);

@@ -143,7 +143,7 @@ Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w) {
   K3_RETURN_IF_ERROR(check_exact(w.fc1_q, w.fc1_scale, e * 2 * n, k, "fc1"));
   K3_RETURN_IF_ERROR(check_exact(w.fc2_q, w.fc2_scale, e * k, n, "fc2"));
   auto impl = std::make_unique<DeviceWeights::Impl>();
-  if (plan.path == MoePath::kDecodeSplitK && !plan.sm120_native) {
+  if (plan.path == MoePath::kDecodeSplitK) {
     // The decode-splitk layout only (the checkpoint layout is not uploaded): the same weight
     // bytes, reduction padded to a multiple of 128, scales padded likewise (moe_pack.hpp).
     namespace md = moe_detail;
@@ -208,8 +208,6 @@ MoePath effective_path(const MoePlan& plan, const DeviceWeights& w) {
 namespace moe_detail {
 
 Status apply_env_options(MoeOptions& options) {
-  const char* native = std::getenv("K3_CUDA_SM120_NATIVE");
-  options.sm120_native_w4a8 = native != nullptr && std::string(native) == "1";
   if (const char* forced = std::getenv("K3_CUDA_MOE_PATH"); forced != nullptr && *forced != '\0') {
     auto path = moe_path_from_name(forced);
     if (!path.is_ok()) return {path.status().code(), "K3_CUDA_MOE_PATH: " + path.status().message()};
@@ -248,7 +246,7 @@ Result<ExpertRows> run_experts(const MoePlan& plan, const DeviceWeights& w, cons
   auto* y = at<float>(workspace, plan.ws_y);
   int* status = at<int>(workspace, plan.ws_status);
   const auto* wi = w.impl();
-  const bool splitk = plan.path == MoePath::kDecodeSplitK && !plan.sm120_native;
+  const bool splitk = plan.path == MoePath::kDecodeSplitK;
   if (wi->splitk != splitk) {
     return invalid_argument(std::string("run_experts: the weights were prepacked for ") +
                             (wi->splitk ? "the decode-splitk layout" : "the checkpoint layout") + ", the plan's path " +
@@ -289,19 +287,6 @@ Result<ExpertRows> run_experts(const MoePlan& plan, const DeviceWeights& w, cons
   if (plan.path == MoePath::kW4a8Sm120Cutlass) {  // NEVER RUN ON ANY GPU
     K3_RETURN_IF_ERROR(moe_detail::sm120_path_run(plan, *wi->sm120, act_params, in.x, counts, row_token, tile_expert,
                                                   y, s));
-    return expert_rows(plan, workspace);
-  }
-  if (plan.sm120_native) {
-    auto* x_codes = at<uint8_t>(workspace, plan.ws_x_codes);
-    auto* x_scales = at<uint8_t>(workspace, plan.ws_x_scales);
-    auto* act_codes = at<uint8_t>(workspace, plan.ws_act_codes);
-    auto* act_scales = at<uint8_t>(workspace, plan.ws_act_scales);
-    moe_detail::launch_prep_x_mx(d, in.m_device, in.x, x_codes, x_scales, s);
-    moe_detail::launch_fc1_sm120(d, plan.block_n, act_params, x_codes, x_scales, row_token, tile_expert,
-                                 wi->fc1_q.get(), wi->fc1_scale.get(), act_codes, act_scales, s);
-    moe_detail::launch_fc2_sm120(d, plan.block_n, act_codes, act_scales, tile_expert, wi->fc2_q.get(),
-                                 wi->fc2_scale.get(), y, s);
-    K3_RETURN_IF_ERROR(detail::from_cuda(cudaGetLastError(), "moe kernel launch (sm_120 native)"));
     return expert_rows(plan, workspace);
   }
   moe_detail::launch_prep_x(d, p.recipe, in.m_device, in.x, x_bf16, status, s);

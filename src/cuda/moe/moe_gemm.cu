@@ -167,11 +167,9 @@ void launch_gemm(const Dims& d, Recipe recipe, const ActParams& act, const uint1
                  cudaStream_t st) {
   const Grid g = gemm_grid(d, kFc1, BN);
   const dim3 grid(g.x, g.y, g.z);
-  if (d.block_m == 16) {
-    moe_gemm_kernel<kFc1, 16, BN><<<grid, 32, 0, st>>>(d, recipe, act, a, row_token, tile_expert, q, s, out, status);
-  } else {
-    moe_gemm_kernel<kFc1, 64, BN><<<grid, 128, 0, st>>>(d, recipe, act, a, row_token, tile_expert, q, s, out, status);
-  }
+  // Tiles of 64 rows only: every plan that runs these kernels (prefill, and prefill-sm90's
+  // fallback) has block_m 64; decode-splitk (block_m 16) runs its own kernels.
+  moe_gemm_kernel<kFc1, 64, BN><<<grid, 128, 0, st>>>(d, recipe, act, a, row_token, tile_expert, q, s, out, status);
 }
 
 }  // namespace

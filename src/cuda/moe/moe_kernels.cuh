@@ -25,7 +25,7 @@
 namespace k3::cuda::moe_detail {
 
 // The tools' run-time knobs of run_host and the bench (never read by cuda::plan / run):
-// K3_CUDA_SM120_NATIVE=1 and K3_CUDA_MOE_PATH=<path name>; an unknown name is an error.
+// K3_CUDA_MOE_PATH=<path name>; an unknown name is an error.
 Status apply_env_options(MoeOptions& options);
 
 void launch_prep_x(const Dims& d, Recipe recipe, const int32_t* m, const uint16_t* x, uint16_t* x_bf16, int* status,
@@ -53,21 +53,6 @@ cudaError_t launch_fc1_splitk(const Dims& d, Recipe recipe, const ActParams& act
 cudaError_t launch_fc2_splitk(const Dims& d, const uint16_t* act_in, const int32_t* row_token,
                               const int32_t* tile_expert, const uint8_t* fc2_pq, const uint32_t* fc2_ps, float* y,
                               cudaStream_t s);
-
-}  // namespace k3::cuda::moe_detail
-
-namespace k3::cuda::moe_detail {
-
-// sm_120a native block-scaled W4A8 path (moe_gemm_sm120.cu). NEVER RUN ON HARDWARE.
-void launch_prep_x_mx(const Dims& d, const int32_t* m, const uint16_t* x, uint8_t* codes, uint8_t* scales,
-                      cudaStream_t s);
-void launch_fc1_sm120(const Dims& d, int block_n, const ActParams& act, const uint8_t* x_codes,
-                      const uint8_t* x_scales, const int32_t* row_token, const int32_t* tile_expert,
-                      const uint8_t* fc1_q, const uint8_t* fc1_scale, uint8_t* act_codes, uint8_t* act_scales,
-                      cudaStream_t s);
-void launch_fc2_sm120(const Dims& d, int block_n, const uint8_t* act_codes, const uint8_t* act_scales,
-                      const int32_t* tile_expert, const uint8_t* fc2_q, const uint8_t* fc2_scale, float* y,
-                      cudaStream_t s);
 
 }  // namespace k3::cuda::moe_detail
 

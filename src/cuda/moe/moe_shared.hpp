@@ -190,7 +190,7 @@ constexpr uint32_t grid_dim(int64_t v, int64_t limit) {
   return static_cast<uint32_t>(v < 1 ? 1 : (v > limit ? limit : v));
 }
 
-// prep_x / prep_x_mx: one thread per (token, 32-block), grid-stride over max_m * K/32 blocks.
+// prep_x: one thread per (token, 32-block), grid-stride over max_m * K/32 blocks.
 constexpr Grid prep_grid(const Dims& d) {
   const int64_t blocks = d.max_m * (d.k / kMxBlock);
   return {grid_dim((blocks + kPrepThreads - 1) / kPrepThreads, kMaxGridX), 1, 1};
