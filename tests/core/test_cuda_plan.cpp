@@ -256,7 +256,7 @@ DeviceCaps h200_with_cutlass() {
 }
 
 // prefill-sm90 is the plan's choice above the decode threshold on sm_90 builds that have it;
-// otherwise the mma.sync prefill path, as before. Decode stays decode.
+// otherwise the mma.sync prefill path, as before. Decode stays decode-splitk.
 TEST(CudaMoePlan, PrefillSm90IsChosenOnSm90BuildsWithCutlass) {
   auto p = cuda::plan(kimi_rank7(), {.max_tokens = 2048, .device = h200_with_cutlass()});
   ASSERT_TRUE(p.is_ok()) << p.status().to_string();
@@ -267,6 +267,14 @@ TEST(CudaMoePlan, PrefillSm90IsChosenOnSm90BuildsWithCutlass) {
   EXPECT_NE(p->describe().find("path prefill-sm90"), std::string::npos) << p->describe();
   EXPECT_NE(p->describe().find("NEVER RUN ON A GPU"), std::string::npos) << p->describe();
   EXPECT_NE(p->describe().find("activation not fused"), std::string::npos) << p->describe();
+  // describe() says that the plan's own prefill-sm90 choice may run the prefill kernels; a forced
+  // one cannot (its prepack fails instead).
+  EXPECT_NE(p->describe().find("cuda::effective_path names the path that runs"), std::string::npos) << p->describe();
+  MoeOptions forced{.max_tokens = 2048, .device = h200_with_cutlass()};
+  forced.path = MoePath::kPrefillSm90;
+  auto f = cuda::plan(kimi_rank7(), forced);
+  ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+  EXPECT_EQ(f->describe().find("effective_path"), std::string::npos) << f->describe();
   auto d = cuda::plan(kimi_rank7(), {.max_tokens = 512, .device = h200_with_cutlass()});
   ASSERT_TRUE(d.is_ok());
   EXPECT_EQ(d->path, MoePath::kDecodeSplitK);  // the automatic decode choice, unchanged

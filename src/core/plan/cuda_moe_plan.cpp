@@ -70,7 +70,9 @@ std::string MoePlan::describe() const {
           "scales per 64 columns, tile 128x128x64, persistent grid of "
        << sm_count << " SMs; gathered rows " << (ws_h - ws_xg) << " B, FP32 GEMM1 output " << (ws_sm90_arrays - ws_h)
        << " B (activation not fused: one extra FP32 round trip), group arrays " << sm90_arrays_bytes
-       << " B, CUTLASS workspace " << cutlass_bytes << " B";
+       << " B, CUTLASS workspace " << cutlass_bytes << " B"
+       << (path_forced ? "" : "; runs the prefill kernels instead if prepack cannot encode the weights "
+                              "(cuda::effective_path names the path that runs)");
   }
   if (path == MoePath::kW4a8Sm120Cutlass) {
     os << "\n  w4a8-sm120-cutlass (NEVER RUN ON ANY GPU): CUTLASS sm_120a block-scaled grouped GEMMs, MXFP8 x "

@@ -162,30 +162,35 @@ Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w) {
     K3_RETURN_IF_ERROR(upload(impl->fc2_pq, std::span<const uint8_t>(pq2), "copy packed fc2"));
     K3_RETURN_IF_ERROR(upload(impl->fc2_ps, std::span<const uint32_t>(ps2), "copy packed fc2 scales"));
   } else {
-    K3_RETURN_IF_ERROR(upload(impl->fc1_q, w.fc1_q, "copy fc1_q"));
-    K3_RETURN_IF_ERROR(upload(impl->fc1_scale, w.fc1_scale, "copy fc1_scale"));
-    K3_RETURN_IF_ERROR(upload(impl->fc2_q, w.fc2_q, "copy fc2_q"));
-    K3_RETURN_IF_ERROR(upload(impl->fc2_scale, w.fc2_scale, "copy fc2_scale"));
+    if (plan.path == MoePath::kPrefillSm90) {
+      // One layout per path: the E4M3 copy alone when the weights encode (the checkpoint layout is
+      // not uploaded), the checkpoint layout alone when they do not and the plan chose the path
+      // itself (run() then takes the prefill kernels: effective_path).
+      std::vector<uint8_t> c1, c2;
+      std::vector<uint16_t> s1, s2;
+      const Status enc1 = sm90_encode(w.fc1_q, w.fc1_scale, e, 2 * n, k, c1, s1, "fc1");
+      const Status enc = enc1.is_ok() ? sm90_encode(w.fc2_q, w.fc2_scale, e, k, n, c2, s2, "fc2") : enc1;
+      if (!enc.is_ok() && plan.path_forced) return enc;  // the caller asked for this path: say why it cannot run
+      if (enc.is_ok()) {
+        K3_RETURN_IF_ERROR(upload(impl->fc1_e4m3, std::span<const uint8_t>(c1), "copy fc1 e4m3"));
+        K3_RETURN_IF_ERROR(upload(impl->fc2_e4m3, std::span<const uint8_t>(c2), "copy fc2 e4m3"));
+        K3_RETURN_IF_ERROR(upload(impl->fc1_s90, std::span<const uint16_t>(s1), "copy fc1 sm90 scales"));
+        K3_RETURN_IF_ERROR(upload(impl->fc2_s90, std::span<const uint16_t>(s2), "copy fc2 sm90 scales"));
+        impl->sm90_ready = true;
+      }
+    }
+    if (!impl->sm90_ready) {
+      K3_RETURN_IF_ERROR(upload(impl->fc1_q, w.fc1_q, "copy fc1_q"));
+      K3_RETURN_IF_ERROR(upload(impl->fc1_scale, w.fc1_scale, "copy fc1_scale"));
+      K3_RETURN_IF_ERROR(upload(impl->fc2_q, w.fc2_q, "copy fc2_q"));
+      K3_RETURN_IF_ERROR(upload(impl->fc2_scale, w.fc2_scale, "copy fc2_scale"));
+    }
   }
   std::vector<float> b(e, plan.problem.activation.situ_beta), lb(e, plan.problem.activation.situ_linear_beta);
   if (!w.situ_beta.empty()) b.assign(w.situ_beta.begin(), w.situ_beta.end());
   if (!w.situ_linear_beta.empty()) lb.assign(w.situ_linear_beta.begin(), w.situ_linear_beta.end());
   K3_RETURN_IF_ERROR(upload(impl->situ_beta, std::span<const float>(b), "copy situ_beta"));
   K3_RETURN_IF_ERROR(upload(impl->situ_linear_beta, std::span<const float>(lb), "copy situ_linear_beta"));
-  if (plan.path == MoePath::kPrefillSm90) {
-    std::vector<uint8_t> c1, c2;
-    std::vector<uint16_t> s1, s2;
-    const Status enc1 = sm90_encode(w.fc1_q, w.fc1_scale, e, 2 * n, k, c1, s1, "fc1");
-    const Status enc = enc1.is_ok() ? sm90_encode(w.fc2_q, w.fc2_scale, e, k, n, c2, s2, "fc2") : enc1;
-    if (!enc.is_ok() && plan.path_forced) return enc;  // the caller asked for this path: say why it cannot run
-    if (enc.is_ok()) {  // else: the plan's own choice, run() takes the prefill kernels instead
-      K3_RETURN_IF_ERROR(upload(impl->fc1_e4m3, std::span<const uint8_t>(c1), "copy fc1 e4m3"));
-      K3_RETURN_IF_ERROR(upload(impl->fc2_e4m3, std::span<const uint8_t>(c2), "copy fc2 e4m3"));
-      K3_RETURN_IF_ERROR(upload(impl->fc1_s90, std::span<const uint16_t>(s1), "copy fc1 sm90 scales"));
-      K3_RETURN_IF_ERROR(upload(impl->fc2_s90, std::span<const uint16_t>(s2), "copy fc2 sm90 scales"));
-      impl->sm90_ready = true;
-    }
-  }
   return DeviceWeights(std::move(impl));
 }
 
