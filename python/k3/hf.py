@@ -551,6 +551,8 @@ class _MoeLayer:
         # The router's FP32 weight, converted once (the stock router converts it at every call):
         # the same logits, without a conversion of E x hidden values per step.
         self.gate_weight = gate.weight.detach().to(torch.float32)
+        self.bias_np = self.bias.numpy()
+        self.native = _k3torch._layer(handle)._native  # the prepared CPU layer, for the eager path
 
     def release(self):
         _k3torch.release_moe(self.handle)
@@ -578,12 +580,23 @@ def _moe_forward(module, rec, stock_forward):
         top_k = rec.route_args[0]
         ids = torch.empty((m, top_k), dtype=torch.int32)
         wts = torch.empty((m, top_k), dtype=torch.float32)
-        torch.ops.k3.route(logits, rec.bias, *rec.route_args, ids, wts)
         xb = x.to(torch.bfloat16).contiguous()
         out = torch.empty((m, hid), dtype=rec.out_dtype)
-        for r0 in range(0, m, rec.max_tokens):
-            r1 = min(m, r0 + rec.max_tokens)
-            torch.ops.k3.moe_run(rec.handle, xb[r0:r1], ids[r0:r1], wts[r0:r1], out[r0:r1])
+        if torch.compiler.is_compiling():
+            torch.ops.k3.route(logits, rec.bias, *rec.route_args, ids, wts)
+            for r0 in range(0, m, rec.max_tokens):
+                r1 = min(m, r0 + rec.max_tokens)
+                torch.ops.k3.moe_run(rec.handle, xb[r0:r1], ids[r0:r1], wts[r0:r1], out[r0:r1])
+        else:  # eager: the ops' CPU kernels without the dispatcher and the argument checks (the
+            # shapes and dtypes are made right here): the same calls, about 0.1 ms less per block
+            e = logits.shape[1]
+            _k3_native.route(_np(logits), rec.bias_np, m, e, top_k, *rec.route_args[1:], _np(ids), _np(wts))
+            xs = _np(xb.view(torch.uint16))
+            os_ = _np(out if out.dtype == torch.float32 else out.view(torch.uint16))
+            ids_np, wts_np = _np(ids), _np(wts)
+            for r0 in range(0, m, rec.max_tokens):
+                r1 = min(m, r0 + rec.max_tokens)
+                rec.native.run(xs[r0:r1], ids_np[r0:r1], wts_np[r0:r1], r1 - r0, os_[r0:r1])
         rec.calls += 1
         y = out.to(hidden_states.dtype).view(shape)
         return y + module.shared_experts(hidden_states)
