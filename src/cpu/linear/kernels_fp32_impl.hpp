@@ -16,10 +16,14 @@ namespace k3::cpu::lin::K3_LIN_NS {
 namespace {
 
 constexpr int kNv = kLanes / kVw;  // vectors per tile
+constexpr int64_t kAhead = 4;      // blocks of software prefetch ahead of the stream
 
 // One block of G tiles for R rows: acc[r][g * kNv + v] = partial sums (from +0).
 template <int R, int G>
-K3_LIN_TARGET inline void stream_block(const uint8_t* const* codes, const float* const* xr, vf (&acc)[R][G * kNv]) {
+// The accumulators are a local array copied out at the end: accumulating into the caller's array
+// made GCC store every accumulator to the stack on every k (4 stores per k at M = 1 on AVX2).
+K3_LIN_TARGET inline void stream_block(const uint8_t* const* codes, const float* const* xr, vf (&out)[R][G * kNv]) {
+  vf acc[R][G * kNv];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < G * kNv; ++v) acc[r][v] = zero();
 #pragma GCC unroll 4
@@ -33,6 +37,8 @@ K3_LIN_TARGET inline void stream_block(const uint8_t* const* codes, const float*
         for (int v = 0; v < kNv; ++v) acc[r][g * kNv + v] = fmadd(wv[v], xb[r], acc[r][g * kNv + v]);
     }
   }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < G * kNv; ++v) out[r][v] = acc[r][v];
 }
 
 // Tiles [t_begin, t_end) (a multiple of G of them) for rows [r0, r0 + R). tot: row r at
@@ -57,8 +63,21 @@ K3_LIN_TARGET void stream_rows(const PackedLinear& w, const Operand& x, int r0, 
       const uint8_t* codes[G];
       for (int g = 0; g < G; ++g) {
         codes[g] = tc[g] + b * (kBlock * kLanes);
-        if (b + 4 < blocks)
-          for (int l = 0; l < kBlock * kLanes; l += 64) __builtin_prefetch(codes[g] + 4 * kBlock * kLanes + l);
+        // kAhead blocks ahead; near the end of the tiles, the next tiles of this range (the
+        // hardware prefetcher would start those streams cold). Scales: one line per 4 blocks.
+        const uint8_t* pf = nullptr;
+        const uint8_t* ps = nullptr;
+        if (b + kAhead < blocks) {
+          pf = codes[g] + kAhead * kBlock * kLanes;
+          ps = ts[g] + (b + kAhead) * kLanes;
+        } else if (t + G + g < t_end) {
+          pf = w.tile_codes(t + G + g) + (b + kAhead - blocks) * (kBlock * kLanes);
+          ps = w.tile_scales(t + G + g) + (b + kAhead - blocks) * kLanes;
+        }
+        if (pf != nullptr) {
+          for (int l = 0; l < kBlock * kLanes; l += 64) __builtin_prefetch(pf + l);
+          if (((b + kAhead) & 3) == 0) __builtin_prefetch(ps);
+        }
       }
       const float* xr[R];
       for (int r = 0; r < R; ++r) xr[r] = x.xs + static_cast<int64_t>(r0 + r) * x.ldx + b * kBlock;
