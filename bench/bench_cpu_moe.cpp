@@ -86,7 +86,7 @@ BENCHMARK(BM_DequantDotStream)->Arg(1)->Arg(2)->Arg(4)->ArgNames({"rows"});
 
 // The same kernel without the memory system: 8 tiles (L2-resident).
 void BM_DequantDotCached(benchmark::State& state) { dequant_dot(state, state.range(0), 8); }
-BENCHMARK(BM_DequantDotCached)->Arg(1)->Arg(2)->Arg(3)->Arg(4)->Arg(6)->ArgNames({"rows"});
+BENCHMARK(BM_DequantDotCached)->Arg(1)->Arg(2)->Arg(3)->Arg(4)->Arg(5)->Arg(6)->ArgNames({"rows"});
 
 // Prefill: many rows against one cache-resident tile (FC1: G = 4, K = 3584; FC2: G = 2,
 // N = 3072). Counter: FLOP per second (2 per multiply-add).

@@ -178,7 +178,7 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_rows(const TileGemm& a, int
 template <int MR, int G>
 K3_TARGET_AVX2 void direct_tile(const TileGemm& a, const float* const* rows, float* totals) {
   if constexpr (MR == 1 && G == 4) {
-    direct_rows<1, 4, 1, 2>(a, 0, a.blocks, rows, totals);
+    direct_rows<1, 4, 1, 1>(a, 0, a.blocks, rows, totals);
   } else if constexpr (MR == 1 && G == 2) {
     const int64_t even = a.blocks & ~int64_t{1};
     direct_rows<1, 2, 2, 1>(a, 0, even, rows, totals);
