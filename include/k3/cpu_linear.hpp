@@ -1,12 +1,13 @@
 // k3/cpu_linear.hpp — the CPU dense linear layer (docs/linear.md): Y[M, N] = X[M, K] · Wᵀ (+ bias)
-// with MXFP8 weights, recipes W8A16 (BF16 X) and W8A8 (X quantized per row to MXFP8).
+// with MXFP8 weights, recipes W8A16 (BF16 X) and W8A8 (X quantized per row to MXFP8), or BF16
+// weights, recipe W16A16 (BF16 X; FP32 FMA kernels on every level).
 //
 // The grammar of every k3 op:
 //   plan     checks the problem, the ISA level and the thread count, picks the routes and sizes the
 //            workspace; describe() prints the choice.
 //   prepack  copies the checkpoint-layout MXFP8 weights ([N, K] codes, [N, K/32] scales) into the
-//            tiled layout of docs/linear.md (still 8 bits per weight + one scale per 32); refuses
-//            NaN codes and scales by row and block.
+//            tiled layout of docs/linear.md (still 8 bits per weight + one scale per 32; W16A16:
+//            the BF16 weights, 16 bits each); refuses NaN codes and scales by row and block.
 //   run      computes out[M, N]: no allocation, no global state, safe to call from several
 //            threads at once with distinct workspaces and outputs.
 //
@@ -76,10 +77,13 @@ class PackedLinear {
     const int p = k / 2, j = c * 2 + (k & 1);
     return (b * 8 + p / 2) * 64 + (j / 8) * 16 + (p & 1) * 8 + (j % 8);
   }
+  // W16A16: the weights are BF16 values (2 bytes each, FP32 layout, every scale code 127).
+  bool bf16_weights() const { return bf16_weights_; }
   int64_t bytes() const { return static_cast<int64_t>(codes_.size() + scales_.size() + bias_.size() * 4); }
-  // Tile t: 16 K codes; FP32 layout: [K/32 blocks][32 k (pair-swapped: k = 1, 0, 3, 2, ...)][16
-  // columns] E4M3 codes; pair layout: see pair_layout().
-  const uint8_t* tile_codes(int64_t t) const { return codes_.data() + t * k_ * 16; }
+  // Tile t: 16 K weights; FP32 layout: [K/32 blocks][32 k (pair-swapped: k = 1, 0, 3, 2, ...)][16
+  // columns] E4M3 codes (W16A16: BF16 values, 2 bytes each); pair layout: see pair_layout().
+  // code_offset() counts elements.
+  const uint8_t* tile_codes(int64_t t) const { return codes_.data() + t * k_ * 16 * (bf16_weights_ ? 2 : 1); }
   // Tile t: [K/32 blocks][16 columns] E8M0 codes (padding columns: 127).
   const uint8_t* tile_scales(int64_t t) const { return scales_.data() + t * (k_ / 32) * 16; }
   const float* bias() const { return bias_.empty() ? nullptr : bias_.data(); }
@@ -88,6 +92,7 @@ class PackedLinear {
   friend Result<PackedLinear> prepack(const LinearPlan& plan, const LinearWeightsView& weights);
   int64_t k_ = 0, n_ = 0;
   bool pair_layout_ = false;
+  bool bf16_weights_ = false;
   std::vector<uint8_t> codes_, scales_;
   std::vector<float> bias_;
 };

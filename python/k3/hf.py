@@ -699,6 +699,7 @@ class Patch:
         self.expert_bytes_k3 = 0
         self.dense_bytes_stock = 0
         self.dense_bytes_k3 = 0
+        self.dense_format = "MXFP8"
 
     def summary(self):
         return (f"k3.hf: {len(self.kda)} KDA layers and {len(self.moe)} MoE blocks on k3, {len(self.mla)} MLA "
@@ -707,7 +708,7 @@ class Patch:
                 f"routed experts "
                 f"{self.expert_bytes_stock / 2**20:.1f} MiB stock -> {self.expert_bytes_k3 / 2**20:.1f} MiB MXFP4"
                 + (f"; {len(self.dense)} dense projections on k3, {self.dense_bytes_stock / 2**20:.1f} MiB stock -> "
-                   f"{self.dense_bytes_k3 / 2**20:.1f} MiB MXFP8" if self.dense else ""))
+                   f"{self.dense_bytes_k3 / 2**20:.1f} MiB {self.dense_format}" if self.dense else ""))
 
     def __repr__(self):
         return self.summary()
@@ -758,8 +759,10 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
     ("" the best the CPU has; "avx2", "avx512", "scalar" force a lower one, as ``K3_ISA`` does for
     the k3 tool; torch's own kernels are not affected). ``dense``: also serve the dense projections
     (attention, shared experts, dense MLPs, the LM head: every ``nn.Linear`` whose input width is
-    a multiple of 32) with k3's linear layer on MXFP8 weights (half of BF16's bytes; recipe
-    "w8a16", or "w8a8" with ``recipe="w4a8"``); needs a bfloat16 model. Returns a :class:`Patch`."""
+    a multiple of 32) with k3's linear layer: ``True`` or ``"mxfp8"`` on MXFP8 weights (half of
+    BF16's bytes; recipe "w8a16", or "w8a8" with ``recipe="w4a8"``), ``"bf16"`` on the model's own
+    BF16 weights (recipe "w16a16": no weight rounding, the stock bytes); needs a bfloat16 model.
+    Returns a :class:`Patch`."""
     m = _modeling()
     if recipe not in ("w4a16", "w4a8"):
         raise ValueError(f"k3.hf.patch: recipe = {recipe!r} must be 'w4a16' or 'w4a8'")
@@ -793,6 +796,9 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
     if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 1 << 20:
         raise ValueError(f"k3.hf.patch: max_tokens = {max_tokens!r} must be an int in [1, 1048576]")
     _check_config(cfg, moe, kda)
+    if dense not in (False, True, "mxfp8", "bf16"):
+        raise ValueError(f"k3.hf.patch: dense = {dense!r} must be False, True / 'mxfp8' (MXFP8 weights) or 'bf16' "
+                         "(the model's BF16 weights)")
     if dense:
         dt = next(model.parameters()).dtype
         if dt != torch.bfloat16:
@@ -825,8 +831,9 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
                 rec.mla.append((mod, r))
     if dense:
         try:
-            _patch_dense(model, m, rec, "w8a8" if recipe == "w4a8" else "w8a16", plan_threads, keep_original,
-                         max_tokens, isa)
+            dense_recipe = "w16a16" if dense == "bf16" else "w8a8" if recipe == "w4a8" else "w8a16"
+            rec.dense_format = "BF16" if dense == "bf16" else "MXFP8"
+            _patch_dense(model, m, rec, dense_recipe, plan_threads, keep_original, max_tokens, isa)
         except Exception:
             for parent, name, stock, _ in rec.dense:
                 setattr(parent, name, stock)
@@ -873,7 +880,8 @@ def _patch_moe(mod, index, cfg, recipe, threads, plan_threads, keep_original, ma
 
 
 def _patch_dense(model, m, rec, recipe, threads, keep_original, max_tokens, isa):
-    """Every nn.Linear of the decoder layers and the LM head -> k3.torch.Linear (MXFP8 weights).
+    """Every nn.Linear of the decoder layers and the LM head -> k3.torch.Linear (MXFP8 weights, or
+    the BF16 weights with recipe "w16a16").
     The routed experts are not nn.Linear (they are served by the MoE path); the router is not one."""
     targets = []
     for parent in model.modules():

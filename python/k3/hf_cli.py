@@ -81,7 +81,7 @@ def _load(path, dtype):
 
 def _linear_bytes(mod):
     import k3.torch as k3t
-    if isinstance(mod, k3t.Linear):  # dense=True: the prepacked MXFP8 weight (+ FP32 bias)
+    if isinstance(mod, k3t.Linear):  # dense: the prepacked MXFP8 or BF16 weight (+ FP32 bias)
         return k3t._linear_layer(mod.handle).packed_bytes
     return sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
 
@@ -236,8 +236,9 @@ def _common_args(ap):
     ap.add_argument("--threads", type=int, default=0, help="torch and k3 threads (default: torch's default)")
     ap.add_argument("--recipe", choices=["w4a16", "w4a8"], default="w4a16")
     ap.add_argument("--isa", default="", help="k3's SIMD level (default: the best the CPU has; torch is not affected)")
-    ap.add_argument("--dense", action="store_true",
-                    help="also serve the dense projections and the LM head on k3 (MXFP8 weights; bfloat16 models)")
+    ap.add_argument("--dense", nargs="?", const="mxfp8", default=False, choices=["mxfp8", "bf16"],
+                    help="also serve the dense projections and the LM head on k3: MXFP8 weights (--dense or "
+                    "--dense mxfp8) or the model's BF16 weights (--dense bf16); bfloat16 models")
     ap.add_argument("--workdir", default=None, help="where the random model is saved (default: a temp dir)")
 
 
@@ -278,7 +279,7 @@ def _cmd_generate(a):
         for name in ("stock", "stock-mxfp4", "k3"):
             if name == "stock-mxfp4":  # stock transformers on the weights k3 will serve
                 k3.hf.mxfp4_roundtrip_(model)
-                if a.dense:  # ... and the MXFP8 dense projections
+                if a.dense == "mxfp8":  # ... and the MXFP8 dense projections (BF16: the weights as they are)
                     k3.hf.mxfp8_roundtrip_dense_(model)
             if name == "k3":
                 print(k3.hf.patch(model, recipe=a.recipe, isa=a.isa, dense=a.dense).summary())
@@ -303,7 +304,7 @@ def _cmd_generate(a):
         per_pos = (got - ref).abs().amax(-1) / ref.abs().amax(-1)
         same_top = (got.argmax(-1) == ref.argmax(-1)).sum().item()
         close = (per_pos <= 2e-2).sum().item()
-        held = "MXFP4 experts and MXFP8 dense weights" if a.dense else "MXFP4 expert weights"
+        held = (f"MXFP4 experts and {a.dense.upper()} dense weights" if a.dense else "MXFP4 expert weights")
         print(f"teacher-forced on stock-mxfp4's {ref.shape[0]} positions (stock on k3's {held}): logit error "
               f"(relative to each position's "
               f"max) median {per_pos.median().item():.1e}, {close} positions within 2e-2 (the others follow a router "
@@ -345,6 +346,7 @@ def _cmd_bench(a):
                                                          "layer_types")}
         record["expert_bytes"] = dict(stock_bf16=patch.expert_bytes_stock, k3=patch.expert_bytes_k3)
         record["dense_on_k3"] = bool(a.dense)
+        record["dense_weights"] = a.dense or None
         if a.dense:
             record["dense_bytes"] = dict(stock_bf16=patch.dense_bytes_stock, k3=patch.dense_bytes_k3)
         gen = torch.Generator().manual_seed(7)

@@ -1,8 +1,11 @@
-"""The dense linear layer ``Y[M, N] = X[M, K] · Wᵀ (+ bias)`` with MXFP8 weights (docs/linear.md).
+"""The dense linear layer ``Y[M, N] = X[M, K] · Wᵀ (+ bias)`` with MXFP8 or BF16 weights
+(docs/linear.md).
 
 Weights: ``codes`` [N, K] uint8 E4M3 and ``scales`` [N, K/32] uint8 E8M0 (the checkpoint layout;
 :func:`quantize_weight` makes them from a float matrix with k3's codec, RCEIL). Recipes:
-"w8a16" (X stays BF16) and "w8a8" (X quantized per row to MXFP8, the seed's recipe). X is BF16
+"w8a16" (X stays BF16) and "w8a8" (X quantized per row to MXFP8, the seed's recipe). Recipe
+"w16a16" takes the BF16 weights themselves (no quantization): ``codes`` is then the [N, K] BF16
+matrix (uint16 bit patterns, or a torch bfloat16 tensor) and ``scales`` is None. X is BF16
 bit patterns [M, K] uint16; the output is [M, N] in ``out_dtype``: "bf16" / "fp16" as uint16 bit
 patterns, "fp32" as float32. ``bias``: float32 [N] or None.
 
@@ -16,7 +19,7 @@ from ._arrays import bf16_bits, host_view, need, no_overlap, out16, out_or_new
 from .mx import quantize as _mx_quantize
 
 _OUT = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.float32}
-_RECIPES = ("w8a16", "w8a8")
+_RECIPES = ("w8a16", "w8a8", "w16a16")
 
 
 def quantize_weight(w, bf16=False):
@@ -25,11 +28,32 @@ def quantize_weight(w, bf16=False):
     return _mx_quantize(w, element="mxfp8", rule="rceil", bf16=bf16)
 
 
+def _weights(recipe, codes, scales):
+    """(codes, scales, bf16) for the native call: MXFP8 codes + scales, or the BF16 weight bits."""
+    if recipe != "w16a16":
+        return codes, scales, None
+    if scales is not None:
+        raise ValueError("scales must be None with recipe = 'w16a16' (codes is the BF16 weight matrix [N, K])")
+    w = bf16_bits("codes", host_view(codes))
+    need("codes", w, dtype=np.uint16)
+    if len(w.shape) != 2:
+        raise ValueError(f"codes has shape {tuple(w.shape)}, expected [N, K] (BF16 weights) for recipe 'w16a16'")
+    n, k = (int(d) for d in w.shape)
+    if k % 32 != 0:
+        raise ValueError(f"codes has K = {k} columns; K must be a multiple of 32")
+    return None, None, w
+
+
 def _check(recipe, out_dtype, codes, scales, bias):
     if recipe not in _RECIPES:
         raise ValueError(f"recipe = '{recipe}' must be one of {list(_RECIPES)}")
     if out_dtype not in _OUT:
         raise ValueError(f"out_dtype = '{out_dtype}' must be one of {sorted(_OUT)}")
+    if recipe == "w16a16":
+        n, k = (int(d) for d in codes.shape)
+        if bias is not None:
+            need("bias", bias, (n,), np.float32)
+        return n, k
     need("codes", codes, dtype=np.uint8)
     if len(codes.shape) != 2:
         raise ValueError(f"codes has shape {tuple(codes.shape)}, expected [N, K] (E4M3 codes as uint8)")
@@ -67,11 +91,12 @@ def _check_x(k, n, x, out, out_type):
 def run(codes, scales, x, bias=None, recipe="w8a16", out_dtype="bf16", out=None, backend=None, threads=0, isa=""):
     """One call (plan, prepack and run inside): for tools and tests. ``backend``: None (the best
     usable one), "cpu" or "reference" (the contract written plainly)."""
-    n, k = _check(recipe, out_dtype, codes, scales, bias)
+    codes, scales, wb = _weights(recipe, codes, scales)
+    n, k = _check(recipe, out_dtype, codes if wb is None else wb, scales, bias)
     given = out
     x, out = _host(x, out, out_dtype)
     m, out = _check_x(k, n, x, out, _OUT[out_dtype])
-    _k3.linear_run(k, n, recipe, out_dtype, codes, scales, bias, x, m, backend or "", threads, isa, out)
+    _k3.linear_run(k, n, recipe, out_dtype, codes, scales, wb, bias, x, m, backend or "", threads, isa, out)
     return out if given is None else given
 
 
@@ -81,10 +106,11 @@ class CpuLinear:
 
     def __init__(self, codes, scales, bias=None, recipe="w8a16", out_dtype="bf16", max_tokens=4096, threads=0,
                  isa=""):
-        self.n, self.k = _check(recipe, out_dtype, codes, scales, bias)
+        codes, scales, wb = _weights(recipe, codes, scales)
+        self.n, self.k = _check(recipe, out_dtype, codes if wb is None else wb, scales, bias)
         self.recipe, self.out_dtype = recipe, out_dtype
         self._out_type = _OUT[out_dtype]
-        self._native = _k3.cpu_linear_prepare(self.k, self.n, recipe, out_dtype, codes, scales, bias, max_tokens,
+        self._native = _k3.cpu_linear_prepare(self.k, self.n, recipe, out_dtype, codes, scales, wb, bias, max_tokens,
                                               threads, isa)
 
     @property
@@ -98,7 +124,7 @@ class CpuLinear:
 
     @property
     def packed_bytes(self):
-        """Bytes of the prepacked weights (8.5 bits per weight, plus the bias)."""
+        """Bytes of the prepacked weights (8.5 bits per weight, 16 with w16a16, plus the bias)."""
         return self._native.packed_bytes
 
     def run(self, x, out=None):

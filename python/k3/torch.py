@@ -141,10 +141,13 @@ def _layer(handle):
 def prepare_linear(codes, scales, bias=None, recipe="w8a16", out_dtype="bf16", max_tokens=4096, threads=None, isa=""):
     """Plans and prepacks one dense layer (k3.linear.CpuLinear) and returns its integer handle for
     ``torch.ops.k3.linear``. codes [N, K] / scales [N, K/32]: uint8 MXFP8 weights (see
-    k3.linear.quantize_weight); bias: float32 [N] or None. ``threads``: None takes
-    ``torch.get_num_threads()``; 0 means all logical CPUs."""
+    k3.linear.quantize_weight); with recipe "w16a16" codes is the BF16 weight [N, K] (a bfloat16
+    tensor or its uint16 bits) and scales is None; bias: float32 [N] or None. ``threads``: None
+    takes ``torch.get_num_threads()``; 0 means all logical CPUs."""
     if threads is None:
         threads = torch.get_num_threads()
+    if isinstance(codes, torch.Tensor) and codes.dtype == torch.bfloat16:
+        codes = codes.view(torch.uint16)
     args = [_np(a) if isinstance(a, torch.Tensor) else a for a in (codes, scales, bias)]
     layer = _linear.CpuLinear(*args, recipe=recipe, out_dtype=out_dtype, max_tokens=max_tokens, threads=threads,
                               isa=isa)
@@ -540,11 +543,12 @@ class FusedMoE(torch.nn.Module):
 
 class Linear(torch.nn.Module):
     """A dense layer on k3: ``forward(x [..., K] bfloat16) -> [..., N]`` in ``out_dtype``, with the
-    weight stored as MXFP8 (8.5 bits per weight, half of BF16) and the bias in FP32.
+    weight stored as MXFP8 (8.5 bits per weight, half of BF16) or as BF16, and the bias in FP32.
 
     ``Linear.from_linear(torch_linear)`` quantizes an ``nn.Linear``'s weight once with k3's codec
     (E4M3 + E8M0 per 32 along K, RCEIL). ``recipe``: "w8a16" (BF16 activations) or "w8a8"
-    (activations quantized per row to MXFP8)."""
+    (activations quantized per row to MXFP8), or "w16a16": the weight's BF16 values, unquantized
+    (FP32 FMA kernels on every level; the products are exact, the sums in the contract's order)."""
 
     def __init__(self, codes, scales, bias=None, recipe="w8a16", out_dtype="bf16", max_tokens=4096, threads=None,
                  isa=""):
@@ -556,8 +560,11 @@ class Linear(torch.nn.Module):
 
     @classmethod
     def from_linear(cls, linear, recipe="w8a16", out_dtype="bf16", max_tokens=4096, threads=None, isa=""):
-        w = linear.weight.detach().to(torch.float32).contiguous()
-        codes, scales = _linear.quantize_weight(_np(w))
+        if recipe == "w16a16":
+            codes, scales = linear.weight.detach().to(torch.bfloat16).contiguous().view(torch.uint16), None
+        else:
+            w = linear.weight.detach().to(torch.float32).contiguous()
+            codes, scales = _linear.quantize_weight(_np(w))
         bias = None if linear.bias is None else _np(linear.bias.detach().to(torch.float32).contiguous())
         return cls(codes, scales, bias, recipe, out_dtype, max_tokens, threads, isa)
 

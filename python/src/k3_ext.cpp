@@ -258,13 +258,22 @@ k3::LinearProblem linear_problem(int64_t k, int64_t n, const std::string& recipe
   return p;
 }
 
-void linear_run(int64_t k, int64_t n, const std::string& recipe, const std::string& out_dtype, In<uint8_t> codes,
-                In<uint8_t> scales, std::optional<In<float>> bias, In<uint16_t> x, int64_t m, const std::string& backend,
-                int threads, const std::string& isa, AnyOut out) {
+// Weights: MXFP8 codes + scales (w8a8, w8a16), or BF16 bits (w16a16); the library names a missing
+// or extra field.
+k3::LinearWeightsView linear_weights(const std::optional<In<uint8_t>>& codes, const std::optional<In<uint8_t>>& scales,
+                                     const std::optional<In<uint16_t>>& bf16, const std::optional<In<float>>& bias) {
+  return {codes ? span(*codes) : std::span<const uint8_t>{}, scales ? span(*scales) : std::span<const uint8_t>{},
+          bias ? span(*bias) : std::span<const float>{}, bf16 ? span(*bf16) : std::span<const uint16_t>{}};
+}
+
+void linear_run(int64_t k, int64_t n, const std::string& recipe, const std::string& out_dtype,
+                std::optional<In<uint8_t>> codes, std::optional<In<uint8_t>> scales, std::optional<In<uint16_t>> bf16,
+                std::optional<In<float>> bias, In<uint16_t> x, int64_t m, const std::string& backend, int threads,
+                const std::string& isa, AnyOut out) {
   const k3::LinearProblem p = linear_problem(k, n, recipe, out_dtype, bias.has_value());
   const k3::LinearBackend* b = backend.empty() ? &k3::default_linear_backend() : value(k3::find_linear_backend(backend));
   const k3::BackendOptions o = options(threads, isa);
-  const k3::LinearWeightsView w{span(codes), span(scales), bias ? span(*bias) : std::span<const float>{}};
+  const k3::LinearWeightsView w = linear_weights(codes, scales, bf16, bias);
   nb::gil_scoped_release release;
   check(k3::run_linear(*b, p, w, m, span(x), bytes(out), o));
 }
@@ -278,7 +287,8 @@ struct CpuLinear {
 };
 
 CpuLinear* cpu_linear_prepare(int64_t k, int64_t n, const std::string& recipe, const std::string& out_dtype,
-                              In<uint8_t> codes, In<uint8_t> scales, std::optional<In<float>> bias, int64_t max_tokens,
+                              std::optional<In<uint8_t>> codes, std::optional<In<uint8_t>> scales,
+                              std::optional<In<uint16_t>> bf16, std::optional<In<float>> bias, int64_t max_tokens,
                               int threads, const std::string& isa) {
   const k3::LinearProblem p = linear_problem(k, n, recipe, out_dtype, bias.has_value());
   k3::cpu::LinearOptions o;
@@ -286,7 +296,7 @@ CpuLinear* cpu_linear_prepare(int64_t k, int64_t n, const std::string& recipe, c
   o.threads = threads;
   if (!isa.empty()) o.isa = value(k3::parse_isa_level(isa));
   auto plan = value(k3::cpu::plan(p, o));
-  const k3::LinearWeightsView w{span(codes), span(scales), bias ? span(*bias) : std::span<const float>{}};
+  const k3::LinearWeightsView w = linear_weights(codes, scales, bf16, bias);
   std::optional<k3::Result<k3::cpu::PackedLinear>> packed;
   {
     nb::gil_scoped_release release;
@@ -961,7 +971,8 @@ NB_MODULE(_k3, m) {
   m.def("cpu_moe_prepare", &cpu_moe_prepare, nb::rv_policy::take_ownership, "problem"_a, "max_tokens"_a,
         "threads"_a, "isa"_a, "fc1_q"_a.noconvert(), "fc1_scale"_a.noconvert(), "fc2_q"_a.noconvert(), "fc2_scale"_a.noconvert());
 
-  m.def("linear_run", &linear_run, "k"_a.noconvert(), "n"_a, "recipe"_a, "out_dtype"_a, "codes"_a.noconvert(), "scales"_a.noconvert(), "bias"_a.noconvert().none(),
+  m.def("linear_run", &linear_run, "k"_a.noconvert(), "n"_a, "recipe"_a, "out_dtype"_a, "codes"_a.noconvert().none(),
+        "scales"_a.noconvert().none(), "bf16"_a.noconvert().none(), "bias"_a.noconvert().none(),
         "x"_a.noconvert(), "m"_a, "backend"_a, "threads"_a, "isa"_a, "out"_a.noconvert());
   nb::class_<CpuLinear>(m, "CpuLinear")
       .def_prop_ro("describe", [](const CpuLinear& c) { return c.plan.describe(); })
@@ -970,7 +981,8 @@ NB_MODULE(_k3, m) {
       .def("run", &cpu_linear_run, "x"_a.noconvert(), "m"_a, "out"_a.noconvert())
       .def("time_native", &cpu_linear_time_native, "x"_a.noconvert(), "m"_a, "out"_a.noconvert(), "iters"_a);
   m.def("cpu_linear_prepare", &cpu_linear_prepare, nb::rv_policy::take_ownership, "k"_a.noconvert(), "n"_a, "recipe"_a,
-        "out_dtype"_a, "codes"_a.noconvert(), "scales"_a.noconvert(), "bias"_a.noconvert().none(), "max_tokens"_a, "threads"_a, "isa"_a);
+        "out_dtype"_a, "codes"_a.noconvert().none(), "scales"_a.noconvert().none(), "bf16"_a.noconvert().none(),
+        "bias"_a.noconvert().none(), "max_tokens"_a, "threads"_a, "isa"_a);
   m.def("load_checkpoint_layer", &load_checkpoint_layer, "dir"_a, "layer"_a, "ep_size"_a, "ep_rank"_a);
   nb::class_<k3::kda::KdaConfig>(m, "KdaConfig")
       .def_ro("num_heads", &k3::kda::KdaConfig::num_heads)

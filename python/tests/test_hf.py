@@ -737,9 +737,9 @@ class _ExactLinear(torch.nn.Module):
     """An nn.Linear computed in FP64 on its MXFP8 round-tripped weight, rounded once to BF16: what
     k3's linear layer computes, up to FP32 accumulation order."""
 
-    def __init__(self, lin):
+    def __init__(self, lin, rounding=None):
         super().__init__()
-        self.w = mxfp8_round(lin.weight).double()
+        self.w = (mxfp8_round if rounding is None else rounding)(lin.weight).double()
         self.b = None if lin.bias is None else lin.bias.detach().double()
 
     def forward(self, x):
@@ -790,6 +790,41 @@ def test_dense_projections_on_k3_match_an_exact_reference_and_unpatch_restores()
         k3.hf.unpatch(full)
     with pytest.raises(ValueError, match="dense=True needs a bfloat16 model"):
         k3.hf.patch(build(tiny_config(), seed=4), dense=True)
+
+
+def test_dense_projections_on_their_bf16_weights_match_the_fp64_product():
+    """dense="bf16": the model's own BF16 weights on k3's linear layer (recipe w16a16): no weight
+    rounding, the stock bytes; the logits equal an FP64 computation of every projection rounded
+    once to BF16 (up to FP32 accumulation order), and are closer to stock than the MXFP8 form."""
+    model = build(tiny_config(), seed=4, dtype=torch.bfloat16)
+    prompt = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        before = model(prompt).logits
+    reference = copy.deepcopy(model)
+    for parent in list(reference.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and child.in_features % 32 == 0:
+                setattr(parent, name, _ExactLinear(child, rounding=lambda w: w.detach()))
+    mx = copy.deepcopy(model)
+    rec = k3.hf.patch(model, dense="bf16", moe=False, kda=False, mla=False, keep_original=True)
+    assert 0.95 < rec.dense_bytes_stock / rec.dense_bytes_k3 <= 1.0  # 16 bits (+ FP32 bias, padding)
+    assert "MiB BF16" in rec.summary()
+    assert all(m.recipe == "w16a16" for m in model.modules() if isinstance(m, k3.torch.Linear))
+    k3.hf.patch(mx, dense=True, moe=False, kda=False, mla=False)
+    with torch.no_grad():
+        got = model(prompt).logits.float()
+        want = reference(prompt).logits.float()
+        got_mx = mx(prompt).logits.float()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= 1e-2, err
+    err_stock = ((got - before.float()).abs().max() / before.float().abs().max()).item()
+    err_mx = ((got_mx - before.float()).abs().max() / before.float().abs().max()).item()
+    assert err_stock < err_mx, (err_stock, err_mx)
+    k3.hf.unpatch(model)
+    with torch.no_grad():
+        assert torch.equal(model(prompt).logits, before)
+    with pytest.raises(ValueError, match="dense = 'fp8' must be False, True / 'mxfp8'"):
+        k3.hf.patch(build(tiny_config(), seed=4, dtype=torch.bfloat16), dense="fp8")
 
 
 RECORDS_PAST = hasattr(transformers.DynamicCache, "get_recurrent_states_to_keep")  # transformers >= 5.25

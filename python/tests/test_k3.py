@@ -341,6 +341,44 @@ def test_linear_cpu_gives_the_contracts_bits_and_agrees_with_fp64(recipe, out_dt
         assert np.abs(got - y).max() <= 1e-5 * np.abs(y).max()
 
 
+def test_linear_bf16_weights_give_the_contract_and_an_fp64_product():
+    """Recipe w16a16: the BF16 weights themselves (no quantization). Every level gives the
+    contract's bits; against numpy's FP64 product the FP32 output is within FP32 accumulation."""
+    rng = np.random.default_rng(5)
+    n, k, m = 37, 96, 5
+    wb = (rng.standard_normal((n, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    x = (rng.standard_normal((m, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    b = rng.standard_normal(n).astype(np.float32)
+    ref = k3.linear.run(wb, None, x, bias=b, recipe="w16a16", out_dtype="fp32", backend="reference")
+    for isa in [""] + (["avx2", "scalar"] if k3.info()["isa"] != "scalar" else []):
+        got = k3.linear.run(wb, None, x, bias=b, recipe="w16a16", out_dtype="fp32", backend="cpu", isa=isa)
+        np.testing.assert_array_equal(got, ref)
+    layer = k3.linear.CpuLinear(wb, None, bias=b, recipe="w16a16", out_dtype="fp32", max_tokens=64)
+    assert "w16a16" in layer.plan and "bf16 weights" in layer.plan
+    assert layer.packed_bytes == ((n + 15) // 16) * 16 * k * 2 + ((n + 15) // 16) * 16 * (k // 32) + n * 4
+    np.testing.assert_array_equal(layer.run(x), ref)
+    wf = (wb.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    xf = (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    y = xf @ wf.T + b
+    bound = (k + 2) * 2.0 ** -24 * (np.abs(xf) @ np.abs(wf).T + np.abs(b))
+    assert (np.abs(ref - y) <= bound).all()
+    # the panel route (M > 8) too
+    xm = (rng.standard_normal((40, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    np.testing.assert_array_equal(layer.run(xm), k3.linear.run(wb, None, xm, bias=b, recipe="w16a16",
+                                                               out_dtype="fp32", backend="reference"))
+    # refusals by name
+    with pytest.raises(ValueError, match="scales must be None with recipe = 'w16a16'"):
+        k3.linear.run(wb, np.zeros((n, 3), np.uint8), x, recipe="w16a16")
+    bad = wb.copy()
+    bad[3, 17] = 0x7FC1
+    with pytest.raises(ValueError, match="BF16 weight of row 3, column 17 is NaN"):
+        k3.linear.run(bad, None, x, recipe="w16a16")
+    with pytest.raises(ValueError, match="codes has K = 40 columns"):
+        k3.linear.run(np.zeros((3, 40), np.uint16), None, x, recipe="w16a16")
+    with pytest.raises(ValueError, match="codes is float16"):
+        k3.linear.run(np.zeros((3, 32), np.float16), None, x, recipe="w16a16")
+
+
 def test_linear_refuses_bad_arguments_by_name():
     w, codes, scales, x, b = _linear_case()
     with pytest.raises(ValueError, match="recipe = 'w4a8'"):

@@ -282,6 +282,29 @@ def test_linear_module_matches_fp64_to_one_bf16_rounding_and_passes_opcheck():
     assert mod8(x).dtype == torch.float32
 
 
+def test_linear_module_on_bf16_weights_is_the_fp64_product_to_one_rounding():
+    """Linear.from_linear(recipe="w16a16") keeps the nn.Linear's BF16 weight as it is: the output
+    is its FP64 product rounded once to BF16, but for a rare FP32-accumulation flip."""
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(128, 48).to(torch.bfloat16)
+    mod = k3t.Linear.from_linear(lin, recipe="w16a16", max_tokens=64)
+    assert "w16a16" in mod.plan and "recipe=w16a16" in repr(mod)
+    x = torch.randn(3, 5, 128, dtype=torch.bfloat16)
+    y = mod(x)
+    ref = x.double() @ lin.weight.detach().double().T + lin.bias.detach().double()
+    assert ((y.double() - ref).abs() <= ref.abs() * 2.0 ** -8 + 1e-6).all()
+    flips = (y != ref.to(torch.bfloat16)).sum().item()
+    assert flips <= 2, flips
+    # the same bits as the numpy path on the weight's bits, and as a bfloat16 tensor handed in
+    np_out = k3.linear.run(lin.weight.detach().view(torch.uint16).numpy(), None, x.reshape(15, 128).view(torch.uint16).numpy(),
+                           bias=lin.bias.detach().float().numpy(), recipe="w16a16", backend="reference")
+    np.testing.assert_array_equal(y.reshape(15, 48).view(torch.uint16).numpy(), np_out)
+    direct = k3t.Linear(lin.weight.detach(), None, lin.bias.detach().float(), recipe="w16a16")
+    assert torch.equal(direct(x), y)
+    out = torch.empty((15, 48), dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.k3.linear.default, (mod.handle, x.reshape(15, 128), out))
+
+
 def test_linear_op_refuses_what_it_cannot_compute():
     lin = torch.nn.Linear(64, 32).to(torch.bfloat16)
     mod = k3t.Linear.from_linear(lin, max_tokens=8)

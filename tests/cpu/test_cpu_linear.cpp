@@ -30,7 +30,8 @@ struct Case {
   std::vector<float> bias;
   int64_t m = 0;
   std::vector<uint16_t> x;
-  LinearWeightsView view() const { return {codes, scales, bias}; }
+  std::vector<uint16_t> wb;  // W16A16: BF16 weights [N, K]
+  LinearWeightsView view() const { return {codes, scales, bias, wb}; }
 };
 
 uint8_t random_code(std::mt19937& rng) {
@@ -41,19 +42,30 @@ uint8_t random_code(std::mt19937& rng) {
 }
 
 // Weights: every non-NaN E4M3 code, scales around 2^0 with a few extremes (codes 0 and 254 only
-// where asked); x: BF16 values of magnitude 2^-8 .. 2^8 with random signs and some zeros.
+// where asked); W16A16: BF16 weights of magnitude 2^-12 .. 2^4, some zeros and (extreme) some
+// subnormals and +-Inf; x: BF16 values of magnitude 2^-8 .. 2^8 with random signs and some zeros.
 Case make_case(int64_t k, int64_t n, int64_t m, LinearRecipe recipe, OutDType out, bool bias, uint32_t seed,
                bool extreme_scales = false) {
   Case c;
   c.p = {k, n, recipe, out, bias};
   c.m = m;
   std::mt19937 rng(seed);
-  c.codes.resize(static_cast<size_t>(n * k));
-  for (auto& v : c.codes) v = random_code(rng);
-  c.scales.resize(static_cast<size_t>(n * k / 32));
-  for (auto& s : c.scales) {
-    s = static_cast<uint8_t>(118 + rng() % 12);
-    if (extreme_scales && rng() % 8 == 0) s = rng() % 2 ? 0 : 1;
+  if (recipe == LinearRecipe::kW16A16) {
+    c.wb.resize(static_cast<size_t>(n * k));
+    std::uniform_real_distribution<float> wd(-12.0f, 4.0f);
+    for (auto& v : c.wb) {
+      const float mag = std::exp2(wd(rng));
+      v = rng() % 16 == 0 ? 0 : bf16_from_f32(rng() % 2 ? mag : -mag);
+      if (extreme_scales && rng() % 64 == 0) v = static_cast<uint16_t>(rng() % 2 ? 0x0003 : 0x8041);  // subnormals
+    }
+  } else {
+    c.codes.resize(static_cast<size_t>(n * k));
+    for (auto& v : c.codes) v = random_code(rng);
+    c.scales.resize(static_cast<size_t>(n * k / 32));
+    for (auto& s : c.scales) {
+      s = static_cast<uint8_t>(118 + rng() % 12);
+      if (extreme_scales && rng() % 8 == 0) s = rng() % 2 ? 0 : 1;
+    }
   }
   if (bias) {
     c.bias.resize(static_cast<size_t>(n));
@@ -122,7 +134,7 @@ TEST(CpuLinear, BitIdenticalToTheContractOnEveryLevelRouteAndThreadCount) {
   const Shape shapes[] = {{32, 1}, {96, 37}, {160, 50}, {288, 129}};
   const int64_t rows[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 23, 40};
   uint32_t seed = 1;
-  for (const auto recipe : {LinearRecipe::kW8A16, LinearRecipe::kW8A8}) {
+  for (const auto recipe : {LinearRecipe::kW8A16, LinearRecipe::kW8A8, LinearRecipe::kW16A16}) {
     for (const auto& s : shapes) {
       for (const int64_t m : rows) {
         const OutDType out = seed % 3 == 0 ? OutDType::kFP32 : seed % 3 == 1 ? OutDType::kBF16 : OutDType::kFP16;
@@ -151,7 +163,7 @@ TEST(CpuLinear, BitIdenticalToTheContractOnEveryLevelRouteAndThreadCount) {
 // Rows that the SIMD kernels hand to the portable body (|x| >= 2^120; on avx512bf16 also tiny,
 // huge and non-finite values) give the contract's bits too, next to ordinary rows.
 TEST(CpuLinear, EdgeRowsTakeThePortableBodyWithTheSameBits) {
-  for (const auto recipe : {LinearRecipe::kW8A16, LinearRecipe::kW8A8}) {
+  for (const auto recipe : {LinearRecipe::kW8A16, LinearRecipe::kW8A8, LinearRecipe::kW16A16}) {
     Case c = make_case(128, 40, 12, recipe, OutDType::kFP32, true, 77);
     const int64_t k = c.p.k;
     c.x[0 * k + 5] = bf16_from_f32(std::ldexp(1.0f, 121));    // huge: portable on every level
@@ -184,13 +196,14 @@ TEST(CpuLinear, EdgeRowsTakeThePortableBodyWithTheSameBits) {
 // The contract against the FP64 oracle: every element within the FP32 accumulation bound
 // (K + 2 roundings of at most 2^-24 relative each, on the sum of |terms|) plus the output rounding.
 TEST(CpuLinear, ContractWithinTheFp32AccumulationBoundOfTheFp64Oracle) {
-  for (const auto recipe : {LinearRecipe::kW8A16, LinearRecipe::kW8A8}) {
+  for (const auto recipe : {LinearRecipe::kW8A16, LinearRecipe::kW8A8, LinearRecipe::kW16A16}) {
     const Case c = make_case(1536, 48, 5, recipe, OutDType::kFP32, true, 5);
     std::vector<double> oracle(static_cast<size_t>(c.m * c.p.n));
     ASSERT_TRUE(linear_oracle_fp64(c.p, c.view(), c.m, c.x, oracle).is_ok());
     // sum of |terms| with the same operands
     Case a = c;
     for (auto& v : a.codes) v &= 0x7F;
+    for (auto& v : a.wb) v &= 0x7FFF;
     for (auto& v : a.bias) v = std::fabs(v);
     for (auto& v : a.x) v &= 0x7FFF;
     std::vector<double> abs_sum(oracle.size());
@@ -217,7 +230,7 @@ TEST(CpuLinear, ContractWithinTheFp32AccumulationBoundOfTheFp64Oracle) {
 // gives +-Inf (or NaN where it meets a zero weight or both signs); W8A8 Inf saturates in the MX
 // codec (scale 2^127, element +-448) and dequantizes to +-Inf, as the codec defines.
 TEST(CpuLinear, NonFiniteInputsFollowTheOraclesClass) {
-  for (const auto recipe : {LinearRecipe::kW8A16, LinearRecipe::kW8A8}) {
+  for (const auto recipe : {LinearRecipe::kW8A16, LinearRecipe::kW8A8, LinearRecipe::kW16A16}) {
     Case c = make_case(64, 20, 3, recipe, OutDType::kBF16, false, 9);
     c.x[0 * 64 + 4] = 0x7FC0;                    // NaN
     c.x[1 * 64 + 10] = bf16_from_f32(INFINITY);  // +Inf
@@ -245,7 +258,7 @@ TEST(CpuLinear, NonFiniteInputsFollowTheOraclesClass) {
         }
       }
     }
-    if (recipe == LinearRecipe::kW8A16) {
+    if (recipe != LinearRecipe::kW8A8) {
       // row 1 meets the Inf: with random weights its outputs are +-Inf or NaN in the oracle
       int nonfinite = 0;
       for (int64_t j = 0; j < c.p.n; ++j) nonfinite += !std::isfinite(oracle[static_cast<size_t>(c.p.n + j)]);
@@ -384,6 +397,85 @@ TEST(CpuLinear, PrepackAndRunErrorsNameWhatIsWrong) {
   std::vector<uint8_t> codes(static_cast<size_t>(3 * 64)), scales(6);
   expect_error(cpu::run_quantized(plan.value(), packed.value(), 3, codes, scales, ws, out),
                StatusCode::kInvalidArgument, "needs a w8a8 plan");
+}
+
+// W16A16: BF16 weights, no quantization. The avx512bf16 level runs the AVX-512 FP32 kernels (VDPBF16PS
+// is not exact for BF16 x BF16 sums), and an Inf weight follows IEEE like an Inf input. MXFP8
+// weights given as their BF16 values give the W8A16 bits: the block scale, a power of two, then
+// scales every partial sum exactly (no subnormal or overflowing partial in this case).
+TEST(CpuLinear, Bf16WeightsGiveTheContractAndEqualMxfp8WeightsOfTheSameValues) {
+  LinearProblem p{1536, 7168, LinearRecipe::kW16A16, OutDType::kBF16, false};
+  cpu::LinearOptions o;
+  o.threads = 2;
+  auto plan = cpu::plan(p, o);
+  ASSERT_TRUE(plan.is_ok());
+  EXPECT_FALSE(plan->pair_layout);
+  EXPECT_NE(plan->describe().find("w16a16"), std::string::npos) << plan->describe();
+  EXPECT_NE(plan->describe().find("bf16 weights"), std::string::npos) << plan->describe();
+  // The MXFP8 case's weights as BF16 values (E4M3 x 2^(s-127) is exact in BF16 for these scales).
+  Case q = make_case(96, 37, 5, LinearRecipe::kW8A16, OutDType::kFP32, true, 41);
+  Case b = q;
+  b.p.recipe = LinearRecipe::kW16A16;
+  b.codes.clear();
+  b.scales.clear();
+  b.wb.resize(static_cast<size_t>(q.p.n * q.p.k));
+  for (int64_t i = 0; i < q.p.n * q.p.k; ++i)
+    b.wb[static_cast<size_t>(i)] = bf16_from_f32(e4m3_to_f32(q.codes[static_cast<size_t>(i)]) *
+                                                 e8m0_to_f32(q.scales[static_cast<size_t>(i / 32)]));
+  const auto want = reference(b);
+  EXPECT_EQ(count_output_mismatches(want, reference(q), OutDType::kFP32), 0);
+  for (const IsaLevel isa : supported_levels()) {
+    cpu::LinearOptions oi;
+    oi.isa = isa;
+    oi.threads = 2;
+    auto got = run_cpu(b, oi);
+    ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+    expect_same_bits(b, got.value(), want, where(b, isa, 2, 8));
+  }
+  std::vector<double> o8(static_cast<size_t>(q.m * q.p.n)), o16(o8.size());
+  ASSERT_TRUE(linear_oracle_fp64(q.p, q.view(), q.m, q.x, o8).is_ok());
+  ASSERT_TRUE(linear_oracle_fp64(b.p, b.view(), b.m, b.x, o16).is_ok());
+  EXPECT_EQ(o8, o16);
+  // An Inf weight: the outputs of its column are +-Inf or NaN, as in the oracle.
+  Case inf = make_case(64, 20, 3, LinearRecipe::kW16A16, OutDType::kFP32, false, 43);
+  inf.wb[static_cast<size_t>(5 * 64 + 7)] = 0x7F80;
+  std::vector<double> oi(static_cast<size_t>(inf.m * inf.p.n));
+  ASSERT_TRUE(linear_oracle_fp64(inf.p, inf.view(), inf.m, inf.x, oi).is_ok());
+  auto got = run_cpu(inf, o);
+  ASSERT_TRUE(got.is_ok());
+  expect_same_bits(inf, got.value(), reference(inf), "w16a16 with an Inf weight");
+  for (int64_t r = 0; r < inf.m; ++r) EXPECT_FALSE(std::isfinite(oi[static_cast<size_t>(r * inf.p.n + 5)]));
+}
+
+TEST(CpuLinear, Bf16WeightErrorsNameTheFieldRowAndColumn) {
+  Case c = make_case(64, 20, 3, LinearRecipe::kW16A16, OutDType::kFP32, true, 47);
+  auto plan = cpu::plan(c.p, {});
+  ASSERT_TRUE(plan.is_ok());
+  Case d = c;
+  d.wb.pop_back();
+  expect_error(cpu::prepack(plan.value(), d.view()).status(), StatusCode::kInvalidArgument,
+               "BF16 weights has 1279 elements; expected 1280 (N x K BF16 values)");
+  d = c;
+  d.wb[static_cast<size_t>(4 * 64 + 33)] = 0xFFC1;
+  expect_error(cpu::prepack(plan.value(), d.view()).status(), StatusCode::kInvalidArgument,
+               "BF16 weight of row 4, column 33 is NaN");
+  d = c;
+  d.codes.assign(static_cast<size_t>(20 * 64), 0);
+  expect_error(cpu::prepack(plan.value(), d.view()).status(), StatusCode::kInvalidArgument,
+               "recipe w16a16 takes BF16 weights (the bf16 field); codes and scales must be empty, got 1280 codes");
+  // MXFP8 recipes refuse BF16 weights, and a W8A16 plan refuses W16A16 packed weights.
+  Case m8 = make_case(64, 20, 3, LinearRecipe::kW8A16, OutDType::kFP32, true, 48);
+  m8.wb = c.wb;
+  auto plan8 = cpu::plan(m8.p, {});
+  expect_error(cpu::prepack(plan8.value(), m8.view()).status(), StatusCode::kInvalidArgument,
+               "recipe w8a16 takes MXFP8 weights (codes and scales); the bf16 field must be empty, got 1280 values");
+  auto packed16 = cpu::prepack(plan.value(), c.view());
+  ASSERT_TRUE(packed16.is_ok());
+  std::vector<uint8_t> ws(static_cast<size_t>(plan8->workspace_bytes)), out(static_cast<size_t>(3 * 20 * 4));
+  expect_error(cpu::run(plan8.value(), packed16.value(), 3, c.x, ws, out), StatusCode::kInvalidArgument,
+               "do not belong to this plan");
+  expect_error(parse_linear_recipe("w4a16").status(), StatusCode::kInvalidArgument, "allowed: w8a8, w8a16, w16a16");
+  EXPECT_EQ(parse_linear_recipe("w16a16").value(), LinearRecipe::kW16A16);
 }
 
 TEST(CpuLinear, RegistryOffersCpuThenReferenceWithTheSameBits) {

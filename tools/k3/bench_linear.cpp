@@ -51,6 +51,11 @@ Result<std::pair<int64_t, int64_t>> parse_shape(const std::string& s) {
   }
 }
 
+// Bytes of one layer's weights: 8 bits + one scale per 32 (MXFP8), or 16 bits (BF16).
+int64_t weight_bytes(const LinearProblem& p) {
+  return p.recipe == LinearRecipe::kW16A16 ? p.n * p.k * 2 : p.n * p.k * 33 / 32;
+}
+
 struct Layer {
   LinearProblem p;
   cpu::LinearPlan plan;
@@ -84,14 +89,24 @@ Status run(const Args& a) {
       o.isa = isa.value();
       o.max_tokens = max_m;
       K3_ASSIGN_OR_RETURN(l.plan, cpu::plan(l.p, o));
-      std::vector<uint8_t> codes(static_cast<size_t>(l.p.n * l.p.k)), scales(static_cast<size_t>(l.p.n * l.p.k / 32));
-      for (auto& c : codes) {
-        do c = static_cast<uint8_t>(rng() & 0xFF);
-        while ((c & 0x7F) == 0x7F);
+      const bool b16 = l.p.recipe == LinearRecipe::kW16A16;
+      std::vector<uint8_t> codes, scales;
+      std::vector<uint16_t> wb;
+      if (b16) {
+        wb.resize(static_cast<size_t>(l.p.n * l.p.k));
+        std::normal_distribution<float> wd(0.0f, 0.05f);
+        for (auto& v : wb) v = bf16_from_f32(wd(rng));
+      } else {
+        codes.resize(static_cast<size_t>(l.p.n * l.p.k));
+        scales.resize(static_cast<size_t>(l.p.n * l.p.k / 32));
+        for (auto& c : codes) {
+          do c = static_cast<uint8_t>(rng() & 0xFF);
+          while ((c & 0x7F) == 0x7F);
+        }
+        for (auto& sc : scales) sc = static_cast<uint8_t>(118 + rng() % 12);
       }
-      for (auto& sc : scales) sc = static_cast<uint8_t>(118 + rng() % 12);
-      const LinearWeightsView w{codes, scales, {}};
-      const int64_t bytes = l.p.n * l.p.k * 33 / 32;
+      const LinearWeightsView w{codes, scales, {}, wb};
+      const int64_t bytes = weight_bytes(l.p);
       const int64_t copies = std::max<int64_t>(1, (a.pool_mib << 20) / bytes + 1);
       for (int64_t c = 0; c < copies; ++c) {
         K3_ASSIGN_OR_RETURN(auto packed, cpu::prepack(l.plan, w));
@@ -109,6 +124,16 @@ Status run(const Args& a) {
               bw.value / 1e9, bw.min / 1e9, bw.max / 1e9, peak.what.c_str(), peak.value / 1e9, peak.min / 1e9,
               peak.max / 1e9);
   print_probe_note(peak);
+  // W16A16 runs FP32 FMAs on every level: on avx512bf16 its limit is the AVX-512 FP32 FMA peak.
+  const bool fp32_peak_needed =
+      isa.value() == IsaLevel::kAvx512Bf16 &&
+      std::any_of(layers.begin(), layers.end(), [](const Layer& l) { return l.p.recipe == LinearRecipe::kW16A16; });
+  const auto peak_fp32 = fp32_peak_needed ? measure_dot_peak(threads, IsaLevel::kAvx512) : peak;
+  if (fp32_peak_needed) {
+    std::printf("limit of w16a16 (FP32 FMA kernels): %s %.1f GFLOP/s [%.1f, %.1f]\n", peak_fp32.what.c_str(),
+                peak_fp32.value / 1e9, peak_fp32.min / 1e9, peak_fp32.max / 1e9);
+    print_probe_note(peak_fp32);
+  }
   std::printf("%s\n\n", layers.front().plan.describe().c_str());
 
   // x for the largest M, shared (BF16 values of magnitude ~1).
@@ -158,9 +183,10 @@ Status run(const Args& a) {
       std::sort(t.begin(), t.end());
       const Timing tm{t[t.size() / 2], t.front(), t.back(), static_cast<int>(t.size())};
       const int64_t m = a.m[mi];
-      const double bytes = static_cast<double>(l.p.n * l.p.k) * 33.0 / 32.0 + static_cast<double>(m * (l.p.k + l.p.n) * 2);
+      const double bytes = static_cast<double>(weight_bytes(l.p)) + static_cast<double>(m * (l.p.k + l.p.n) * 2);
       const double gbs = bytes / tm.median, flops = 2.0 * static_cast<double>(m * l.p.n * l.p.k) / tm.median;
-      const double fbw = gbs / bw.value, fpk = flops / peak.value;
+      const double fbw = gbs / bw.value;
+      const double fpk = flops / (l.p.recipe == LinearRecipe::kW16A16 ? peak_fp32.value : peak.value);
       over = over || fbw > 1.0 || fpk > 1.0;
       std::printf("%5lldx%-5lld %-6s %5lld | %9.3f [%7.3f, %7.3f] | %9.2f %6.1f%% | %9.1f %6.1f%%%s\n",
                   static_cast<long long>(l.p.k), static_cast<long long>(l.p.n), linear_recipe_name(l.p.recipe),
@@ -185,6 +211,7 @@ Status run(const Args& a) {
                         {"plan", layers.front().plan.describe()},
                         {"read_bandwidth_Bps", to_json(bw)},
                         {"peak_flops", to_json(peak)},
+                        {"peak_flops_w16a16", to_json(peak_fp32)},
                         {"rounds", a.rounds},
                         {"pool_mib", a.pool_mib},
                         {"records", records}};
@@ -194,14 +221,16 @@ Status run(const Args& a) {
 }
 
 const BenchRegistration kRegistration("linear", [](CLI::App& bench) -> CommandRun {
-  auto* cmd = bench.add_subcommand("linear", "Dense MXFP8 linear layer: M sweep at the seed's and Kimi-Linear's shapes");
+  auto* cmd = bench.add_subcommand("linear", "Dense linear layer (MXFP8 or BF16 weights): M sweep at the seed's and Kimi-Linear's shapes");
   auto a = std::make_shared<Args>();
   cmd->add_option("--threads", a->threads, "Threads (default: K3_NUM_THREADS or all CPUs)");
   cmd->add_option("--isa", a->isa,
                   "CPU kernel level: scalar | avx2 | avx512 | avx512bf16 (default: K3_ISA or the CPU's best); the "
                   "peak is measured for the same level");
   cmd->add_option("--shapes", a->shapes, "KxN shapes (comma- or space-separated)")->delimiter(',')->capture_default_str();
-  cmd->add_option("--recipes", a->recipes, "w8a16 and / or w8a8")->delimiter(',')->capture_default_str();
+  cmd->add_option("--recipes", a->recipes, "w8a16, w8a8 and / or w16a16 (BF16 weights)")
+      ->delimiter(',')
+      ->capture_default_str();
   cmd->add_option("--m", a->m, "Rows M (1 to 65536; comma- or space-separated)")
       ->delimiter(',')
       ->capture_default_str()

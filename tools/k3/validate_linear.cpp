@@ -32,7 +32,8 @@ struct LinCase {
   std::vector<uint8_t> codes, scales;
   std::vector<float> bias;
   std::vector<uint16_t> x;
-  LinearWeightsView view() const { return {codes, scales, bias}; }
+  std::vector<uint16_t> wb;  // W16A16 weights
+  LinearWeightsView view() const { return {codes, scales, bias, wb}; }
 };
 
 LinCase make(const std::string& name, int64_t k, int64_t n, int64_t m, LinearRecipe r, OutDType d, bool bias,
@@ -42,13 +43,19 @@ LinCase make(const std::string& name, int64_t k, int64_t n, int64_t m, LinearRec
   c.p = {k, n, r, d, bias};
   c.m = m;
   std::mt19937_64 rng(seed);
-  c.codes.resize(static_cast<size_t>(n * k));
-  for (auto& v : c.codes) {
-    do v = static_cast<uint8_t>(rng() & 0xFF);
-    while ((v & 0x7F) == 0x7F);
+  if (r == LinearRecipe::kW16A16) {  // BF16 weights of a checkpoint's scale
+    c.wb.resize(static_cast<size_t>(n * k));
+    std::normal_distribution<float> wd(0.0f, 0.05f);
+    for (auto& v : c.wb) v = bf16_from_f32(wd(rng));
+  } else {
+    c.codes.resize(static_cast<size_t>(n * k));
+    for (auto& v : c.codes) {
+      do v = static_cast<uint8_t>(rng() & 0xFF);
+      while ((v & 0x7F) == 0x7F);
+    }
+    c.scales.resize(static_cast<size_t>(n * k / 32));
+    for (auto& s : c.scales) s = static_cast<uint8_t>(116 + rng() % 8);
   }
-  c.scales.resize(static_cast<size_t>(n * k / 32));
-  for (auto& s : c.scales) s = static_cast<uint8_t>(116 + rng() % 8);
   if (bias) {
     c.bias.resize(static_cast<size_t>(n));
     std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -139,6 +146,8 @@ std::vector<ValidateRow> run_linear_validation(const ValidateOptions& o) {
     cases.push_back(make("odd", 96, 37, 3, LinearRecipe::kW8A8, OutDType::kFP32, true, seed + 1));
     cases.push_back(make("odd", 160, 50, 9, LinearRecipe::kW8A16, OutDType::kBF16, true, seed + 2));
     cases.push_back(make("odd", 224, 129, 40, LinearRecipe::kW8A8, OutDType::kFP16, false, seed + 3));
+    cases.push_back(make("odd", 160, 37, 3, LinearRecipe::kW16A16, OutDType::kBF16, true, seed + 12));
+    cases.push_back(make("odd", 96, 50, 40, LinearRecipe::kW16A16, OutDType::kFP32, false, seed + 13));
     if (!smoke) {
       cases.push_back(make("rows", 96, 40, 4096, LinearRecipe::kW8A16, OutDType::kFP32, true, seed + 4));
       cases.push_back(make("rows", 96, 40, 4096, LinearRecipe::kW8A8, OutDType::kFP32, true, seed + 5));
@@ -148,10 +157,13 @@ std::vector<ValidateRow> run_linear_validation(const ValidateOptions& o) {
       cases.push_back(make("latent up", 3584, 7168, 2, LinearRecipe::kW8A8, OutDType::kFP32, false, seed + 9));
       cases.push_back(make("kimi-linear q", 2304, 4096, 16, LinearRecipe::kW8A16, OutDType::kFP32, true, seed + 10));
       cases.push_back(make("kimi-linear o", 4096, 2304, 33, LinearRecipe::kW8A16, OutDType::kBF16, false, seed + 11));
+      cases.push_back(make("rows", 96, 40, 4096, LinearRecipe::kW16A16, OutDType::kFP32, true, seed + 14));
+      cases.push_back(make("kimi-linear q", 2304, 4096, 1, LinearRecipe::kW16A16, OutDType::kBF16, false, seed + 15));
+      cases.push_back(make("kimi-linear o", 4096, 2304, 24, LinearRecipe::kW16A16, OutDType::kBF16, false, seed + 16));
     }
   }
   if (all || o.suite == "nonfinite") {
-    for (const auto r : {LinearRecipe::kW8A16, LinearRecipe::kW8A8}) {
+    for (const auto r : {LinearRecipe::kW8A16, LinearRecipe::kW8A8, LinearRecipe::kW16A16}) {
       LinCase c = make("nonfinite", 128, 48, 12, r, OutDType::kFP32, true, seed + 20);
       const int64_t k = c.p.k;
       c.x[0 * k + 5] = 0x7FC0;                                  // NaN: the row is NaN
@@ -173,7 +185,8 @@ std::vector<ValidateRow> run_linear_validation(const ValidateOptions& o) {
   if (all || o.suite == "determinism") {
     const LinCase c = make("determinism", 288, 129, 40, LinearRecipe::kW8A8, OutDType::kBF16, true, seed + 30);
     const LinCase d = make("determinism", 288, 129, 5, LinearRecipe::kW8A16, OutDType::kFP32, true, seed + 31);
-    for (const LinCase* cc : {&c, &d}) {
+    const LinCase e = make("determinism", 288, 129, 40, LinearRecipe::kW16A16, OutDType::kBF16, true, seed + 32);
+    for (const LinCase* cc : {&c, &d, &e}) {
       ValidateRow row;
       row.op = "linear";
       row.case_name = row_name(*cc) + " threads 1,2,3 x isa";

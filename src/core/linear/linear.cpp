@@ -11,12 +11,20 @@
 
 namespace k3 {
 
-const char* linear_recipe_name(LinearRecipe r) { return r == LinearRecipe::kW8A8 ? "w8a8" : "w8a16"; }
+const char* linear_recipe_name(LinearRecipe r) {
+  switch (r) {
+    case LinearRecipe::kW8A8: return "w8a8";
+    case LinearRecipe::kW8A16: return "w8a16";
+    case LinearRecipe::kW16A16: return "w16a16";
+  }
+  return "?";
+}
 
 Result<LinearRecipe> parse_linear_recipe(const std::string& s) {
   if (s == "w8a8") return LinearRecipe::kW8A8;
   if (s == "w8a16") return LinearRecipe::kW8A16;
-  return invalid_argument("recipe '" + s + "' is not a linear recipe (allowed: w8a8, w8a16)");
+  if (s == "w16a16") return LinearRecipe::kW16A16;
+  return invalid_argument("recipe '" + s + "' is not a linear recipe (allowed: w8a8, w8a16, w16a16)");
 }
 
 Status validate_linear_problem(const LinearProblem& p) {
@@ -27,8 +35,8 @@ Status validate_linear_problem(const LinearProblem& p) {
     return invalid_argument("linear: n = " + std::to_string(p.n) + " must be in [1, " + std::to_string(kLinearMaxDim) + "]");
   if (p.out_dtype != OutDType::kBF16 && p.out_dtype != OutDType::kFP16 && p.out_dtype != OutDType::kFP32)
     return invalid_argument("linear: out_dtype must be bf16, fp16 or fp32");
-  if (p.recipe != LinearRecipe::kW8A8 && p.recipe != LinearRecipe::kW8A16)
-    return invalid_argument("linear: recipe must be w8a8 or w8a16");
+  if (p.recipe != LinearRecipe::kW8A8 && p.recipe != LinearRecipe::kW8A16 && p.recipe != LinearRecipe::kW16A16)
+    return invalid_argument("linear: recipe must be w8a8, w8a16 or w16a16");
   return Status::ok();
 }
 
@@ -42,14 +50,32 @@ Status size_error(const char* what, size_t got, int64_t want, const std::string&
 Status validate_linear_weights(const LinearProblem& p, const LinearWeightsView& w) {
   if (auto st = validate_linear_problem(p); !st.is_ok()) return st;
   const int64_t blocks = p.k / kMxBlock;
-  if (static_cast<int64_t>(w.codes.size()) != p.n * p.k)
-    return size_error("weight codes", w.codes.size(), p.n * p.k, "N x K E4M3 codes");
-  if (static_cast<int64_t>(w.scales.size()) != p.n * blocks)
-    return size_error("weight scales", w.scales.size(), p.n * blocks, "N x K/32 E8M0 codes");
   if (p.bias && static_cast<int64_t>(w.bias.size()) != p.n) return size_error("bias", w.bias.size(), p.n, "N FP32 values");
   if (!p.bias && !w.bias.empty())
     return invalid_argument("linear: a bias of " + std::to_string(w.bias.size()) +
                             " values was given but the problem has bias = false");
+  if (p.recipe == LinearRecipe::kW16A16) {
+    if (!w.codes.empty() || !w.scales.empty())
+      return invalid_argument("linear: recipe w16a16 takes BF16 weights (the bf16 field); codes and scales must be "
+                              "empty, got " + std::to_string(w.codes.size()) + " codes and " +
+                              std::to_string(w.scales.size()) + " scales");
+    if (static_cast<int64_t>(w.bf16.size()) != p.n * p.k)
+      return size_error("BF16 weights", w.bf16.size(), p.n * p.k, "N x K BF16 values");
+    for (int64_t i = 0; i < p.n * p.k; ++i) {
+      if ((w.bf16[static_cast<size_t>(i)] & 0x7FFF) > 0x7F80)
+        return invalid_argument("linear: BF16 weight of row " + std::to_string(i / p.k) + ", column " +
+                                std::to_string(i % p.k) + " is NaN; the layer refuses NaN weights");
+    }
+    return Status::ok();
+  }
+  if (!w.bf16.empty())
+    return invalid_argument(std::string("linear: recipe ") + linear_recipe_name(p.recipe) +
+                            " takes MXFP8 weights (codes and scales); the bf16 field must be empty, got " +
+                            std::to_string(w.bf16.size()) + " values");
+  if (static_cast<int64_t>(w.codes.size()) != p.n * p.k)
+    return size_error("weight codes", w.codes.size(), p.n * p.k, "N x K E4M3 codes");
+  if (static_cast<int64_t>(w.scales.size()) != p.n * blocks)
+    return size_error("weight scales", w.scales.size(), p.n * blocks, "N x K/32 E8M0 codes");
   for (int64_t r = 0; r < p.n; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
       if (w.scales[static_cast<size_t>(r * blocks + b)] == kE8M0Nan)
@@ -80,7 +106,7 @@ Status validate_linear_io(const LinearProblem& p, int64_t m, std::span<const uin
 }
 
 void linear_operand_row(const LinearProblem& p, std::span<const uint16_t> x_row, std::span<float> out) {
-  if (p.recipe == LinearRecipe::kW8A16) {
+  if (p.recipe != LinearRecipe::kW8A8) {
     for (int64_t k = 0; k < p.k; ++k) out[static_cast<size_t>(k)] = bf16_to_f32(x_row[static_cast<size_t>(k)]);
     return;
   }
@@ -95,6 +121,15 @@ void linear_operand_row(const LinearProblem& p, std::span<const uint16_t> x_row,
 }
 
 namespace {
+// w_k (unscaled) and s_b of the contract for output n.
+float weight_value(const LinearProblem& p, const LinearWeightsView& w, int64_t n, int64_t k) {
+  const size_t i = static_cast<size_t>(n * p.k + k);
+  return p.recipe == LinearRecipe::kW16A16 ? bf16_to_f32(w.bf16[i]) : e4m3_to_f32(w.codes[i]);
+}
+uint8_t block_scale(const LinearProblem& p, const LinearWeightsView& w, int64_t n, int64_t b) {
+  return p.recipe == LinearRecipe::kW16A16 ? uint8_t{127} : w.scales[static_cast<size_t>(n * (p.k / kMxBlock) + b)];
+}
+
 void store(OutDType d, float v, uint8_t* dst) {
   if (d == OutDType::kFP32) {
     std::memcpy(dst, &v, 4);
@@ -115,15 +150,14 @@ Status linear_reference(const LinearProblem& p, const LinearWeightsView& w, int6
   for (int64_t r = 0; r < m; ++r) {
     linear_operand_row(p, x.subspan(static_cast<size_t>(r * p.k), static_cast<size_t>(p.k)), xv);
     for (int64_t n = 0; n < p.n; ++n) {
-      const uint8_t* wr = w.codes.data() + n * p.k;
       float total = 0.0f;
       for (int64_t b = 0; b < blocks; ++b) {
         float partial = 0.0f;
         for (int64_t k = b * kMxBlock; k < (b + 1) * kMxBlock; k += 2) {
-          partial = std::fma(e4m3_to_f32(wr[k + 1]), xv[static_cast<size_t>(k + 1)], partial);
-          partial = std::fma(e4m3_to_f32(wr[k]), xv[static_cast<size_t>(k)], partial);
+          partial = std::fma(weight_value(p, w, n, k + 1), xv[static_cast<size_t>(k + 1)], partial);
+          partial = std::fma(weight_value(p, w, n, k), xv[static_cast<size_t>(k)], partial);
         }
-        total = std::fma(partial, e8m0_to_f32(w.scales[static_cast<size_t>(n * blocks + b)]), total);
+        total = std::fma(partial, e8m0_to_f32(block_scale(p, w, n, b)), total);
       }
       if (p.bias) total = total + w.bias[static_cast<size_t>(n)];
       store(p.out_dtype, total, out.data() + (r * p.n + n) * size);
@@ -146,10 +180,9 @@ Status linear_oracle_fp64(const LinearProblem& p, const LinearWeightsView& w, in
     for (int64_t n = 0; n < p.n; ++n) {
       double acc = 0.0;
       for (int64_t b = 0; b < blocks; ++b) {
-        const double scale = std::ldexp(1.0, e8m0_exponent(w.scales[static_cast<size_t>(n * blocks + b)]));
+        const double scale = std::ldexp(1.0, e8m0_exponent(block_scale(p, w, n, b)));
         for (int64_t k = b * kMxBlock; k < (b + 1) * kMxBlock; ++k)
-          acc += static_cast<double>(e4m3_to_f32(w.codes[static_cast<size_t>(n * p.k + k)])) * scale *
-                 static_cast<double>(xv[static_cast<size_t>(k)]);
+          acc += static_cast<double>(weight_value(p, w, n, k)) * scale * static_cast<double>(xv[static_cast<size_t>(k)]);
       }
       if (p.bias) acc += static_cast<double>(w.bias[static_cast<size_t>(n)]);
       out_fp64[static_cast<size_t>(r * p.n + n)] = acc;

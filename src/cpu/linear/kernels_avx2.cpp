@@ -22,6 +22,12 @@ K3_LIN_TARGET inline void decode16(const uint8_t* c, vf (&w)[2]) {
   w[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
   w[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
+// 16 BF16 weights (32 bytes) -> FP32: zero-extend to 32 bits and shift into the high half.
+K3_LIN_TARGET inline void decode16_bf16(const uint8_t* c, vf (&w)[2]) {
+  w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))), 16));
+  w[1] = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16))), 16));
+}
 // 2^(s-127) from E8M0 codes (code 0: 2^-127, the FP32 subnormal 0x00400000).
 K3_LIN_TARGET inline vf scale8(const uint8_t* s) {
   const __m256i e = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))), 23);
@@ -40,31 +46,38 @@ namespace k3::cpu::lin {
 
 // Tiles in flight: 2 at M = 1 and 2 (each tile is a separate memory stream, and fewer streams per
 // thread stream faster; 2 tiles x 2 vectors = 4 FMA chains per row), else 1; 5-8 rows in two passes.
-K3_LIN_TARGET void stream_avx2(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
+template <bool B16>
+K3_LIN_TARGET void stream_avx2_t(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
   using namespace avx2;
   const int64_t ldt = (t1 - t0) * kLanes;
   switch (x.rows) {
-    case 1: return stream_range<1, 2>(w, x, 0, t0, t1, tot, ldt);
-    case 2: return stream_range<2, 2>(w, x, 0, t0, t1, tot, ldt);
-    case 3: return stream_range<3, 1>(w, x, 0, t0, t1, tot, ldt);
-    case 4: return stream_range<4, 1>(w, x, 0, t0, t1, tot, ldt);
+    case 1: return stream_range<1, 2, B16>(w, x, 0, t0, t1, tot, ldt);
+    case 2: return stream_range<2, 2, B16>(w, x, 0, t0, t1, tot, ldt);
+    case 3: return stream_range<3, 1, B16>(w, x, 0, t0, t1, tot, ldt);
+    case 4: return stream_range<4, 1, B16>(w, x, 0, t0, t1, tot, ldt);
     default: break;
   }
-  // 5..8 rows: per tile, rows 0-3 then the rest; the tile (16 K bytes) is in L2 for the second pass.
+  // 5..8 rows: per tile, rows 0-3 then the rest; the tile (16 K weights) is in L2 for the second pass.
   for (int64_t t = t0; t < t1; ++t) {
     float* base = tot + (t - t0) * kLanes;
-    stream_rows<4, 1>(w, x, 0, t, t + 1, t, base, ldt);
+    stream_rows<4, 1, B16>(w, x, 0, t, t + 1, t, base, ldt);
     switch (x.rows) {
-      case 5: stream_rows<1, 1>(w, x, 4, t, t + 1, t, base, ldt); break;
-      case 6: stream_rows<2, 1>(w, x, 4, t, t + 1, t, base, ldt); break;
-      case 7: stream_rows<3, 1>(w, x, 4, t, t + 1, t, base, ldt); break;
-      default: stream_rows<4, 1>(w, x, 4, t, t + 1, t, base, ldt); break;
+      case 5: stream_rows<1, 1, B16>(w, x, 4, t, t + 1, t, base, ldt); break;
+      case 6: stream_rows<2, 1, B16>(w, x, 4, t, t + 1, t, base, ldt); break;
+      case 7: stream_rows<3, 1, B16>(w, x, 4, t, t + 1, t, base, ldt); break;
+      default: stream_rows<4, 1, B16>(w, x, 4, t, t + 1, t, base, ldt); break;
     }
   }
 }
 
+K3_LIN_TARGET void stream_avx2(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
+  if (w.bf16_weights()) return stream_avx2_t<true>(w, x, t0, t1, tot);
+  stream_avx2_t<false>(w, x, t0, t1, tot);
+}
+
 K3_LIN_TARGET void panel_avx2(const PackedLinear& w, const Operand& x, int64_t tile, void* panel, float* tot) {
-  avx2::panel(w, x, tile, panel, tot);
+  if (w.bf16_weights()) return avx2::panel<true>(w, x, tile, panel, tot);
+  avx2::panel<false>(w, x, tile, panel, tot);
 }
 
 }  // namespace k3::cpu::lin

@@ -30,6 +30,11 @@ K3_LIN_TARGET inline __m256i fp16_of(const uint8_t* c) {
   return _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
 }
 K3_LIN_TARGET inline void decode16(const uint8_t* c, vf (&w)[1]) { w[0] = _mm512_cvtph_ps(fp16_of(c)); }
+// 16 BF16 weights (32 bytes) -> FP32: zero-extend to 32 bits and shift into the high half.
+K3_LIN_TARGET inline void decode16_bf16(const uint8_t* c, vf (&w)[1]) {
+  w[0] = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c))), 16));
+}
 K3_LIN_TARGET inline vf scale16(const uint8_t* s) {
   const __m512i e = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))), 23);
   return _mm512_castsi512_ps(_mm512_max_epi32(e, _mm512_set1_epi32(0x00400000)));
@@ -42,24 +47,31 @@ K3_LIN_TARGET inline void scales16(const uint8_t* s, vf (&sc)[1]) { sc[0] = scal
 
 namespace k3::cpu::lin {
 
-// Tiles in flight: 2 (each tile is a separate memory stream; fewer streams per thread stream faster).
-K3_LIN_TARGET void stream_avx512(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
+template <bool B16>
+K3_LIN_TARGET void stream_avx512_t(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
   using namespace avx512;
   const int64_t ldt = (t1 - t0) * kLanes;
   switch (x.rows) {
-    case 1: return stream_range<1, 2>(w, x, 0, t0, t1, tot, ldt);
-    case 2: return stream_range<2, 2>(w, x, 0, t0, t1, tot, ldt);
-    case 3: return stream_range<3, 2>(w, x, 0, t0, t1, tot, ldt);
-    case 4: return stream_range<4, 2>(w, x, 0, t0, t1, tot, ldt);
-    case 5: return stream_range<5, 2>(w, x, 0, t0, t1, tot, ldt);
-    case 6: return stream_range<6, 2>(w, x, 0, t0, t1, tot, ldt);
-    case 7: return stream_range<7, 2>(w, x, 0, t0, t1, tot, ldt);
-    default: return stream_range<8, 2>(w, x, 0, t0, t1, tot, ldt);
+    case 1: return stream_range<1, 2, B16>(w, x, 0, t0, t1, tot, ldt);
+    case 2: return stream_range<2, 2, B16>(w, x, 0, t0, t1, tot, ldt);
+    case 3: return stream_range<3, 2, B16>(w, x, 0, t0, t1, tot, ldt);
+    case 4: return stream_range<4, 2, B16>(w, x, 0, t0, t1, tot, ldt);
+    case 5: return stream_range<5, 2, B16>(w, x, 0, t0, t1, tot, ldt);
+    case 6: return stream_range<6, 2, B16>(w, x, 0, t0, t1, tot, ldt);
+    case 7: return stream_range<7, 2, B16>(w, x, 0, t0, t1, tot, ldt);
+    default: return stream_range<8, 2, B16>(w, x, 0, t0, t1, tot, ldt);
   }
 }
 
+// Tiles in flight: 2 (each tile is a separate memory stream; fewer streams per thread stream faster).
+K3_LIN_TARGET void stream_avx512(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
+  if (w.bf16_weights()) return stream_avx512_t<true>(w, x, t0, t1, tot);
+  stream_avx512_t<false>(w, x, t0, t1, tot);
+}
+
 K3_LIN_TARGET void panel_avx512(const PackedLinear& w, const Operand& x, int64_t tile, void* panel, float* tot) {
-  avx512::panel(w, x, tile, panel, tot);
+  if (w.bf16_weights()) return avx512::panel<true>(w, x, tile, panel, tot);
+  avx512::panel<false>(w, x, tile, panel, tot);
 }
 
 // ---- avx512bf16: VDPBF16PS kernels on the pair layout ----------------------------------------

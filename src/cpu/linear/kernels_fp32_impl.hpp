@@ -1,7 +1,9 @@
 // The FP32 linear kernels (stream and panel), written once and compiled for AVX2 + FMA + F16C
 // (kernels_avx2.cpp, 8-lane YMM) and AVX-512 (kernels_avx512.cpp, 16-lane ZMM). The including
 // file defines K3_LIN_TARGET, K3_LIN_NS, the vector type `vf`, kVw (lanes per vector), and
-// zero(), fmadd(), bcast(), load(), store(), decode16() and scales16() (kernels.hpp: operands).
+// zero(), fmadd(), bcast(), load(), store(), decode16(), decode16_bf16() and scales16()
+// (kernels.hpp: operands). Template parameter B16: BF16 weights (W16A16; 2 bytes per weight,
+// decode16_bf16: a 16-bit shift widens them exactly; x' = x), else E4M3 codes.
 //
 // Order of operations (identical to tile_portable, hence to linear_reference): per output
 // column, per 32-element block a partial sum from +0 over the stored k order (1, 0, 3, 2, ...),
@@ -17,11 +19,19 @@ namespace {
 
 constexpr int kNv = kLanes / kVw;  // vectors per tile
 constexpr int64_t kAhead = 4;      // blocks of software prefetch ahead of the stream
+template <bool B16>
+constexpr int64_t kEb = B16 ? 2 : 1;  // bytes per weight
 
-// One block of G tiles for R rows: acc[r][g * kNv + v] = partial sums (from +0).
-template <int R, int G>
-// The accumulators are a local array copied out at the end: accumulating into the caller's array
+template <bool B16>
+K3_LIN_TARGET inline void decode(const uint8_t* c, vf (&w)[kNv]) {
+  if constexpr (B16) decode16_bf16(c, w);
+  else decode16(c, w);
+}
+
+// One block of G tiles for R rows: acc[r][g * kNv + v] = partial sums (from +0). The
+// accumulators are a local array copied out at the end: accumulating into the caller's array
 // made GCC store every accumulator to the stack on every k (4 stores per k at M = 1 on AVX2).
+template <int R, int G, bool B16>
 K3_LIN_TARGET inline void stream_block(const uint8_t* const* codes, const float* const* xr, vf (&out)[R][G * kNv]) {
   vf acc[R][G * kNv];
   for (int r = 0; r < R; ++r)
@@ -32,7 +42,7 @@ K3_LIN_TARGET inline void stream_block(const uint8_t* const* codes, const float*
     for (int r = 0; r < R; ++r) xb[r] = bcast(xr[r] + k);
     for (int g = 0; g < G; ++g) {
       vf wv[kNv];
-      decode16(codes[g] + k * kLanes, wv);
+      decode<B16>(codes[g] + k * kLanes * kEb<B16>, wv);
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < kNv; ++v) acc[r][g * kNv + v] = fmadd(wv[v], xb[r], acc[r][g * kNv + v]);
     }
@@ -43,7 +53,7 @@ K3_LIN_TARGET inline void stream_block(const uint8_t* const* codes, const float*
 
 // Tiles [t_begin, t_end) (a multiple of G of them) for rows [r0, r0 + R). tot: row r at
 // tot + r * ldt, column of tile t at (t - t_base) * 16.
-template <int R, int G>
+template <int R, int G, bool B16>
 K3_LIN_TARGET void stream_rows(const PackedLinear& w, const Operand& x, int r0, int64_t t_begin, int64_t t_end,
                                int64_t t_base, float* tot, int64_t ldt) {
   const int64_t k_dim = w.k(), blocks = k_dim / kBlock;
@@ -62,27 +72,27 @@ K3_LIN_TARGET void stream_rows(const PackedLinear& w, const Operand& x, int r0, 
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* codes[G];
       for (int g = 0; g < G; ++g) {
-        codes[g] = tc[g] + b * (kBlock * kLanes);
+        codes[g] = tc[g] + b * (kBlock * kLanes * kEb<B16>);
         // kAhead blocks ahead; near the end of the tiles, the next tiles of this range (the
         // hardware prefetcher would start those streams cold). Scales: one line per 4 blocks.
         const uint8_t* pf = nullptr;
         const uint8_t* ps = nullptr;
         if (b + kAhead < blocks) {
-          pf = codes[g] + kAhead * kBlock * kLanes;
+          pf = codes[g] + kAhead * kBlock * kLanes * kEb<B16>;
           ps = ts[g] + (b + kAhead) * kLanes;
         } else if (t + G + g < t_end) {
-          pf = w.tile_codes(t + G + g) + (b + kAhead - blocks) * (kBlock * kLanes);
+          pf = w.tile_codes(t + G + g) + (b + kAhead - blocks) * (kBlock * kLanes * kEb<B16>);
           ps = w.tile_scales(t + G + g) + (b + kAhead - blocks) * kLanes;
         }
         if (pf != nullptr) {
-          for (int l = 0; l < kBlock * kLanes; l += 64) __builtin_prefetch(pf + l);
+          for (int l = 0; l < kBlock * kLanes * kEb<B16>; l += 64) __builtin_prefetch(pf + l);
           if (((b + kAhead) & 3) == 0) __builtin_prefetch(ps);
         }
       }
       const float* xr[R];
       for (int r = 0; r < R; ++r) xr[r] = x.xs + static_cast<int64_t>(r0 + r) * x.ldx + b * kBlock;
       vf acc[R][G * kNv];
-      stream_block<R, G>(codes, xr, acc);
+      stream_block<R, G, B16>(codes, xr, acc);
       for (int g = 0; g < G; ++g) {
         vf sc[kNv];
         scales16(ts[g] + b * kLanes, sc);
@@ -96,20 +106,21 @@ K3_LIN_TARGET void stream_rows(const PackedLinear& w, const Operand& x, int r0, 
   }
 }
 
-template <int R, int G>
+template <int R, int G, bool B16>
 K3_LIN_TARGET void stream_range(const PackedLinear& w, const Operand& x, int r0, int64_t t0, int64_t t1, float* tot,
                                 int64_t ldt) {
   const int64_t full = t0 + (t1 - t0) / G * G;
-  if (full > t0) stream_rows<R, G>(w, x, r0, t0, full, t0, tot, ldt);
-  if (full < t1) stream_rows<R, 1>(w, x, r0, full, t1, t0, tot, ldt);
+  if (full > t0) stream_rows<R, G, B16>(w, x, r0, t0, full, t0, tot, ldt);
+  if (full < t1) stream_rows<R, 1, B16>(w, x, r0, full, t1, t0, tot, ldt);
 }
 
 // Panel: blocks [b0, b0 + nb) of one tile expanded to w' FP32, [block][k][16 columns].
+template <bool B16>
 K3_LIN_TARGET void build_panel(const uint8_t* codes, int64_t b0, int64_t nb, float* panel) {
   for (int64_t bb = 0; bb < nb; ++bb)
     for (int k = 0; k < kBlock; ++k) {
       vf wv[kNv];
-      decode16(codes + ((b0 + bb) * kBlock + k) * kLanes, wv);
+      decode<B16>(codes + ((b0 + bb) * kBlock + k) * kLanes * kEb<B16>, wv);
       for (int v = 0; v < kNv; ++v) store(panel + (bb * kBlock + k) * kLanes + v * kVw, wv[v]);
     }
 }
@@ -155,13 +166,14 @@ K3_LIN_TARGET void panel_dispatch(int rr, const float* panel, const uint8_t* sca
 
 }  // namespace
 
+template <bool B16>
 K3_LIN_TARGET void panel(const PackedLinear& w, const Operand& x, int64_t tile, void* panel_mem, float* tot) {
   const int64_t k_dim = w.k(), blocks = k_dim / kBlock;
   float* pan = static_cast<float*>(panel_mem);
   for (int64_t i = 0; i < static_cast<int64_t>(x.rows) * kLanes; ++i) tot[i] = 0.0f;
   for (int64_t b0 = 0; b0 < blocks; b0 += kPanelBlocks) {
     const int64_t nb = blocks - b0 < kPanelBlocks ? blocks - b0 : kPanelBlocks;
-    build_panel(w.tile_codes(tile), b0, nb, pan);
+    build_panel<B16>(w.tile_codes(tile), b0, nb, pan);
     for (int r0 = 0; r0 < x.rows; r0 += kPanelRows) {
       const int rr = x.rows - r0 < kPanelRows ? x.rows - r0 : kPanelRows;
       panel_dispatch<kPanelRows>(rr, pan, w.tile_scales(tile), x, k_dim, r0, b0, nb, tot);

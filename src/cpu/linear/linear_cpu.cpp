@@ -30,13 +30,21 @@ void tile_portable(const PackedLinear& w, int64_t tile, const float* x, float* t
   const int64_t blocks = w.k() / kBlock;
   const uint8_t* codes = w.tile_codes(tile);
   const uint8_t* scales = w.tile_scales(tile);
+  const bool b16 = w.bf16_weights();
+  auto weight = [&](int64_t b, int k, int c) {
+    const int64_t i = w.code_offset(b, k, c);
+    if (!b16) return kE4m3[codes[i]];
+    uint16_t h;
+    std::memcpy(&h, codes + 2 * i, 2);
+    return bf16_to_f32(h);
+  };
   for (int c = 0; c < kLanes; ++c) {
     float total = 0.0f;
     for (int64_t b = 0; b < blocks; ++b) {
       float partial = 0.0f;
       for (int k = 0; k < kBlock; k += 2) {  // per pair: odd element, then even
-        partial = std::fma(kE4m3[codes[w.code_offset(b, k + 1, c)]], x[b * kBlock + k + 1], partial);
-        partial = std::fma(kE4m3[codes[w.code_offset(b, k, c)]], x[b * kBlock + k], partial);
+        partial = std::fma(weight(b, k + 1, c), x[b * kBlock + k + 1], partial);
+        partial = std::fma(weight(b, k, c), x[b * kBlock + k], partial);
       }
       total = std::fma(partial, e8m0_to_f32(scales[b * kLanes + c]), total);
     }
@@ -93,20 +101,20 @@ Layout layout_of(const LinearPlan& p) {
   return l;
 }
 
-const char* stream_kernel_name(IsaLevel l, bool pairs) {
+const char* stream_kernel_name(IsaLevel l, bool pairs, bool b16) {
   if (pairs) return "avx512bf16 vdpbf16ps (e4m3 via vpermt2b)";
   switch (l) {
     case IsaLevel::kScalar: return "portable";
-    case IsaLevel::kAvx2: return "avx2 fp32 fma (e4m3 via f16c)";
-    default: return "avx512 fp32 fma (e4m3 via f16c)";
+    case IsaLevel::kAvx2: return b16 ? "avx2 fp32 fma (bf16 weights)" : "avx2 fp32 fma (e4m3 via f16c)";
+    default: return b16 ? "avx512 fp32 fma (bf16 weights)" : "avx512 fp32 fma (e4m3 via f16c)";
   }
 }
-const char* panel_kernel_name(IsaLevel l, bool pairs) {
+const char* panel_kernel_name(IsaLevel l, bool pairs, bool b16) {
   if (pairs) return "avx512bf16 vdpbf16ps, 16x16 register tile";
   switch (l) {
     case IsaLevel::kScalar: return "portable";
-    case IsaLevel::kAvx2: return "avx2 fp32 fma, 6x16 register tile";
-    default: return "avx512 fp32 fma, 12x16 register tile";
+    case IsaLevel::kAvx2: return b16 ? "avx2 fp32 fma (bf16 weights), 6x16 register tile" : "avx2 fp32 fma, 6x16 register tile";
+    default: return b16 ? "avx512 fp32 fma (bf16 weights), 12x16 register tile" : "avx512 fp32 fma, 12x16 register tile";
   }
 }
 
@@ -114,9 +122,17 @@ constexpr uint32_t kBits2p120 = 0x7B800000u;   // 2^120
 constexpr uint32_t kBits2p114 = 0x78800000u;   // 2^114
 constexpr uint32_t kBits2m110 = 0x08800000u;   // 2^-110
 
-// x' = x 2^8 in stored order (FP32 kernels; xs null on the pair layout), the BF16 pairs of x (VDPBF16PS kernels), and the row's class, from the exact
-// operand values v (natural order).
-uint8_t prep_row(const float* v, int64_t k, float* xs, uint32_t* xb) {
+// x' = x 2^8 in stored order (FP32 kernels; xs null on the pair layout; BF16 weights: x' = x,
+// every row in range), the BF16 pairs of x (VDPBF16PS kernels), and the row's class, from the
+// exact operand values v (natural order).
+uint8_t prep_row(const float* v, int64_t k, float* xs, uint32_t* xb, bool b16 = false) {
+  if (b16) {
+    for (int64_t i = 0; i < k; i += 2) {
+      xs[i] = v[i + 1];
+      xs[i + 1] = v[i];
+    }
+    return lin::kRowFp32;
+  }
   uint32_t amax_finite = 0, amin_nonzero = 0xFFFFFFFFu;
   bool nonfinite = false;
   for (int64_t i = 0; i < k; ++i) {
@@ -230,9 +246,12 @@ Result<LinearPlan> plan(const LinearProblem& problem, const LinearOptions& optio
   if (p.chunk_tokens < 16) p.chunk_tokens = 16;
   p.stream_max_rows = options.stream_max_rows;
   p.tiles = (problem.n + kLanes - 1) / kLanes;
-  p.pair_layout = p.isa == IsaLevel::kAvx512Bf16 && lin::bf16_kernels_available();
-  p.stream_kernel = stream_kernel_name(p.isa, p.pair_layout);
-  p.panel_kernel = panel_kernel_name(p.isa, p.pair_layout);
+  // W16A16: VDPBF16PS is not exact for BF16 x BF16 sums, so the avx512bf16 level runs the AVX-512
+  // FP32 kernels.
+  const bool b16 = problem.recipe == LinearRecipe::kW16A16;
+  p.pair_layout = p.isa == IsaLevel::kAvx512Bf16 && !b16 && lin::bf16_kernels_available();
+  p.stream_kernel = stream_kernel_name(p.isa, p.pair_layout, b16);
+  p.panel_kernel = panel_kernel_name(p.isa, p.pair_layout, b16);
   p.workspace_bytes = layout_of(p).total;
   return p;
 }
@@ -245,8 +264,21 @@ Result<PackedLinear> prepack(const LinearPlan& plan, const LinearWeightsView& we
   w.k_ = k;
   w.n_ = n;
   w.pair_layout_ = plan.pair_layout;
-  w.codes_.assign(static_cast<size_t>(plan.tiles * k * kLanes), 0);
+  w.bf16_weights_ = plan.problem.recipe == LinearRecipe::kW16A16;
   w.scales_.assign(static_cast<size_t>(plan.tiles * blocks * kLanes), 127);
+  if (w.bf16_weights_) {
+    w.codes_.assign(static_cast<size_t>(plan.tiles * k * kLanes * 2), 0);
+    for (int64_t row = 0; row < n; ++row) {
+      uint8_t* tc = w.codes_.data() + (row / kLanes) * k * kLanes * 2;
+      const uint16_t* src = weights.bf16.data() + row * k;
+      for (int64_t kk = 0; kk < k; ++kk)
+        std::memcpy(tc + 2 * w.code_offset(kk / kBlock, static_cast<int>(kk % kBlock), static_cast<int>(row % kLanes)),
+                    src + kk, 2);
+    }
+    if (plan.problem.bias) w.bias_.assign(weights.bias.begin(), weights.bias.end());
+    return w;
+  }
+  w.codes_.assign(static_cast<size_t>(plan.tiles * k * kLanes), 0);
   for (int64_t row = 0; row < n; ++row) {
     const int64_t t = row / kLanes, c = row % kLanes;
     uint8_t* tc = w.codes_.data() + t * k * kLanes;
@@ -265,7 +297,7 @@ namespace {
 Status run_impl(const LinearPlan& p, const PackedLinear& w, int64_t m, const uint16_t* x, const uint8_t* xq,
                 const uint8_t* xqs, std::span<uint8_t> workspace, std::span<uint8_t> out) {
   if (w.k() != p.problem.k || w.n() != p.problem.n || (w.bias() != nullptr) != p.problem.bias ||
-      w.pair_layout() != p.pair_layout)
+      w.pair_layout() != p.pair_layout || w.bf16_weights() != (p.problem.recipe == LinearRecipe::kW16A16))
     return invalid_argument("linear: the packed weights (K " + std::to_string(w.k()) + ", N " + std::to_string(w.n()) +
                             ") do not belong to this plan (K " + std::to_string(p.problem.k) + ", N " +
                             std::to_string(p.problem.n) + ")");
@@ -287,6 +319,7 @@ Status run_impl(const LinearPlan& p, const PackedLinear& w, int64_t m, const uin
   uint8_t* qs = base + l.qscales;
   const detail::Elementwise& ew = detail::elementwise(p.isa);
   const bool w8a8 = p.problem.recipe == LinearRecipe::kW8A8;
+  const bool b16 = p.problem.recipe == LinearRecipe::kW16A16;
   const int out_size = out_dtype_size(p.problem.out_dtype);
   auto thread_mem = [&](int tid) { return base + l.per_thread + l.thread_bytes * tid; };
   // Scratch of one thread: panel, totals [rows_cap][16], one operand row, 16 totals.
@@ -327,7 +360,7 @@ Status run_impl(const LinearPlan& p, const PackedLinear& w, int64_t m, const uin
     for (int64_t r = 0; r < m; ++r) {
       exact_row(r, v);
       cls[r] = scalar ? static_cast<uint8_t>(lin::kRowPortable)
-                      : prep_row(v, k, xb == nullptr ? xs + r * ld_xs(k) : nullptr, xb == nullptr ? nullptr : xb + r * ld_xb(k));
+                      : prep_row(v, k, xb == nullptr ? xs + r * ld_xs(k) : nullptr, xb == nullptr ? nullptr : xb + r * ld_xb(k), b16);
     }
     float* stot = reinterpret_cast<float*>(base + l.stream_tot);
     const lin::Operand op{xs, xb, cls, static_cast<int>(m), ld_xs(k), ld_xb(k)};
@@ -377,7 +410,8 @@ Status run_impl(const LinearPlan& p, const PackedLinear& w, int64_t m, const uin
         }
         if (rc != nullptr) operand_values(p, nullptr, rc, rs, v);
         else operand_values(p, x + (c0 + r) * k, nullptr, nullptr, v);
-        cls[r] = scalar ? static_cast<uint8_t>(lin::kRowPortable) : prep_row(v, k, xb == nullptr ? xs + r * ld_xs(k) : nullptr, xb == nullptr ? nullptr : xb + r * ld_xb(k));
+        cls[r] = scalar ? static_cast<uint8_t>(lin::kRowPortable)
+                        : prep_row(v, k, xb == nullptr ? xs + r * ld_xs(k) : nullptr, xb == nullptr ? nullptr : xb + r * ld_xb(k), b16);
       }
       // (implicit barrier)
       const lin::Operand op{xs, xb, cls, static_cast<int>(rows), ld_xs(k), ld_xb(k)};
@@ -448,7 +482,8 @@ Status run_quantized(const LinearPlan& plan, const PackedLinear& weights, int64_
                      std::span<const uint8_t> x_scales, std::span<uint8_t> workspace, std::span<uint8_t> out) {
   if (auto st = check_plan(plan); !st.is_ok()) return st;
   if (plan.problem.recipe != LinearRecipe::kW8A8)
-    return invalid_argument("linear run_quantized: the plan's recipe is w8a16; pre-quantized x needs a w8a8 plan");
+    return invalid_argument(std::string("linear run_quantized: the plan's recipe is ") +
+                            linear_recipe_name(plan.problem.recipe) + "; pre-quantized x needs a w8a8 plan");
   const int64_t k = plan.problem.k;
   if (m < 0) return invalid_argument("linear: m = " + std::to_string(m) + " must be >= 0");
   if (static_cast<int64_t>(x_codes.size()) != m * k || static_cast<int64_t>(x_scales.size()) != m * (k / kBlock))
