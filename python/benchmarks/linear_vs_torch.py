@@ -1,5 +1,6 @@
-"""k3's dense MXFP8 linear layer against torch's BF16 F.linear, side by side on the same CPU and
-threads (the baseline of `k3 bench linear`, which has no torch in C++).
+"""k3's dense linear layer (MXFP8 weights, or with --recipe w16a16 the same BF16 weights) against
+torch's BF16 F.linear, side by side on the same CPU and threads (the baseline of `k3 bench
+linear`, which has no torch in C++).
 
 Both sides rotate over copies of the weights (at least --pool-mib each) so that small M reads
 them from memory; rounds interleave k3 and torch so that drift falls on both. k3 runs through
@@ -36,7 +37,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--m", default="1,8,256")
-    ap.add_argument("--recipe", default="w8a16", choices=["w8a16", "w8a8"])
+    ap.add_argument("--recipe", default="w8a16", choices=["w8a16", "w8a8", "w16a16"],
+                    help="k3's recipe; w16a16 serves the same BF16 weights as torch (the same bytes)")
     ap.add_argument("--threads", type=int, default=0, help="torch and k3 threads (default: torch's)")
     ap.add_argument("--isa", default="", help="k3's SIMD level (torch is not affected)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -56,8 +58,12 @@ def main():
         codes, scales = k3.linear.quantize_weight(w.numpy())
         copies = max(1, (a.pool_mib << 20) // (n * k * 2) + 1)  # by torch's (larger) BF16 bytes
         wb = [w.to(torch.bfloat16).clone() for _ in range(copies)]
-        kl = [k3.linear.CpuLinear(codes.copy(), scales.copy(), recipe=a.recipe, max_tokens=max(ms), threads=threads,
-                                  isa=a.isa) for _ in range(copies)]
+        if a.recipe == "w16a16":
+            kl = [k3.linear.CpuLinear(b.view(torch.uint16).numpy(), None, recipe=a.recipe, max_tokens=max(ms),
+                                      threads=threads, isa=a.isa) for b in wb]
+        else:
+            kl = [k3.linear.CpuLinear(codes.copy(), scales.copy(), recipe=a.recipe, max_tokens=max(ms),
+                                      threads=threads, isa=a.isa) for _ in range(copies)]
         cases.append(dict(k=k, n=n, wb=wb, kl=kl))
     x_all = torch.randn(max(ms), max(c["k"] for c in cases)).to(torch.bfloat16)
     samples = {}

@@ -51,8 +51,8 @@ K3_LIN_TARGET void stream_avx2_t(const PackedLinear& w, const Operand& x, int64_
   using namespace avx2;
   const int64_t ldt = (t1 - t0) * kLanes;
   switch (x.rows) {
-    case 1: return stream_range<1, 2, B16>(w, x, 0, t0, t1, tot, ldt);
-    case 2: return stream_range<2, 2, B16>(w, x, 0, t0, t1, tot, ldt);
+    case 1: return stream_range<1, B16 ? 1 : 2, B16>(w, x, 0, t0, t1, tot, ldt);
+    case 2: return stream_range<2, B16 ? 1 : 2, B16>(w, x, 0, t0, t1, tot, ldt);
     case 3: return stream_range<3, 1, B16>(w, x, 0, t0, t1, tot, ldt);
     case 4: return stream_range<4, 1, B16>(w, x, 0, t0, t1, tot, ldt);
     default: break;

@@ -52,8 +52,8 @@ K3_LIN_TARGET void stream_avx512_t(const PackedLinear& w, const Operand& x, int6
   using namespace avx512;
   const int64_t ldt = (t1 - t0) * kLanes;
   switch (x.rows) {
-    case 1: return stream_range<1, 2, B16>(w, x, 0, t0, t1, tot, ldt);
-    case 2: return stream_range<2, 2, B16>(w, x, 0, t0, t1, tot, ldt);
+    case 1: return stream_range<1, B16 ? 1 : 2, B16>(w, x, 0, t0, t1, tot, ldt);
+    case 2: return stream_range<2, B16 ? 1 : 2, B16>(w, x, 0, t0, t1, tot, ldt);
     case 3: return stream_range<3, 2, B16>(w, x, 0, t0, t1, tot, ldt);
     case 4: return stream_range<4, 2, B16>(w, x, 0, t0, t1, tot, ldt);
     case 5: return stream_range<5, 2, B16>(w, x, 0, t0, t1, tot, ldt);
