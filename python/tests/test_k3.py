@@ -2,6 +2,7 @@
 library's FP64 oracle backend, zero-copy outputs, error mapping, and (when torch is installed)
 torch tensors through DLPack."""
 
+import sys
 import threading
 
 import numpy as np
@@ -377,6 +378,22 @@ def test_linear_bf16_weights_give_the_contract_and_an_fp64_product():
         k3.linear.run(np.zeros((3, 40), np.uint16), None, x, recipe="w16a16")
     with pytest.raises(ValueError, match="codes is float16"):
         k3.linear.run(np.zeros((3, 32), np.float16), None, x, recipe="w16a16")
+
+
+def test_bench_linear_runs_torch_side_by_side_when_given_a_python_with_torch():
+    """`k3 bench linear --torch-python PY`: torch's BF16 F.linear on the same shapes, M and
+    threads, its median next to k3's and the speed-up in the JSON (the real torch of this venv)."""
+    pytest.importorskip("torch")
+    r = k3.bench("linear", shapes="96x64", m=[1, 9], recipes="w8a16,w16a16", rounds=2, iters=2, pool_mib=1, bw_mib=16,
+                 threads=2, torch_python=sys.executable)
+    assert r["exit_code"] == 0, r["log"]
+    assert "version" in r["torch"], r["torch"]
+    assert "torch baseline: BF16 F.linear" in r["log"]
+    assert len(r["records"]) == 4
+    for rec in r["records"]:
+        t = rec["torch_bf16"]
+        assert t["time"]["median_s"] > 0 and t["time"]["iterations"] == 4  # two per round
+        assert t["k3_speedup"] == pytest.approx(t["time"]["median_s"] / rec["time"]["median_s"])
 
 
 def test_linear_refuses_bad_arguments_by_name():

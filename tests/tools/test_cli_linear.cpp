@@ -47,6 +47,24 @@ TEST(CliLinear, BenchWritesRecordsWithBothLimitFractions) {
   EXPECT_GE(j["read_bandwidth_Bps"]["value"].get<double>(), j["read_bandwidth_Bps"]["median"].get<double>());
 }
 
+// Without a Python that imports torch the bench runs k3 alone and says why (the torch side is
+// tested with the real torch in python/tests/test_k3.py).
+TEST(CliLinear, BenchWithoutTorchSaysWhyAndStillMeasures) {
+  const std::string json = testing::TempDir() + "k3_bench_linear_notorch.json";
+  auto r = run_cli("bench linear --shapes 96x40 --m 1 --recipes w16a16 --rounds 1 --iters 1 --pool-mib 1 --bw-mib 16 "
+                   "--torch-python /nonexistent/python3 --output " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("torch baseline: not run (/nonexistent/python3 was not found)"), std::string::npos) << r.out;
+  std::ifstream f(json);
+  const auto j = nlohmann::json::parse(f);
+  EXPECT_EQ(j["torch"]["not_run"], "/nonexistent/python3 was not found");
+  ASSERT_EQ(j["records"].size(), 1u);
+  EXPECT_TRUE(j["records"][0]["torch_bf16"].is_null());
+  r = run_cli("bench linear --shapes 96x40 --m 1 --rounds 1 --iters 1 --pool-mib 1 --bw-mib 16 --torch-python off");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("torch baseline: not run (--torch-python off)"), std::string::npos) << r.out;
+}
+
 TEST(CliLinear, BenchRefusesBadShapesAndRecipes) {
   auto r = run_cli("bench linear --shapes 96by40 --pool-mib 1");
   EXPECT_NE(r.code, 0);

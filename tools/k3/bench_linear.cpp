@@ -1,10 +1,21 @@
-// `k3 bench linear`: the dense MXFP8 linear layer at the seed's and Kimi-Linear's shapes, for an
-// M sweep. Small M is reported against the read bandwidth (the weights stream once per call:
-// N K (1 + 1/32) bytes), large M against the level's dot / FMA peak, both measured in the same
-// run. Weights are rotated over several prepacked copies (at least --pool-mib) so that decode
-// reads them from memory, not from the last-level cache. Rounds interleave the cases so that
-// drift spreads over all of them. torch's F.linear side by side: python/benchmarks/linear_vs_torch.py.
+// `k3 bench linear`: the dense linear layer (MXFP8 or BF16 weights) at the seed's and
+// Kimi-Linear's shapes, for an M sweep. Small M is reported against the read bandwidth (the
+// weights stream once per call: N K (1 + 1/32) bytes, W16A16 2 N K), large M against the level's
+// dot / FMA peak, both measured in the same run. Weights are rotated over several prepacked
+// copies (at least --pool-mib) so that decode reads them from memory, not from the last-level
+// cache. Rounds interleave the cases so that drift spreads over all of them. torch's BF16
+// F.linear runs side by side when a Python with torch is found (--torch-python, default python3):
+// one child process per round, after k3's round, on the same shapes, M, threads and weight
+// rotation; its times go next to k3's.
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <tuple>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -32,7 +43,70 @@ struct Args {
   int64_t pool_mib = 256;
   int64_t bw_mib = 512;
   std::string output;
+  std::string torch_python = "python3";  // "" or "off": no torch baseline
 };
+
+// The torch side (run by --torch-python with one JSON argument): BF16 weights rotated over
+// pool_mib of copies, F.linear(x, w, out=) timed per call; one JSON line per case.
+constexpr const char* kTorchScript = R"PY(
+import json, sys, time
+a = json.loads(sys.argv[1])
+import torch
+torch.set_num_threads(a["threads"])
+g = torch.Generator().manual_seed(7)
+for k, n in a["shapes"]:
+    w0 = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
+    ws = [w0] + [w0.clone() for _ in range(max(1, (a["pool_mib"] << 20) // (n * k * 2) + 1) - 1)]
+    xa = torch.randn(max(a["m"]), k, generator=g).to(torch.bfloat16)
+    for m in a["m"]:
+        x, out = xa[:m].contiguous(), torch.empty(m, n, dtype=torch.bfloat16)
+        iters = max(1, min(a["iters"], int(2e10 / (2 * m * n * k))))
+        torch.nn.functional.linear(x, ws[0], out=out)
+        t = []
+        for i in range(iters):
+            wi = ws[(i + 1) % len(ws)]
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, wi, out=out)
+            t.append(time.perf_counter() - t0)
+        print(json.dumps({"k": k, "n": n, "m": m, "times": t}), flush=True)
+print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads()}), flush=True)
+)PY";
+
+// Runs argv (no shell; posix_spawnp, so the bench's gigabytes of weight copies are not forked);
+// (exit status, stdout). Exit 127 when it cannot be started.
+std::pair<int, std::string> run_capture(const std::vector<std::string>& argv) {
+  int fd[2];
+  if (pipe(fd) != 0) return {127, std::string("pipe: ") + std::strerror(errno)};
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, fd[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addclose(&fa, fd[0]);
+  posix_spawn_file_actions_addclose(&fa, fd[1]);
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = posix_spawnp(&pid, args[0], &fa, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) {
+    close(fd[0]);
+    close(fd[1]);
+    return {127, std::string("spawn: ") + std::strerror(rc)};
+  }
+  close(fd[1]);
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    const ssize_t r = read(fd[0], buf, sizeof buf);
+    if (r > 0) out.append(buf, static_cast<size_t>(r));
+    else if (r == 0 || errno != EINTR) break;
+  }
+  close(fd[0]);
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128, out};
+}
 
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
@@ -144,6 +218,28 @@ Status run(const Args& a) {
   for (auto& v : x) v = bf16_from_f32(nd(rng));
   std::vector<uint8_t> out(static_cast<size_t>(max_m * max_n * 2));
 
+  // The torch baseline: is there a Python with torch? (A failed import is reported, not an error.)
+  bool torch_on = !a.torch_python.empty() && a.torch_python != "off";
+  std::string torch_note = "--torch-python off", torch_version, torch_args;
+  std::map<std::tuple<int64_t, int64_t, int64_t>, std::vector<double>> torch_samples;
+  if (torch_on) {
+    nlohmann::json ta = {{"threads", threads}, {"pool_mib", a.pool_mib}, {"iters", a.iters}, {"m", a.m}};
+    ta["shapes"] = nlohmann::json::array();
+    std::vector<std::pair<int64_t, int64_t>> seen;
+    for (const auto& l : layers) {
+      const std::pair<int64_t, int64_t> kn{l.p.k, l.p.n};
+      if (std::find(seen.begin(), seen.end(), kn) == seen.end()) seen.push_back(kn);
+    }
+    for (const auto& [k, n] : seen) ta["shapes"].push_back({k, n});
+    torch_args = ta.dump();
+    const auto probe = run_capture({a.torch_python, "-c", "import torch"});
+    if (probe.first != 0) {
+      torch_on = false;
+      torch_note = probe.first == 127 ? a.torch_python + " was not found"
+                                      : a.torch_python + " cannot import torch";
+    }
+  }
+
   // samples[layer][m] over all rounds
   std::vector<std::vector<std::vector<double>>> samples(layers.size(), std::vector<std::vector<double>>(a.m.size()));
   const int total = a.rounds * static_cast<int>(layers.size() * a.m.size());
@@ -170,11 +266,45 @@ Status run(const Args& a) {
                      linear_recipe_name(l.p.recipe) + " M=" + std::to_string(m));
       }
     }
+    if (torch_on) {  // torch's round, after k3's
+      auto [code, text] = run_capture({a.torch_python, "-c", kTorchScript, torch_args});
+      if (code != 0) {
+        torch_on = false;
+        torch_note = a.torch_python + " exited with status " + std::to_string(code) + " (is torch installed?)";
+        torch_samples.clear();
+        continue;
+      }
+      size_t at = 0;
+      while (at < text.size()) {
+        const size_t nl = text.find('\n', at);
+        const std::string line = text.substr(at, nl == std::string::npos ? std::string::npos : nl - at);
+        at = nl == std::string::npos ? text.size() : nl + 1;
+        const auto j = nlohmann::json::parse(line, nullptr, false);
+        if (j.is_discarded() || !j.is_object()) continue;
+        if (j.contains("torch")) {
+          torch_version = j["torch"].get<std::string>();
+          continue;
+        }
+        auto& v = torch_samples[{j["k"].get<int64_t>(), j["n"].get<int64_t>(), j["m"].get<int64_t>()}];
+        for (const auto& t : j["times"]) v.push_back(t.get<double>());
+      }
+    }
+  }
+  if (torch_on && torch_version.empty()) {
+    torch_on = false;
+    torch_note = a.torch_python + " printed no torch results";
+  }
+  if (torch_on) {
+    std::printf("torch baseline: BF16 F.linear, torch %s, %d thread(s), the same shapes, M and weight rotation "
+                "(one process per round, after k3's)\n",
+                torch_version.c_str(), threads);
+  } else {
+    std::printf("torch baseline: not run (%s)\n", torch_note.c_str());
   }
 
   nlohmann::json records = nlohmann::json::array();
-  std::printf("%-11s %-6s %5s | %28s | %9s %7s | %9s %7s\n", "K x N", "recipe", "M", "ms median [min, max]", "GB/s",
-              "of bw", "GFLOP/s", "of peak");
+  std::printf("%-11s %-6s %5s | %28s | %9s %7s | %9s %7s%s\n", "K x N", "recipe", "M", "ms median [min, max]", "GB/s",
+              "of bw", "GFLOP/s", "of peak", torch_on ? " | torch ms   k3 speed-up" : "");
   bool over = false;
   for (size_t li = 0; li < layers.size(); ++li) {
     const Layer& l = layers[li];
@@ -188,10 +318,21 @@ Status run(const Args& a) {
       const double fbw = gbs / bw.value;
       const double fpk = flops / (l.p.recipe == LinearRecipe::kW16A16 ? peak_fp32.value : peak.value);
       over = over || fbw > 1.0 || fpk > 1.0;
-      std::printf("%5lldx%-5lld %-6s %5lld | %9.3f [%7.3f, %7.3f] | %9.2f %6.1f%% | %9.1f %6.1f%%%s\n",
+      std::string torch_col;
+      nlohmann::json torch_rec;
+      if (auto it = torch_samples.find({l.p.k, l.p.n, m}); torch_on && it != torch_samples.end() && !it->second.empty()) {
+        auto tt = it->second;
+        std::sort(tt.begin(), tt.end());
+        const Timing tq{tt[tt.size() / 2], tt.front(), tt.back(), static_cast<int>(tt.size())};
+        char buf[64];
+        std::snprintf(buf, sizeof buf, " | %8.3f %8.2fx", tq.median * 1e3, tq.median / tm.median);
+        torch_col = buf;
+        torch_rec = {{"time", to_json(tq)}, {"k3_speedup", tq.median / tm.median}};
+      }
+      std::printf("%5lldx%-5lld %-6s %5lld | %9.3f [%7.3f, %7.3f] | %9.2f %6.1f%% | %9.1f %6.1f%%%s%s\n",
                   static_cast<long long>(l.p.k), static_cast<long long>(l.p.n), linear_recipe_name(l.p.recipe),
                   static_cast<long long>(m), tm.median * 1e3, tm.min * 1e3, tm.max * 1e3, gbs / 1e9, 100 * fbw,
-                  flops / 1e9, 100 * fpk, over_limit_flag(std::max(fbw, fpk)));
+                  flops / 1e9, 100 * fpk, torch_col.c_str(), over_limit_flag(std::max(fbw, fpk)));
       records.push_back({{"k", l.p.k},
                          {"n", l.p.n},
                          {"recipe", linear_recipe_name(l.p.recipe)},
@@ -200,7 +341,8 @@ Status run(const Args& a) {
                          {"bytes", bytes},
                          {"flop", 2.0 * static_cast<double>(m * l.p.n * l.p.k)},
                          {"fraction_of_read_bandwidth", fbw},
-                         {"fraction_of_peak", fpk}});
+                         {"fraction_of_peak", fpk},
+                         {"torch_bf16", torch_rec}});
     }
   }
   if (over)
@@ -214,6 +356,8 @@ Status run(const Args& a) {
                         {"peak_flops_w16a16", to_json(peak_fp32)},
                         {"rounds", a.rounds},
                         {"pool_mib", a.pool_mib},
+                        {"torch", torch_on ? nlohmann::json{{"version", torch_version}, {"python", a.torch_python}}
+                                           : nlohmann::json{{"not_run", torch_note}}},
                         {"records", records}};
     K3_RETURN_IF_ERROR(write_file_atomic(a.output, j.dump(2) + "\n", "--output"));
   }
@@ -246,6 +390,9 @@ const BenchRegistration kRegistration("linear", [](CLI::App& bench) -> CommandRu
       ->capture_default_str()
       ->check(CLI::Range(16, 65536));
   cmd->add_option("--output", a->output, "Write JSON records to this file");
+  cmd->add_option("--torch-python", a->torch_python,
+                  "Python that runs torch's BF16 F.linear side by side, when it can import torch ('off': none)")
+      ->capture_default_str();
   return [a]() { return run(*a); };
 });
 
