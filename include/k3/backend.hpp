@@ -35,6 +35,13 @@ struct BackendOptions {
   // KDA prefill: kAuto = the backend's choice. The cpu backend runs recurrent or chunked as asked;
   // the reference backend is token-recurrent and refuses kChunked.
   kda::Algorithm kda_algorithm = kda::Algorithm::kAuto;
+  // GPU backends: the device ordinal.
+  int device = 0;
+  // A backend's kernel path ("": the backend's own choice). The cuda MoE entry: one of the plan's
+  // path names (k3 info lists them; cuda::moe_path_from_name). Backends without paths refuse a
+  // non-empty one by name. No backend reads an environment variable: the k3 tool translates
+  // K3_CUDA_MOE_PATH into this field.
+  std::string path;
 };
 
 // ---- fused MoE -------------------------------------------------------------------------------

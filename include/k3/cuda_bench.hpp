@@ -23,10 +23,11 @@ struct DeviceTiming {
 // Device-to-device copy of `bytes`; returns bytes read + written per second (median of iters).
 Result<DeviceTiming> time_device_copy(int64_t bytes, int warmup, int iters);
 
-// Times k3::cuda::run for one problem on device 0 with CUDA events (inputs and weights uploaded
-// once; `weight_copies` > 1 rotates among that many weight copies so decode never hits L2).
+// Times k3::cuda::run for one problem on device `device` with CUDA events (inputs and weights
+// uploaded once; `weight_copies` > 1 rotates among that many weight copies so decode never hits
+// L2). path: "" (the plan's choice) or a path name, as run_host.
 Result<DeviceTiming> time_moe(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, int warmup,
-                              int iters, int weight_copies);
+                              int iters, int weight_copies, const std::string& path = "", int device = 0);
 
 // cuBLAS baseline: for each local expert e with rows[e] > 0, FC1 [rows, K] x [K, 2N] and FC2
 // [rows, N] x [N, K] as BF16 GEMMs with FP32 accumulation (cublasGemmEx) on weights dequantized

@@ -113,7 +113,8 @@ struct MoeOptions {
   // to plan for another one (tests, cross-planning). Required: an empty one is an error.
   DeviceCaps device;
   // Force a path instead of the plan's choice from the expected rows per local expert (tests, the
-  // device check, comparisons). CLI / run_host: environment variable K3_CUDA_MOE_PATH=<name>.
+  // device check, comparisons). run_host / time_moe / BackendOptions::path take its name; the k3
+  // tool reads it from K3_CUDA_MOE_PATH=<name>.
   std::optional<MoePath> path = std::nullopt;
 };
 
@@ -195,7 +196,10 @@ Result<ExpertRows> run_experts(const MoePlan& plan, const DeviceWeights& w, cons
 Status finalize(const MoePlan& plan, const int32_t* m_device, const ExpertRows& rows, const float* topk_weights,
                 void* out, void* stream);
 
-// Convenience for tools and tests: plan + prepack + copies + run + copy back, on device 0.
-Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out);
+// Convenience for tools and tests: plan + prepack + copies + run + copy back, on device `device`.
+// path: "" (the plan's choice) or a path name (moe_path_from_name); a bad name is an error naming
+// `path` even without a device.
+Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out,
+                const std::string& path = "", int device = 0);
 
 }  // namespace k3::cuda

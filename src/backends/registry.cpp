@@ -18,6 +18,13 @@ namespace {
 
 Status always() { return Status::ok(); }
 
+// BackendOptions::path belongs to backends with kernel paths (the cuda MoE entry); others refuse it.
+Status no_paths(const BackendOptions& o, const char* op, const std::string& backend) {
+  if (o.path.empty()) return Status::ok();
+  return invalid_argument(std::string("path = '") + o.path + "': the " + op + " backend '" + backend +
+                          "' has no kernel paths (only the cuda moe backend takes one)");
+}
+
 // ---- MoE -------------------------------------------------------------------------------------
 
 // The FP64 contract oracle rounded once to the output dtype: the slowest backend and the
@@ -62,8 +69,8 @@ Status cuda_available() {
 }
 
 Status moe_cuda(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out,
-                const BackendOptions&) {
-  return cuda::run_host(p, w, in, out);
+                const BackendOptions& o) {
+  return cuda::run_host(p, w, in, out, o.path, o.device);
 }
 
 // Priorities: cpu 10 > cuda 5 > reference 0. The CUDA kernels have never run on a GPU, so they
@@ -176,6 +183,7 @@ Status run_moe(const MoeBackend& b, const MoeProblem& p, const MoeWeightsView& w
     return invalid_argument("out has " + std::to_string(out.size()) + " bytes, expected M*K*" +
                             std::to_string(out_dtype_size(p.out_dtype)) + " = " + std::to_string(want));
   }
+  if (b.name != "cuda") K3_RETURN_IF_ERROR(no_paths(opt, "moe", b.name));
   K3_RETURN_IF_ERROR(b.available());
   K3_RETURN_IF_ERROR(b.supports(p));
   return b.run(p, w, in, out, opt);
@@ -226,6 +234,7 @@ Status run_linear(const LinearBackend& b, const LinearProblem& p, const LinearWe
                   std::span<const uint16_t> x, std::span<uint8_t> out, const BackendOptions& opt) {
   K3_RETURN_IF_ERROR(validate_linear_weights(p, w));
   K3_RETURN_IF_ERROR(validate_linear_io(p, m, x, out));
+  K3_RETURN_IF_ERROR(no_paths(opt, "linear", b.name));
   K3_RETURN_IF_ERROR(b.available());
   K3_RETURN_IF_ERROR(b.supports(p));
   return b.run(p, w, m, x, out, opt);
@@ -242,8 +251,10 @@ const KdaBackend& default_kda_backend() { return default_in(kda_backends()); }
 
 namespace {
 
-// available(), supports(cfg) and the entry's presence, in that order.
-Status kda_ready(const KdaBackend& b, const kda::KdaConfig& cfg, bool has_entry, const char* entry) {
+// no kernel path asked for, available(), supports(cfg) and the entry's presence, in that order.
+Status kda_ready(const KdaBackend& b, const kda::KdaConfig& cfg, bool has_entry, const char* entry,
+                 const BackendOptions& opt) {
+  K3_RETURN_IF_ERROR(no_paths(opt, "kda", b.name));
   K3_RETURN_IF_ERROR(b.available());
   K3_RETURN_IF_ERROR(b.supports(cfg));
   if (has_entry) return Status::ok();
@@ -261,31 +272,31 @@ Status kda_ready(const KdaBackend& b, const kda::KdaConfig& cfg, bool has_entry,
 
 Status run_kda_prefill(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::KdaInputs& in,
                        const kda::KdaOutputs& out, const BackendOptions& opt) {
-  K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.prefill), "prefill"));
+  K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.prefill), "prefill", opt));
   return b.prefill(cfg, in, out, opt);
 }
 
 Status run_kda_decode(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::DecodeArgs& args,
                       const BackendOptions& opt) {
-  K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.decode), "decode"));
+  K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.decode), "decode", opt));
   return b.decode(cfg, args, opt);
 }
 
 Status run_kda_verify(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::VerifyArgs& args,
                       const BackendOptions& opt) {
-  K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.verify), "verify"));
+  K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.verify), "verify", opt));
   return b.verify(cfg, args, opt);
 }
 
 Status run_kda_verify_replay(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::ReplayVerifyArgs& args,
                              const BackendOptions& opt) {
-  K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.verify_replay), "verify_replay"));
+  K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.verify_replay), "verify_replay", opt));
   return b.verify_replay(cfg, args, opt);
 }
 
 Status run_kda_commit(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::CommitArgs& args,
                       const BackendOptions& opt) {
-  K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.commit), "commit"));
+  K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.commit), "commit", opt));
   return b.commit(cfg, args, opt);
 }
 

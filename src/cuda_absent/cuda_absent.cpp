@@ -71,12 +71,14 @@ Result<ExpertRows> run_experts(const MoePlan&, const DeviceWeights&, const Devic
   return not_built();
 }
 Status finalize(const MoePlan&, const int32_t*, const ExpertRows&, const float*, void*, void*) { return not_built(); }
-Status run_host(const MoeProblem&, const MoeWeightsView&, const MoeInputsView&, std::span<uint8_t>) {
+Status run_host(const MoeProblem&, const MoeWeightsView&, const MoeInputsView&, std::span<uint8_t>, const std::string&,
+                int) {
   return not_built();
 }
 
 Result<DeviceTiming> time_device_copy(int64_t, int, int) { return not_built(); }
-Result<DeviceTiming> time_moe(const MoeProblem&, const MoeWeightsView&, const MoeInputsView&, int, int, int) {
+Result<DeviceTiming> time_moe(const MoeProblem&, const MoeWeightsView&, const MoeInputsView&, int, int, int,
+                              const std::string&, int) {
   return not_built();
 }
 Result<DeviceTiming> time_cublas_baseline(const MoeProblem&, std::span<const int64_t>, int, int) { return not_built(); }

@@ -10,6 +10,7 @@
 #include "k3/backend.hpp"
 #include "k3/cpu_kda.hpp"
 #include "k3/cpu_moe.hpp"
+#include "k3/linear.hpp"
 #include "k3/moe_case.hpp"
 
 namespace k3 {
@@ -112,6 +113,41 @@ TEST(BackendRegistry, RunMoeChecksBuffersAndAvailability) {
   }
 }
 
+// BackendOptions::path is a kernel path of the cuda MoE backend: the others refuse one by name
+// (the k3 tool passes K3_CUDA_MOE_PATH to the cuda backend only), and a bad name for the cuda
+// backend is refused naming `path` before any device is needed.
+TEST(BackendRegistry, OnlyTheCudaMoeBackendTakesAKernelPath) {
+  const MoeCase c = small_case(8);
+  std::vector<uint8_t> out(static_cast<size_t>(c.m * 64 * 4));
+  BackendOptions o;
+  o.path = "prefill";
+  for (const char* name : {"cpu", "reference"}) {
+    const Status st = run_moe(*find_moe_backend(name).value(), c.problem, c.weights(), c.inputs(), out, o);
+    ASSERT_FALSE(st.is_ok()) << name;
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find(std::string("path = 'prefill': the moe backend '") + name + "' has no kernel paths"),
+              std::string::npos)
+        << st.message();
+  }
+  const LinearProblem lp{64, 16, LinearRecipe::kW16A16, OutDType::kFP32, false};
+  std::vector<uint16_t> w(64 * 16, 0x3F80), x(64, 0x3F80);
+  std::vector<uint8_t> lo(16 * 4);
+  const Status ls = run_linear(*find_linear_backend("cpu").value(), lp, {{}, {}, {}, w}, 1, x, lo, o);
+  EXPECT_NE(ls.message().find("path = 'prefill': the linear backend 'cpu' has no kernel paths"), std::string::npos)
+      << ls.message();
+  o.path = {};
+  ASSERT_TRUE(run_linear(*find_linear_backend("cpu").value(), lp, {{}, {}, {}, w}, 1, x, lo, o).is_ok());
+  float y0;
+  std::memcpy(&y0, lo.data(), 4);
+  EXPECT_EQ(y0, 64.0f);  // 64 products 1 x 1
+  const MoeBackend& cuda = *find_moe_backend("cuda").value();
+  if (cuda.available().is_ok()) {
+    o.path = "no-such-path";
+    const Status st = run_moe(cuda, c.problem, c.weights(), c.inputs(), out, o);
+    EXPECT_NE(st.message().find("path: "), std::string::npos) << st.message();
+  }
+}
+
 TEST(BackendRegistry, KdaBackendsSayWhatTheyCanDo) {
   const auto list = kda_backends();
   ASSERT_EQ(list.size(), 3u);
@@ -203,7 +239,12 @@ TEST(BackendRegistry, RunKdaNamesAMissingEntryAndPassesTheOptions) {
   step.v.f32 = step.v.f32.first(n * 32);
   step.g = step.g.first(n * 32);
   step.beta = step.beta.first(n * 2);
-  Status st = run_kda_decode(ref, cfg, {step, pool, idx, o});
+  BackendOptions with_path;
+  with_path.path = "prefill";
+  Status st = run_kda_decode(cpu, cfg, {step, pool, idx, o}, with_path);
+  EXPECT_NE(st.message().find("path = 'prefill': the kda backend 'cpu' has no kernel paths"), std::string::npos)
+      << st.message();
+  st = run_kda_decode(ref, cfg, {step, pool, idx, o});
   EXPECT_EQ(st.code(), StatusCode::kUnsupported);
   EXPECT_EQ(st.message(), "kda backend 'reference' has no decode entry (it implements: prefill)");
   const std::vector<int32_t> acc = {1};

@@ -34,8 +34,8 @@ MoeCase make_case(int64_t k, int64_t n, int experts, int top_k, int ep_size, int
   return std::move(c).value();
 }
 
-// Every test runs once per path (MoeOptions::path through run_host's K3_CUDA_MOE_PATH): the old
-// decode path, decode-splitk (the automatic decode choice) and prefill.
+// Every test runs once per path (MoeOptions::path through run_host's path argument): decode-splitk
+// (the automatic decode choice), prefill and prefill-sm90.
 class CudaMoe : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
@@ -47,9 +47,7 @@ class CudaMoe : public ::testing::TestWithParam<const char*> {
                    << caps->cc_major << caps->cc_minor << (caps->has_sm90_grouped ? "" : ", built without CUTLASS")
                    << ")";
     }
-    path_.emplace("K3_CUDA_MOE_PATH", GetParam());
   }
-  std::optional<test::ScopedEnv> path_;
 };
 
 // The library's comparison (k3/moe_compare.hpp), as `k3 validate --backend cuda` measures: NaN /
@@ -74,7 +72,7 @@ TEST_P(CudaMoe, MatchesContractOracleAcrossRecipesActivationsAndDtypes) {
           std::vector<double> ref(c.m * s.k);
           ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
           std::vector<uint8_t> out(c.m * s.k * out_dtype_size(dt), 0xEE);
-          const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+          const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out, GetParam());
           ASSERT_TRUE(st.is_ok()) << st.to_string();
           const auto met = compare(c, out, ref, dt);
           const std::string what = std::string(recipe_name(r)) + " " + activation_name(a) + " " + out_dtype_name(dt) +
@@ -91,8 +89,8 @@ TEST_P(CudaMoe, MatchesContractOracleAcrossRecipesActivationsAndDtypes) {
 TEST_P(CudaMoe, RunsAreBitIdentical) {
   auto c = make_case(256, 128, 16, 4, 1, 0, 65, 9);
   std::vector<uint8_t> a(c.m * 256 * 2), b(a.size());
-  ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), a).is_ok());
-  ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), b).is_ok());
+  ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), a, GetParam()).is_ok());
+  ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), b, GetParam()).is_ok());
   EXPECT_EQ(a, b);
 }
 
@@ -109,7 +107,7 @@ TEST_P(CudaMoe, NanInputPoisonsOnlyItsToken) {
       std::vector<double> ref(c.m * 96);
       ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
       std::vector<uint8_t> out(c.m * 96 * 2);
-      const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+      const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out, GetParam());
       ASSERT_TRUE(st.is_ok()) << st.to_string();
       EXPECT_EQ(compare(c, out, ref, OutDType::kBF16).nonfinite_mismatch, 0) << recipe_name(r) << " " << activation_name(a);
     }
@@ -125,7 +123,7 @@ TEST_P(CudaMoe, W4a8OverflowingXIsExactInf) {
   std::vector<double> ref(c.m * 96);
   ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
   std::vector<uint8_t> out(c.m * 96 * 2);
-  const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+  const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out, GetParam());
   ASSERT_TRUE(st.is_ok()) << st.to_string();
   EXPECT_EQ(compare(c, out, ref, OutDType::kBF16).nonfinite_mismatch, 0);
 }
@@ -147,7 +145,7 @@ TEST_P(CudaMoe, NanWeightScaleGivesNanBlock) {
     for (double v : ref) nan_ref += std::isnan(v);
     ASSERT_GT(nan_ref, 0) << which;
     std::vector<uint8_t> out(c.m * 96 * 2);
-    const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+    const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out, GetParam());
     ASSERT_TRUE(st.is_ok()) << st.to_string();
     EXPECT_EQ(compare(c, out, ref, OutDType::kBF16).nonfinite_mismatch, 0) << (which == 0 ? "fc1" : "fc2");
   }
@@ -160,7 +158,7 @@ TEST_P(CudaMoe, W4a8SubnormalActivationIsReported) {
   c.problem.activation.kind = ActivationKind::kSiLU;  // ~ g * u / 2 for tiny g: about 2^-128 here
   c.fc1_scale.assign(c.fc1_scale.size(), 59);         // 2^-68: FC1 outputs near 2^-63
   std::vector<uint8_t> out(c.m * 96 * 2);
-  const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+  const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out, GetParam());
   EXPECT_EQ(st.code(), StatusCode::kInexact) << st.to_string();
   EXPECT_NE(st.message().find("activation output"), std::string::npos) << st.message();
 }
@@ -174,7 +172,6 @@ TEST(CudaMoeSm120Cutlass, MatchesContractOracleAndRepeats) {
   if (caps->cc_major != 12 || caps->cc_minor != 0 || !caps->has_sm120_blockscaled) {
     GTEST_SKIP() << "w4a8-sm120-cutlass needs an sm_120 device and a build with its CUTLASS GEMM";
   }
-  test::ScopedEnv path("K3_CUDA_MOE_PATH", "w4a8-sm120-cutlass");
   for (ActivationKind a : {ActivationKind::kSiTU, ActivationKind::kSwiGLU, ActivationKind::kSiLU}) {
     for (OutDType dt : {OutDType::kBF16, OutDType::kFP32}) {
       auto c = make_case(256, 384, 6, 3, 2, 1, 77, 31);
@@ -184,9 +181,9 @@ TEST(CudaMoeSm120Cutlass, MatchesContractOracleAndRepeats) {
       std::vector<double> ref(c.m * 256);
       ASSERT_TRUE(moe_oracle(c.problem, c.weights(), c.inputs(), OracleKind::kContract, ref).is_ok());
       std::vector<uint8_t> out(c.m * 256 * out_dtype_size(dt), 0xEE), again(out.size(), 0x11);
-      const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out);
+      const Status st = cuda::run_host(c.problem, c.weights(), c.inputs(), out, "w4a8-sm120-cutlass");
       ASSERT_TRUE(st.is_ok()) << st.to_string();
-      ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), again).is_ok());
+      ASSERT_TRUE(cuda::run_host(c.problem, c.weights(), c.inputs(), again, "w4a8-sm120-cutlass").is_ok());
       EXPECT_EQ(out, again);
       const auto met = compare(c, out, ref, dt);
       std::string why;

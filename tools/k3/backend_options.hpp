@@ -1,6 +1,6 @@
 // The options the `k3` tool passes to every backend (k3/backend.hpp). The tool, not the
-// library, reads the environment: K3_ISA (already checked by main()) and the thread count
-// (K3_NUM_THREADS, else OpenMP's setting). The library's own defaults are hardware facts (all
+// library, reads the environment: K3_ISA (already checked by main()), the thread count
+// (K3_NUM_THREADS, else OpenMP's setting) and, for the cuda backend, K3_CUDA_MOE_PATH. The library's own defaults are hardware facts (all
 // logical CPUs, the best SIMD level), so every place the tool builds options goes through here.
 #pragma once
 
@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
 #include "k3/backend.hpp"
 #include "k3/status.hpp"
@@ -29,11 +30,26 @@ inline IsaLevel env_isa_level() {
   return isa.is_ok() ? isa.value() : best_isa_level();
 }
 
-inline BackendOptions backend_options() {
+// K3_CUDA_MOE_PATH: a CUDA MoE kernel path name ("" when unset).
+inline std::string env_cuda_moe_path() {
+  const char* v = std::getenv("K3_CUDA_MOE_PATH");
+  return v != nullptr ? v : "";
+}
+
+// The options for `backend`: the cuda one also gets K3_CUDA_MOE_PATH as its kernel path (the
+// other backends have none, and the variable is not theirs).
+inline BackendOptions backend_options(std::string_view backend = {}) {
   BackendOptions o;
   o.threads = env_thread_count();
   o.isa = env_isa_level();
+  if (backend == "cuda") o.path = env_cuda_moe_path();
   return o;
+}
+
+// A refused kernel path that came from K3_CUDA_MOE_PATH: the message names the variable.
+inline Status with_path_source(Status st) {
+  if (st.is_ok() || st.message().rfind("path: ", 0) != 0 || env_cuda_moe_path().empty()) return st;
+  return Status(st.code(), "K3_CUDA_MOE_PATH=" + env_cuda_moe_path() + ": " + st.message());
 }
 
 // A backend refused `threads`: when that count came from the environment, the message names the

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <random>
 
+#include "backend_options.hpp"
 #include "bench.hpp"
 #include "k3/atomic_file.hpp"
 #include "k3/cuda.hpp"
@@ -61,7 +62,8 @@ Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
                             {"recipe", recipe_name(recipe)},
                             {"m", m},
                             {"routing", p.sweep.routing.name()}};
-      auto t = cuda::time_moe(prob, wv, in, p.warmup, iters, m <= 64 ? 4 : 1);
+      auto t = cuda::time_moe(prob, wv, in, p.warmup, iters, m <= 64 ? 4 : 1, env_cuda_moe_path());
+      if (!t.is_ok()) t = with_path_source(t.status());
       if (!t.is_ok()) {  // k3's own failure: recorded, the sweep goes on, the command fails at the end
         std::printf("%-6s %6lld k3 FAILED: %s\n", recipe_name(recipe), static_cast<long long>(m), t.status().to_string().c_str());
         std::fflush(stdout);

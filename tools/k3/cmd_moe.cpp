@@ -93,8 +93,9 @@ Status run_moe(const MoeRunArgs& a) {
   std::vector<uint8_t> out(in->m * p.shape.hidden * out_dtype_size(p.out_dtype));
   const MoeInputsView view = in->view();
   const auto t0 = std::chrono::steady_clock::now();
-  const BackendOptions bo = backend_options();
-  K3_RETURN_IF_ERROR(with_thread_source(k3::run_moe(*backend, p, layer->view(), view, out, bo), bo.threads));
+  const BackendOptions bo = backend_options(backend->name);
+  K3_RETURN_IF_ERROR(
+      with_path_source(with_thread_source(k3::run_moe(*backend, p, layer->view(), view, out, bo), bo.threads)));
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   st::Writer w;

@@ -111,8 +111,9 @@ struct Runner {
   // Runs one backend; on error adds a FAIL row and returns false.
   bool run_backend(const MoeBackend& b, const MoeCase& c, const std::string& name, std::vector<uint8_t>& out) {
     out.assign(c.m * c.problem.shape.hidden * out_dtype_size(c.problem.out_dtype), 0xA5);  // poison
-    const BackendOptions bo = backend_options();
-    const Status st = with_thread_source(k3::run_moe(b, c.problem, c.weights(), c.inputs(), out, bo), bo.threads);
+    const BackendOptions bo = backend_options(b.name);
+    const Status st = with_path_source(
+        with_thread_source(k3::run_moe(b, c.problem, c.weights(), c.inputs(), out, bo), bo.threads));
     if (!st.is_ok()) rows.push_back(make_row(label(name, c.problem), b.name, false, st.to_string()));
     return st.is_ok();
   }

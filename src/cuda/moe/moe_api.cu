@@ -212,12 +212,11 @@ MoePath effective_path(const MoePlan& plan, const DeviceWeights& w) {
 
 namespace moe_detail {
 
-Status apply_env_options(MoeOptions& options) {
-  if (const char* forced = std::getenv("K3_CUDA_MOE_PATH"); forced != nullptr && *forced != '\0') {
-    auto path = moe_path_from_name(forced);
-    if (!path.is_ok()) return {path.status().code(), "K3_CUDA_MOE_PATH: " + path.status().message()};
-    options.path = path.value();
-  }
+Status apply_path_option(const std::string& name, MoeOptions& options) {
+  if (name.empty()) return Status::ok();
+  auto path = moe_path_from_name(name);
+  if (!path.is_ok()) return {path.status().code(), "path: " + path.status().message()};
+  options.path = path.value();
   return Status::ok();
 }
 
@@ -352,7 +351,8 @@ Status run(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, 
   return finalize(plan, in.m_device, rows, in.topk_weights, in.out, stream);
 }
 
-Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out) {
+Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out,
+                const std::string& path, int device) {
   K3_RETURN_IF_ERROR(validate_moe_buffers(p, w, in));
   const int64_t k = p.shape.hidden;
   if (static_cast<int64_t>(out.size()) != in.m * k * out_dtype_size(p.out_dtype)) {
@@ -360,9 +360,9 @@ Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsVie
                             std::to_string(out_dtype_size(p.out_dtype)));
   }
   MoeOptions options;
-  K3_RETURN_IF_ERROR(moe_detail::apply_env_options(options));  // a bad knob is an error even without a device
+  K3_RETURN_IF_ERROR(moe_detail::apply_path_option(path, options));  // a bad name is an error even without a device
   if (in.m == 0) return Status::ok();
-  auto caps = device_caps(0);
+  auto caps = device_caps(device);
   if (!caps.is_ok()) return caps.status();
   options.max_tokens = in.m;
   options.device = caps.value();

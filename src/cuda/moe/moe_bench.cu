@@ -85,14 +85,14 @@ Result<DeviceTiming> time_device_copy(int64_t bytes, int warmup, int iters) {
 }
 
 Result<DeviceTiming> time_moe(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, int warmup,
-                              int iters, int weight_copies) {
+                              int iters, int weight_copies, const std::string& path, int device) {
   K3_RETURN_IF_ERROR(validate_moe_buffers(p, w, in));
-  auto caps = device_caps(0);
-  if (!caps.is_ok()) return caps.status();
   MoeOptions options;
+  K3_RETURN_IF_ERROR(moe_detail::apply_path_option(path, options));
+  auto caps = device_caps(device);
+  if (!caps.is_ok()) return caps.status();
   options.max_tokens = std::max<int64_t>(in.m, 1);
   options.device = caps.value();
-  K3_RETURN_IF_ERROR(moe_detail::apply_env_options(options));
   auto plan = cuda::plan(p, options);
   if (!plan.is_ok()) return plan.status();
   std::vector<DeviceWeights> copies;

@@ -26,7 +26,8 @@ namespace k3::cuda::moe_detail {
 
 // The tools' run-time knobs of run_host and the bench (never read by cuda::plan / run):
 // K3_CUDA_MOE_PATH=<path name>; an unknown name is an error.
-Status apply_env_options(MoeOptions& options);
+// options.path from a path name ("" leaves the plan's choice); the error names `path`.
+Status apply_path_option(const std::string& name, MoeOptions& options);
 
 void launch_prep_x(const Dims& d, Recipe recipe, const int32_t* m, const uint16_t* x, uint16_t* x_bf16, int* status,
                    cudaStream_t s);
