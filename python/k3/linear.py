@@ -28,42 +28,33 @@ def quantize_weight(w, bf16=False):
     return _mx_quantize(w, element="mxfp8", rule="rceil", bf16=bf16)
 
 
-def _weights(recipe, codes, scales):
-    """(codes, scales, bf16) for the native call: MXFP8 codes + scales, or the BF16 weight bits."""
-    if recipe != "w16a16":
-        return codes, scales, None
-    if scales is not None:
-        raise ValueError("scales must be None with recipe = 'w16a16' (codes is the BF16 weight matrix [N, K])")
-    w = bf16_bits("codes", host_view(codes))
-    need("codes", w, dtype=np.uint16)
-    if len(w.shape) != 2:
-        raise ValueError(f"codes has shape {tuple(w.shape)}, expected [N, K] (BF16 weights) for recipe 'w16a16'")
-    n, k = (int(d) for d in w.shape)
-    if k % 32 != 0:
-        raise ValueError(f"codes has K = {k} columns; K must be a multiple of 32")
-    return None, None, w
-
-
 def _check(recipe, out_dtype, codes, scales, bias):
+    """Checks the arguments by name; returns (n, k, codes, scales, bf16) for the native call: the
+    MXFP8 codes and scales (bf16 None), or with recipe w16a16 the BF16 weight bits in bf16 (codes
+    and scales None)."""
     if recipe not in _RECIPES:
         raise ValueError(f"recipe = '{recipe}' must be one of {list(_RECIPES)}")
     if out_dtype not in _OUT:
         raise ValueError(f"out_dtype = '{out_dtype}' must be one of {sorted(_OUT)}")
+    wb = None
     if recipe == "w16a16":
-        n, k = (int(d) for d in codes.shape)
-        if bias is not None:
-            need("bias", bias, (n,), np.float32)
-        return n, k
-    need("codes", codes, dtype=np.uint8)
-    if len(codes.shape) != 2:
-        raise ValueError(f"codes has shape {tuple(codes.shape)}, expected [N, K] (E4M3 codes as uint8)")
-    n, k = (int(d) for d in codes.shape)
+        if scales is not None:
+            raise ValueError("scales must be None with recipe = 'w16a16' (codes is the BF16 weight matrix [N, K])")
+        codes, wb = None, bf16_bits("codes", host_view(codes))
+        w, dtype, what = wb, np.uint16, "BF16 weights as uint16 bits or bfloat16"
+    else:
+        w, dtype, what = codes, np.uint8, "E4M3 codes as uint8"
+    need("codes", w, dtype=dtype)
+    if len(w.shape) != 2:
+        raise ValueError(f"codes has shape {tuple(w.shape)}, expected [N, K] ({what})")
+    n, k = (int(d) for d in w.shape)
     if k % 32 != 0:
         raise ValueError(f"codes has K = {k} columns; K must be a multiple of 32 (the MX block)")
-    need("scales", scales, (n, k // 32), np.uint8)
+    if wb is None:
+        need("scales", scales, (n, k // 32), np.uint8)
     if bias is not None:
         need("bias", bias, (n,), np.float32)
-    return n, k
+    return n, k, codes, scales, wb
 
 
 def _host(x, out, out_dtype):
@@ -91,8 +82,7 @@ def _check_x(k, n, x, out, out_type):
 def run(codes, scales, x, bias=None, recipe="w8a16", out_dtype="bf16", out=None, backend=None, threads=0, isa=""):
     """One call (plan, prepack and run inside): for tools and tests. ``backend``: None (the best
     usable one), "cpu" or "reference" (the contract written plainly)."""
-    codes, scales, wb = _weights(recipe, codes, scales)
-    n, k = _check(recipe, out_dtype, codes if wb is None else wb, scales, bias)
+    n, k, codes, scales, wb = _check(recipe, out_dtype, codes, scales, bias)
     given = out
     x, out = _host(x, out, out_dtype)
     m, out = _check_x(k, n, x, out, _OUT[out_dtype])
@@ -106,8 +96,7 @@ class CpuLinear:
 
     def __init__(self, codes, scales, bias=None, recipe="w8a16", out_dtype="bf16", max_tokens=4096, threads=0,
                  isa=""):
-        codes, scales, wb = _weights(recipe, codes, scales)
-        self.n, self.k = _check(recipe, out_dtype, codes if wb is None else wb, scales, bias)
+        self.n, self.k, codes, scales, wb = _check(recipe, out_dtype, codes, scales, bias)
         self.recipe, self.out_dtype = recipe, out_dtype
         self._out_type = _OUT[out_dtype]
         self._native = _k3.cpu_linear_prepare(self.k, self.n, recipe, out_dtype, codes, scales, wb, bias, max_tokens,
