@@ -63,6 +63,16 @@ TEST(CliLinear, BenchWithoutTorchSaysWhyAndStillMeasures) {
   r = run_cli("bench linear --shapes 96x40 --m 1 --rounds 1 --iters 1 --pool-mib 1 --bw-mib 16 --torch-python off");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("torch baseline: not run (--torch-python off)"), std::string::npos) << r.out;
+  r = run_cli("bench linear --shapes 96x40 --m 1 --rounds 1 --iters 1 --pool-mib 1 --bw-mib 16 --torch-python "
+              "/bin/false");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("torch baseline: not run (/bin/false cannot import torch)"), std::string::npos) << r.out;
+  // The default python3: where it has no torch, one line says so and the probe prints no traceback.
+  r = run_cli("bench linear --shapes 96x40 --m 1 --rounds 1 --iters 1 --pool-mib 1 --bw-mib 16");
+  ASSERT_EQ(r.code, 0) << r.out;
+  if (r.out.find("python3 cannot import torch") != std::string::npos) {
+    EXPECT_EQ(r.out.find("Traceback"), std::string::npos) << r.out;
+  }
 }
 
 TEST(CliLinear, BenchRefusesBadShapesAndRecipes) {

@@ -7,6 +7,7 @@
 // F.linear runs side by side when a Python with torch is found (--torch-python, default python3):
 // one child process per round, after k3's round, on the same shapes, M, threads and weight
 // rotation; its times go next to k3's.
+#include <fcntl.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -73,8 +74,9 @@ print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads()
 )PY";
 
 // Runs argv (no shell; posix_spawnp, so the bench's gigabytes of weight copies are not forked);
-// (exit status, stdout). Exit 127 when it cannot be started.
-std::pair<int, std::string> run_capture(const std::vector<std::string>& argv) {
+// (exit status, stdout). Exit 127 when it cannot be started. quiet: the child's stderr goes to
+// /dev/null (the torch probe: a missing torch is reported in one line, not as a traceback).
+std::pair<int, std::string> run_capture(const std::vector<std::string>& argv, bool quiet = false) {
   int fd[2];
   if (pipe(fd) != 0) return {127, std::string("pipe: ") + std::strerror(errno)};
   posix_spawn_file_actions_t fa;
@@ -82,6 +84,7 @@ std::pair<int, std::string> run_capture(const std::vector<std::string>& argv) {
   posix_spawn_file_actions_adddup2(&fa, fd[1], STDOUT_FILENO);
   posix_spawn_file_actions_addclose(&fa, fd[0]);
   posix_spawn_file_actions_addclose(&fa, fd[1]);
+  if (quiet) posix_spawn_file_actions_addopen(&fa, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -232,7 +235,7 @@ Status run(const Args& a) {
     }
     for (const auto& [k, n] : seen) ta["shapes"].push_back({k, n});
     torch_args = ta.dump();
-    const auto probe = run_capture({a.torch_python, "-c", "import torch"});
+    const auto probe = run_capture({a.torch_python, "-c", "import torch"}, /*quiet=*/true);
     if (probe.first != 0) {
       torch_on = false;
       torch_note = probe.first == 127 ? a.torch_python + " was not found"
