@@ -118,7 +118,7 @@ declare -A limit_of=()
 # The planned limits (seconds), in run order; scaled so that sum(limit + 5) <= budget - 10.
 plan_steps() {
   plan_names=(probe_smi probe_info moe_tests cuda_tests nccl validate_moe validate_kda bench_moe bench_kda fla)
-  plan_limits=(10 10 85 60 20 60 35 50 35 55)
+  plan_limits=(10 10 35 25 20 50 45 120 35 70)
   local budget="$1" sum=0 i
   for i in "${!plan_limits[@]}"; do sum=$((sum + plan_limits[i] + 5)); done
   local room=$((budget - 10))

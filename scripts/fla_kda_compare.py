@@ -142,6 +142,7 @@ def main():
         result["error"] = f"fla not importable: {e}"
         save()
         return 3 if k3_ok else 1
+    print("fla compare: fla imported; first chunk_kda call (Triton compile and autotune) ...", flush=True)
     try:
         t0 = time.time()
         o_fla, s_fla = chunk_kda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta_b.unsqueeze(0),
@@ -167,6 +168,8 @@ def main():
         vp = torch.randn(1, Tp, Hp, K, device=dev).bfloat16()
         gp = (-5.0 * torch.sigmoid(torch.randn(1, Tp, Hp, K, device=dev))).float()
         bp = torch.sigmoid(torch.randn(1, Tp, Hp, device=dev)).bfloat16()
+        print(f"fla compare: same inputs done ({step.get('fla_first_call_s', float('nan')):.1f} s first call); "
+              f"speed, chunk_kda T = {Tp} ...", flush=True)
         t0 = time.time()
         chunk_kda(qp, kp, vp, gp, bp, scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=True)
         torch.cuda.synchronize()
@@ -177,6 +180,7 @@ def main():
     except Exception as e:  # noqa: BLE001
         speed["chunk_kda_error"] = repr(e)
     save()
+    print("fla compare: speed, fused_recurrent_kda decode N = 64 ...", flush=True)
     try:
         N = 64
         qd = torch.randn(1, N, Hp, K, device=dev).bfloat16()

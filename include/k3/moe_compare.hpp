@@ -22,15 +22,20 @@ struct MoeMetrics {
   int64_t nonfinite_mismatch = 0;  // positions whose NaN / +Inf / -Inf class differs from the rounded oracle
   int64_t zero_row_violations = 0;  // elements of rows without a local slot that are not +0.0
   int64_t exact = 0;      // outputs bit-identical to the oracle rounded once to the dtype
-  int64_t total = 0;
+  int64_t total = 0;      // outputs compared (rows beyond FP32 range excluded)
+  int64_t rows_beyond_fp32 = 0;  // rows not compared: beyond what the oracle predicts for FP32
   std::string summary() const;  // "exact 99.2%, nonfinite 0"
 };
 
 // out: M*K values of `dtype` (little-endian bytes); ref: M*K FP64 (before rounding);
 // zero_rows: [M] true for rows that must be exactly +0.0 (no local slot); may be empty.
-// Errors: out.size() != ref.size() * dtype size, or ref.size() not a multiple of zero_rows.size().
+// rows_beyond_fp32: [M] rows the oracle marked (moe_oracle's rows_beyond_fp32): skipped entirely
+// and counted in MoeMetrics::rows_beyond_fp32; may be empty.
+// Errors: out.size() != ref.size() * dtype size, or ref.size() not a multiple of the size of
+// zero_rows or rows_beyond_fp32.
 Result<MoeMetrics> compare_moe_output(std::span<const uint8_t> out, OutDType dtype, std::span<const double> ref,
-                              const std::vector<bool>& zero_rows);
+                                      const std::vector<bool>& zero_rows,
+                                      const std::vector<bool>& rows_beyond_fp32 = {});
 
 // Contract tolerances: what a correct FP32-accumulating backend can differ from the FP64 oracle
 // (output rounding plus rare flips of the MXFP8 / BF16 rounding of the intermediate).

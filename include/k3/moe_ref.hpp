@@ -39,6 +39,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "k3/moe.hpp"
 #include "k3/status.hpp"
@@ -53,13 +54,22 @@ const char* oracle_kind_name(OracleKind k);  // "contract" / "bf16_reference"
 // out: [M, K] FP64, the finalize sum BEFORE the final rounding to the output dtype.
 // Errors: every buffer is checked (validate_moe_buffers), out.size() must be M*K, and the
 // activation parameters must be finite with SiTU betas > 0. OpenMP-parallel, deterministic.
+//
+// rows_beyond_fp32 (optional, resized to [M]): true for the rows where an FP32-accumulating
+// backend necessarily leaves the FP64 contract's NaN / Inf class (docs/moe.md, "Limits"): for one
+// of the row's local slots, a GEMM1 value (gate or up) or a GEMM2 value of the contract is finite
+// in FP64 but beyond FLT_MAX, so FP32 holds +-Inf there (an activation that clamps, like SwiGLU's,
+// then turns the FP64 value into a finite output and the FP32 Inf into NaN). Not marked: an
+// intermediate FP32 partial sum that overflows while the FP64 result stays in range (only a
+// cancellation of values near FLT_MAX does that). Generated cases stay far below; the nonfinite
+// suite's largest-BF16 input under W4A16 does not.
 Status moe_oracle(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, OracleKind kind,
-                  std::span<double> out);
+                  std::span<double> out, std::vector<bool>* rows_beyond_fp32 = nullptr);
 
 // Both oracles in one pass (steps 1-2 are shared, so this costs about 2/3 of two calls); each
-// output is bit-identical to its moe_oracle() result.
+// output is bit-identical to its moe_oracle() result. rows_beyond_fp32: as above.
 Status moe_oracles(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<double> contract,
-                   std::span<double> bf16_reference);
+                   std::span<double> bf16_reference, std::vector<bool>* rows_beyond_fp32 = nullptr);
 
 // Rounds FP64 values once (RNE, overflow to +-Inf, NaN -> the canonical 0x7FFF / 0x7FC00000) to
 // the output dtype; writes little-endian bytes, out.size() == in.size() * out_dtype_size(dtype).

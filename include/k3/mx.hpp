@@ -83,6 +83,10 @@ K3_HOST_DEVICE constexpr uint8_t mx_encode_element(float x, uint8_t scale_code, 
 
 // Exact FP32 value of an element (code) under a scale code; NaN for a 0xFF scale.
 K3_HOST_DEVICE constexpr float mx_decode_element(uint8_t code, uint8_t scale_code, MxElement e) {
+  // A NaN scale gives the canonical quiet NaN itself, not v * NaN: a GPU's multiply returns its
+  // own NaN (0x7FFFFFFF) where x86 keeps the operand's (0x7FC00000), and the codec must give the
+  // same bits on both (first seen on an H200, 2026-12-04).
+  if (scale_code == kE8M0Nan) return e8m0_to_f32(kE8M0Nan);
   const float v = e == MxElement::kE2M1 ? e2m1_to_f32(code) : e4m3_to_f32(code);
   return v * e8m0_to_f32(scale_code);
 }

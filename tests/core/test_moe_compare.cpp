@@ -83,6 +83,32 @@ TEST(MoeCompare, ZeroRowsMustBePositiveZeroBitForBit) {
   EXPECT_NE(why.find("not +0.0"), std::string::npos) << why;
 }
 
+// Rows the oracle marked beyond FP32 range are not compared: a NaN where the oracle is finite
+// fails in an unmarked row and is skipped, and counted, in a marked one.
+TEST(MoeCompare, RowsBeyondFp32RangeAreSkippedAndCounted) {
+  const std::vector<double> ref = {1.0, 2.0, 3.0, 4.0};  // 2 rows of K = 2
+  std::vector<uint8_t> out = rounded(ref, OutDType::kBF16);
+  out[4] = 0xC0, out[5] = 0x7F;  // row 1, element 0: NaN (0x7FC0)
+  const MoeMetrics plain = compare_moe_output(out, OutDType::kBF16, ref, {}).value();
+  EXPECT_EQ(plain.nonfinite_mismatch, 1);
+  std::string why;
+  EXPECT_FALSE(within(plain, contract_tolerance(OutDType::kBF16), &why));
+  const MoeMetrics marked = compare_moe_output(out, OutDType::kBF16, ref, {}, {false, true}).value();
+  EXPECT_EQ(marked.nonfinite_mismatch, 0);
+  EXPECT_EQ(marked.rows_beyond_fp32, 1);
+  EXPECT_EQ(marked.total, 2);
+  EXPECT_EQ(marked.exact, 2);
+  EXPECT_TRUE(within(marked, contract_tolerance(OutDType::kBF16), &why)) << why;
+  EXPECT_NE(marked.summary().find("1 row beyond FP32 range not compared"), std::string::npos) << marked.summary();
+  // The mark does not hide a mismatch in another row.
+  EXPECT_EQ(compare_moe_output(out, OutDType::kBF16, ref, {}, {true, false}).value().nonfinite_mismatch, 1);
+  EXPECT_NE(compare_moe_output(out, OutDType::kBF16, ref, {}, std::vector<bool>(3))
+                .status()
+                .message()
+                .find("do not split into 3 rows (rows_beyond_fp32)"),
+            std::string::npos);
+}
+
 TEST(MoeCompare, SizeErrors) {
   const std::vector<double> ref(6, 1.0);
   const std::vector<uint8_t> out(11);

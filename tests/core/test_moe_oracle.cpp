@@ -301,6 +301,41 @@ TEST(MoeOracle, NanInputPoisonsOnlyItsRowAndInfIsDefined) {
   }
 }
 
+// Rows an FP32 backend can overflow where FP64 does not are marked (k3/moe_ref.hpp): the largest
+// finite BF16 in a W4A16 row meets weights of magnitude >= 1, so sum|x| * max|W1| > FLT_MAX. NaN
+// and Inf rows are not marked (their class is the same in FP32), nor are ordinary rows; the
+// outputs do not change.
+TEST(MoeOracle, MarksTheRowsBeyondFp32RangeOnly) {
+  Case c = random_case(64, 32, 3, 2, 5, 1, 0, 17);
+  c.p.recipe = Recipe::kW4A16;
+  c.ids = {0, 1, 1, 2, 2, 0, 0, 2, 1, 2};
+  c.f1s.assign(c.f1s.size(), 127);  // |W1| up to 6
+  c.x[1 * 64 + 40] = 0x7FC0;        // NaN in token 1
+  c.x[2 * 64 + 3] = 0x7F80;         // +Inf in token 2
+  c.x[3 * 64 + 0] = 0x7F7F;         // 3.39e38 in token 3
+  std::vector<double> out(5 * 64), ref(5 * 64), plain(5 * 64);
+  std::vector<bool> beyond;
+  ASSERT_TRUE(moe_oracle(c.p, c.wv(), c.iv(), OracleKind::kContract, out, &beyond).is_ok());
+  EXPECT_EQ(beyond, (std::vector<bool>{false, false, false, true, false}));
+  ASSERT_TRUE(moe_oracle(c.p, c.wv(), c.iv(), OracleKind::kContract, plain).is_ok());
+  EXPECT_EQ(std::memcmp(out.data(), plain.data(), out.size() * sizeof(double)), 0);
+  std::vector<bool> both;
+  ASSERT_TRUE(moe_oracles(c.p, c.wv(), c.iv(), out, ref, &both).is_ok());
+  EXPECT_EQ(both, beyond);
+  std::vector<bool> ref_only;
+  ASSERT_TRUE(moe_oracle(c.p, c.wv(), c.iv(), OracleKind::kBf16Reference, ref, &ref_only).is_ok());
+  EXPECT_EQ(ref_only, beyond);
+  // The same row under W4A8 is +Inf by definition (MXFP8 of 3.39e38 overflows): nothing to mark.
+  c.p.recipe = Recipe::kW4A8;
+  ASSERT_TRUE(moe_oracle(c.p, c.wv(), c.iv(), OracleKind::kContract, out, &beyond).is_ok());
+  EXPECT_EQ(beyond, std::vector<bool>(5, false));
+  // Ordinary scales and inputs: no row is marked.
+  Case d = random_case(64, 32, 3, 2, 4, 1, 0, 18);
+  std::vector<double> out_d(4 * 64);
+  ASSERT_TRUE(moe_oracle(d.p, d.wv(), d.iv(), OracleKind::kContract, out_d, &beyond).is_ok());
+  EXPECT_EQ(beyond, std::vector<bool>(4, false));
+}
+
 TEST(MoeOracle, ErrorsNameTheProblem) {
   Case c = random_case(64, 32, 3, 2, 4, 1, 0, 17);
   std::vector<double> out(4 * 64);

@@ -2,6 +2,7 @@
 #include "bench_moe_cuda.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <random>
 
@@ -62,7 +63,13 @@ Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
                             {"recipe", recipe_name(recipe)},
                             {"m", m},
                             {"routing", p.sweep.routing.name()}};
+      // Progress on stderr with the seconds of each phase: a run stopped by a time limit shows
+      // which M it was in and where the time went (host preparation or the device).
+      std::fprintf(stderr, "k3 bench moe: %s M = %lld: prepack + k3 timing ...\n", recipe_name(recipe),
+                   static_cast<long long>(m));
+      const auto t_k3 = std::chrono::steady_clock::now();
       auto t = cuda::time_moe(prob, wv, in, p.warmup, iters, m <= 64 ? 4 : 1, env_cuda_moe_path());
+      const double k3_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_k3).count();
       if (!t.is_ok()) t = with_path_source(t.status());
       if (!t.is_ok()) {  // k3's own failure: recorded, the sweep goes on, the command fails at the end
         std::printf("%-6s %6lld k3 FAILED: %s\n", recipe_name(recipe), static_cast<long long>(m), t.status().to_string().c_str());
@@ -74,7 +81,13 @@ Status run_moe_bench_cuda(const CudaMoeBenchParams& p) {
         continue;
       }
       // The baseline is optional: without cuBLAS (or when it fails) k3's timing stays, with the reason.
+      std::fprintf(stderr, "k3 bench moe: %s M = %lld: k3 done in %.1f s; cuBLAS baseline ...\n", recipe_name(recipe),
+                   static_cast<long long>(m), k3_s);
+      const auto t_base = std::chrono::steady_clock::now();
       auto base = cuda::time_cublas_baseline(prob, map.rows_per_expert, p.warmup, iters);
+      std::fprintf(stderr, "k3 bench moe: %s M = %lld: baseline done in %.1f s\n", recipe_name(recipe),
+                   static_cast<long long>(m),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t_base).count());
       const int64_t active = traffic.active_experts;
       const double bytes = traffic.weight_bytes;
       const double tbps = bytes / t->median_s / 1e12;

@@ -31,11 +31,16 @@ std::string MoeMetrics::summary() const {
   char buf[160];
   std::snprintf(buf, sizeof buf, "exact %.1f%%, nonfinite %lld", total ? 100.0 * static_cast<double>(exact) / static_cast<double>(total) : 100.0,
                 static_cast<long long>(nonfinite));
-  return buf;
+  std::string s = buf;
+  if (rows_beyond_fp32 > 0) {
+    s += ", " + std::to_string(rows_beyond_fp32) + (rows_beyond_fp32 == 1 ? " row" : " rows") +
+         " beyond FP32 range not compared";
+  }
+  return s;
 }
 
 Result<MoeMetrics> compare_moe_output(std::span<const uint8_t> out, OutDType dtype, std::span<const double> ref,
-                                      const std::vector<bool>& zero_rows) {
+                                      const std::vector<bool>& zero_rows, const std::vector<bool>& rows_beyond_fp32) {
   MoeMetrics m;
   const int size = out_dtype_size(dtype);
   if (out.size() != ref.size() * static_cast<size_t>(size)) {
@@ -46,12 +51,19 @@ Result<MoeMetrics> compare_moe_output(std::span<const uint8_t> out, OutDType dty
     return invalid_argument("compare_moe_output: " + std::to_string(ref.size()) + " values do not split into " +
                             std::to_string(zero_rows.size()) + " rows");
   }
-  m.total = static_cast<int64_t>(ref.size());
+  if (!rows_beyond_fp32.empty() && ref.size() % rows_beyond_fp32.size() != 0) {
+    return invalid_argument("compare_moe_output: " + std::to_string(ref.size()) + " values do not split into " +
+                            std::to_string(rows_beyond_fp32.size()) + " rows (rows_beyond_fp32)");
+  }
   std::vector<uint8_t> rounded(ref.size() * size);
   round_output(ref, dtype, rounded);
   const size_t k = zero_rows.empty() ? 0 : ref.size() / zero_rows.size();
+  const size_t kb = rows_beyond_fp32.empty() ? 0 : ref.size() / rows_beyond_fp32.size();
+  for (bool b : rows_beyond_fp32) m.rows_beyond_fp32 += b;
   double dot = 0, oo = 0, rr = 0, ee = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
+    if (kb != 0 && rows_beyond_fp32[i / kb]) continue;
+    ++m.total;
     const double o = load(out, dtype, i), r = ref[i], rq = load(rounded, dtype, i);
     bool same = true;
     for (int b = 0; b < size; ++b) same = same && out[i * size + b] == rounded[i * size + b];

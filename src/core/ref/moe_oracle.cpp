@@ -4,6 +4,8 @@
 // split never changes a bit.
 #include <algorithm>
 #include <array>
+#include <cfloat>
+#include <cmath>
 #include <new>
 #include <string>
 #include <vector>
@@ -85,6 +87,15 @@ void gemm_nt(const double* a, int64_t np, const float* w, int64_t rows, int64_t 
   }
 }
 
+// True when a value is finite in FP64 but beyond FP32's range (|v| > FLT_MAX): an FP32 backend
+// holds +-Inf there (moe_ref.hpp, rows_beyond_fp32).
+bool beyond_fp32(const double* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isfinite(v[i]) && std::fabs(v[i]) > static_cast<double>(FLT_MAX)) return true;
+  }
+  return false;
+}
+
 // Step 1 of the contract for one token row: x (BF16) -> the GEMM1 operand in FP64.
 void input_row(const uint16_t* x, int64_t k, Recipe recipe, double* out) {
   if (recipe == Recipe::kW4A16) {
@@ -121,7 +132,7 @@ void activation_row(const double* h, int64_t n, const Activation& act, double b,
 // The oracles. out[0] = contract, out[1] = BF16 reference; a null pointer skips that oracle.
 // Steps 1-2 (input rounding, GEMM1) are shared: they are the same for both.
 Status oracle_impl(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in,
-                   const std::array<double*, 2>& out) {
+                   const std::array<double*, 2>& out, std::vector<bool>* beyond) {
   const int64_t m = in.m, k = p.shape.hidden, n = p.shape.intermediate;
   const int top_k = p.shape.top_k;
   const int e_local = p.shape.local_experts();
@@ -130,6 +141,10 @@ Status oracle_impl(const MoeProblem& p, const MoeWeightsView& w, const MoeInputs
   for (double* o : out) {
     if (o != nullptr) std::fill(o, o + m * k, 0.0);
   }
+  if (beyond != nullptr) beyond->assign(static_cast<size_t>(std::max<int64_t>(m, 0)), false);
+  // The FP32-range marks are those of the contract: with only the BF16 reference requested, the
+  // contract's activation and GEMM2 are computed for them too.
+  const bool mark_only = beyond != nullptr && out[0] == nullptr;
 
   std::vector<float> w1;                // [2N, K] FP32, one expert's FC1 dequantized
   std::vector<float> w2;                // [K, N]  FP32, one expert's FC2 dequantized
@@ -175,13 +190,25 @@ Status oracle_impl(const MoeProblem& p, const MoeWeightsView& w, const MoeInputs
       gemm_nt(xs.data(), np, w1.data(), 2 * n, k, h.data());  // h [P, 2N]
       const double b = w.situ_beta.empty() ? p.activation.situ_beta : w.situ_beta[e];
       const double lb = w.situ_linear_beta.empty() ? p.activation.situ_linear_beta : w.situ_linear_beta[e];
-      for (int o = 0; o < 2; ++o) {
-        if (out[o] == nullptr) continue;
+      auto mark = [&](int64_t s, const double* v, int64_t count) {
+        if (beyond_fp32(v, count)) (*beyond)[static_cast<size_t>(t0 + sl[s] / top_k)] = true;
+      };
+      if (beyond != nullptr) {
+        for (int64_t s = 0; s < np; ++s) mark(s, h.data() + s * 2 * n, 2 * n);
+      }
+      for (int o = mark_only ? -1 : 0; o < 2; ++o) {
+        const bool contract = o <= 0;  // o = -1: the contract, for the marks only
+        if (o >= 0 && out[o] == nullptr) continue;
 #pragma omp parallel for schedule(static) if (np * n >= kParallelMin / 4)
         for (int64_t s = 0; s < np; ++s) {
-          activation_row(h.data() + s * 2 * n, n, p.activation, b, lb, p.recipe, kKinds[o], a.data() + s * n);
+          activation_row(h.data() + s * 2 * n, n, p.activation, b, lb, p.recipe,
+                         contract ? OracleKind::kContract : kKinds[o], a.data() + s * n);
         }
         gemm_nt(a.data(), np, w2.data(), k, n, ye.data());  // y_e [P, K]
+        if (contract && beyond != nullptr) {
+          for (int64_t s = 0; s < np; ++s) mark(s, ye.data() + s * k, k);
+        }
+        if (o < 0) continue;
         for (int64_t s = 0; s < np; ++s) std::copy_n(ye.data() + s * k, k, y[o].data() + y_row[sl[s]] * k);
       }
     }
@@ -230,9 +257,9 @@ Status check_out(const char* name, const MoeProblem& p, const MoeInputsView& in,
 }
 
 Status run_guarded(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in,
-                   const std::array<double*, 2>& out) {
+                   const std::array<double*, 2>& out, std::vector<bool>* beyond) {
   try {
-    return oracle_impl(p, w, in, out);
+    return oracle_impl(p, w, in, out, beyond);
   } catch (const std::bad_alloc&) {
     return unavailable("moe_oracle: out of memory for the FP64 buffers (M = " + std::to_string(in.m) +
                        ", K = " + std::to_string(p.shape.hidden) + ", N = " + std::to_string(p.shape.intermediate) +
@@ -243,20 +270,20 @@ Status run_guarded(const MoeProblem& p, const MoeWeightsView& w, const MoeInputs
 }  // namespace
 
 Status moe_oracle(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, OracleKind kind,
-                  std::span<double> out) {
+                  std::span<double> out, std::vector<bool>* rows_beyond_fp32) {
   K3_RETURN_IF_ERROR(check_oracle_args(p, w, in));
   K3_RETURN_IF_ERROR(check_out("moe_oracle: out", p, in, out));
   std::array<double*, 2> outs = {nullptr, nullptr};
   outs[kind == OracleKind::kContract ? 0 : 1] = out.data();
-  return run_guarded(p, w, in, outs);
+  return run_guarded(p, w, in, outs, rows_beyond_fp32);
 }
 
 Status moe_oracles(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<double> contract,
-                   std::span<double> bf16_reference) {
+                   std::span<double> bf16_reference, std::vector<bool>* rows_beyond_fp32) {
   K3_RETURN_IF_ERROR(check_oracle_args(p, w, in));
   K3_RETURN_IF_ERROR(check_out("moe_oracles: contract", p, in, contract));
   K3_RETURN_IF_ERROR(check_out("moe_oracles: bf16_reference", p, in, bf16_reference));
-  return run_guarded(p, w, in, {contract.data(), bf16_reference.data()});
+  return run_guarded(p, w, in, {contract.data(), bf16_reference.data()}, rows_beyond_fp32);
 }
 
 }  // namespace k3

@@ -1,10 +1,12 @@
 // Host side of the CUDA fused-MoE backend: device capabilities, prepack, run, run_host.
 // NOT YET RUN ON A GPU (compiled for sm_90a / sm_120a only).
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/common.cuh"
@@ -73,6 +75,23 @@ Status check_exact(std::span<const uint8_t> q, std::span<const uint8_t> s, int64
   return Status::ok();
 }
 
+// fn(x) for every x in [0, count), on up to hardware_concurrency() host threads. The packing and
+// re-encoding of the experts' weights is independent per expert and took seconds per call when
+// serial at Kimi shapes (the first H200 window, 2026-12-04, spent its bench time there).
+template <class Fn>
+void for_each_expert(int64_t count, Fn fn) {
+  const int64_t threads = std::clamp<int64_t>(static_cast<int64_t>(std::thread::hardware_concurrency()), 1,
+                                              std::max<int64_t>(count, 1));
+  std::atomic<int64_t> next{0};
+  auto worker = [&]() {
+    for (int64_t x = next++; x < count; x = next++) fn(x);
+  };
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+}
+
 // prefill-sm90 operands of one weight tensor [E_local, rows, cols]: E4M3 codes [E_local, rows, cols]
 // and BF16 group scales [E_local, ceil(cols/64), rows] (MN-major, as the GEMM reads them). Returns
 // an error naming the first row and group whose MX block exponents are too far apart.
@@ -81,19 +100,29 @@ Status sm90_encode(std::span<const uint8_t> q, std::span<const uint8_t> s, int64
   const int64_t groups = moe_detail::sm90_scale_groups(cols);
   codes.assign(static_cast<size_t>(e * rows * cols), 0);
   scales.assign(static_cast<size_t>(e * groups * rows), 0);
-  for (int64_t x = 0; x < e; ++x) {
+  // Per expert: its first row that does not encode and the group (-1: none). Experts in parallel;
+  // the error names the lowest expert's first bad row, as the serial loop did.
+  std::vector<std::pair<int64_t, int64_t>> first_bad(static_cast<size_t>(e), {-1, -1});
+  for_each_expert(e, [&](int64_t x) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t row = x * rows + r;
       const int64_t bad = moe_detail::sm90_encode_row(q.data() + row * (cols / 2), s.data() + row * (cols / kMxBlock),
                                                       cols, codes.data() + row * cols,
                                                       scales.data() + x * groups * rows + r, rows);
       if (bad >= 0) {
-        return unsupported(std::string(what) + ": local expert " + std::to_string(x) + ", row " + std::to_string(r) +
-                           ", columns [" + std::to_string(bad * moe_detail::kSm90ScaleGroup) + ", " +
-                           std::to_string(std::min(cols, (bad + 1) * moe_detail::kSm90ScaleGroup)) +
-                           "): the MX block scales are more than 14 binades apart, which the prefill-sm90 path's "
-                           "E4M3 codes under one BF16 scale per 64 columns cannot hold exactly; use path prefill");
+        first_bad[static_cast<size_t>(x)] = {r, bad};
+        return;
       }
+    }
+  });
+  for (int64_t x = 0; x < e; ++x) {
+    const auto [r, bad] = first_bad[static_cast<size_t>(x)];
+    if (bad >= 0) {
+      return unsupported(std::string(what) + ": local expert " + std::to_string(x) + ", row " + std::to_string(r) +
+                         ", columns [" + std::to_string(bad * moe_detail::kSm90ScaleGroup) + ", " +
+                         std::to_string(std::min(cols, (bad + 1) * moe_detail::kSm90ScaleGroup)) +
+                         "): the MX block scales are more than 14 binades apart, which the prefill-sm90 path's "
+                         "E4M3 codes under one BF16 scale per 64 columns cannot hold exactly; use path prefill");
     }
   }
   return Status::ok();
@@ -151,12 +180,12 @@ Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w) {
     const md::SkGeom g1 = md::sk_geom_fc1(k, n), g2 = md::sk_geom_fc2(k, n);
     std::vector<uint8_t> pq1(e * g1.bytes), pq2(e * g2.bytes);
     std::vector<uint32_t> ps1(e * g1.scale_words), ps2(e * g2.scale_words);
-    for (int64_t x = 0; x < e; ++x) {
+    for_each_expert(e, [&](int64_t x) {
       md::sk_pack_expert(true, n, g1, w.fc1_q.data() + x * 2 * n * (k / 2), w.fc1_scale.data() + x * 2 * n * (k / kMxBlock),
                          pq1.data() + x * g1.bytes, ps1.data() + x * g1.scale_words);
       md::sk_pack_expert(false, n, g2, w.fc2_q.data() + x * k * (n / 2), w.fc2_scale.data() + x * k * (n / kMxBlock),
                          pq2.data() + x * g2.bytes, ps2.data() + x * g2.scale_words);
-    }
+    });
     K3_RETURN_IF_ERROR(upload(impl->fc1_pq, std::span<const uint8_t>(pq1), "copy packed fc1"));
     K3_RETURN_IF_ERROR(upload(impl->fc1_ps, std::span<const uint32_t>(ps1), "copy packed fc1 scales"));
     K3_RETURN_IF_ERROR(upload(impl->fc2_pq, std::span<const uint8_t>(pq2), "copy packed fc2"));

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
-#include <random>
 #include <vector>
 
 #include "cuda/common.cuh"
@@ -18,6 +17,32 @@ namespace k3::cuda {
 namespace {
 
 using detail::time_events;
+
+// Random BF16 operands for the cuBLAS baseline, generated on the device (a counter hash,
+// splitmix64 of seed + index): |v| in [2^-7, 1), random sign. Not zeros: zeros run faster than
+// real data. On the host this took seconds per M at Kimi shapes (925 M values), which the first
+// H200 window (2026-12-04) spent instead of timing the larger M.
+__global__ void fill_random_bf16_kernel(uint16_t* __restrict__ v, int64_t count, uint64_t seed) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint64_t z = seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(i + 1);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const uint32_t mag = 0x3C00u + static_cast<uint32_t>(z % (0x3F7Fu - 0x3C00u + 1u));
+    v[i] = static_cast<uint16_t>(mag | ((z >> 63) << 15));
+  }
+}
+
+Status fill_random_bf16(uint16_t* v, int64_t count, uint64_t seed) {
+  if (count <= 0) return Status::ok();
+  const int block = 256;
+  const int64_t want = (count + block - 1) / block;
+  const int grid = static_cast<int>(std::min<int64_t>(want, 65535));
+  fill_random_bf16_kernel<<<grid, block>>>(v, count, seed);
+  K3_CUDA_TRY(cudaGetLastError(), "fill_random_bf16_kernel launch");
+  return Status::ok();
+}
 
 
 // cuBLAS is needed only for the BF16 baseline of `k3 bench moe --backend cuda`. Linking it would
@@ -134,26 +159,19 @@ Result<DeviceTiming> time_cublas_baseline(const MoeProblem& p, std::span<const i
   }
   int64_t max_rows = 1;
   for (int64_t r : rows_per_expert) max_rows = std::max(max_rows, r);
-  // Random BF16 operands (not zeros: zeros run faster than real data).
-  std::mt19937 rng(3);
-  std::uniform_int_distribution<int> bits(0x3C00, 0x3F7F);  // |v| in [2^-7, 1)
-  auto random_bf16 = [&](int64_t count) {
-    std::vector<uint16_t> v(count);
-    for (auto& x : v) x = static_cast<uint16_t>(bits(rng) | ((rng() & 1u) << 15));
-    return v;
-  };
+  // Random BF16 operands, generated on the device (fill_random_bf16).
   detail::DeviceBuffer<uint16_t> w1, w2, a, h;
   detail::DeviceBuffer<float> c1, c2;
-  const auto hw1 = random_bf16(e * 2 * n * k), hw2 = random_bf16(e * k * n), ha = random_bf16(max_rows * k);
-  K3_RETURN_IF_ERROR(w1.allocate(hw1.size()));
-  K3_RETURN_IF_ERROR(w2.allocate(hw2.size()));
-  K3_RETURN_IF_ERROR(a.allocate(ha.size()));
+  K3_RETURN_IF_ERROR(w1.allocate(e * 2 * n * k));
+  K3_RETURN_IF_ERROR(w2.allocate(e * k * n));
+  K3_RETURN_IF_ERROR(a.allocate(max_rows * k));
   K3_RETURN_IF_ERROR(h.allocate(max_rows * n));
   K3_RETURN_IF_ERROR(c1.allocate(max_rows * 2 * n));
   K3_RETURN_IF_ERROR(c2.allocate(max_rows * k));
-  K3_CUDA_TRY(cudaMemcpy(w1.get(), hw1.data(), hw1.size() * 2, cudaMemcpyHostToDevice), "copy w1");
-  K3_CUDA_TRY(cudaMemcpy(w2.get(), hw2.data(), hw2.size() * 2, cudaMemcpyHostToDevice), "copy w2");
-  K3_CUDA_TRY(cudaMemcpy(a.get(), ha.data(), ha.size() * 2, cudaMemcpyHostToDevice), "copy a");
+  K3_RETURN_IF_ERROR(fill_random_bf16(w1.get(), e * 2 * n * k, 1));
+  K3_RETURN_IF_ERROR(fill_random_bf16(w2.get(), e * k * n, 2));
+  K3_RETURN_IF_ERROR(fill_random_bf16(a.get(), max_rows * k, 3));
+  K3_CUDA_TRY(cudaDeviceSynchronize(), "fill the baseline's operands");
   K3_CUDA_TRY(cudaMemset(h.get(), 0x3C, max_rows * n * 2), "init h");
   auto api = load_cublas();
   if (!api.is_ok()) return api.status();
