@@ -2,9 +2,9 @@
 // messages, with the NCCL two-shot of k3/comm_nccl.hpp as the fallback (docs/distributed.md,
 // "One-shot all-reduce over peer-mapped buffers").
 //
-// NOT YET RUN ON A GPU: compiled in CI (sm_90a, sm_120a) and checked on the host for its
-// refusals; its world-size-1 test (tests/cuda/test_ipc_allreduce.cpp) is the only one a single
-// GPU can run, and no session has run even that yet. Treat it as unverified.
+// Ran at world size 1 on an H200 (2026-12-04): its world-size-1 test
+// (tests/cuda/test_ipc_allreduce.cpp), the only one a single GPU can run, passes. Never run across
+// GPUs: treat the multi-GPU path as unverified.
 //
 // An IpcAllreduceGroup is made collectively from a DeviceCommunicator: every rank cudaMalloc's
 // one buffer (a flag header and two data slots of capacity_bytes each), the cudaIpcMemHandles

@@ -1,8 +1,8 @@
 // k3/comm_nccl.hpp — the multi-rank ops on GPU buffers, over NCCL (docs/distributed.md, "NCCL").
 //
-// NEVER RUN ON A GPU: this code is compiled in CI (sm_90a, sm_120a) and checked on the host for
-// its refusals, but no session has had a GPU with NCCL to run it; scripts/device-check.sh runs
-// its world-size-1 test when one is lent. Treat it as unverified.
+// Ran at world size 1 on an H200 (2026-12-04: its tests pass in scripts/device-check.sh); never
+// run across GPUs, so treat the multi-GPU path as unverified. Compiled in CI (sm_90a, sm_120a)
+// and checked on the host for its refusals.
 //
 // NCCL is opened at run time (dlopen of libnccl.so.2; $K3_NCCL_LIBRARY names another file), so
 // neither the library nor the `k3` tool needs NCCL to start. A DeviceCommunicator is made from a

@@ -1,9 +1,9 @@
 // k3/cuda_ep.hpp — expert parallelism on GPU buffers over NCCL: the device counterpart of
 // k3/ep.hpp's dispatch / experts / combine (docs/distributed.md, "GPU (NCCL) expert parallelism").
 //
-// NOT YET RUN ON A GPU: compiled in CI (sm_90a, sm_120a); its argument checks and its host
-// bookkeeping (k3/ep_route.hpp) are tested on machines without one; the world-size-1 device test
-// (tests/cuda/test_cuda_ep.cpp) skips without a device and NCCL. Treat it as unverified.
+// Ran at world size 1 on an H200 (2026-12-04: tests/cuda/test_cuda_ep.cpp passes); never run
+// across GPUs, so treat the multi-GPU path as unverified. Its argument checks and its host
+// bookkeeping (k3/ep_route.hpp) are tested on machines without a GPU.
 //
 // Same contract as the CPU path: rank r of W holds the experts of k3/moe.hpp's expert_range (any
 // W from 1 to E; the first E mod W ranks one expert more); each rank

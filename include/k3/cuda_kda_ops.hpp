@@ -2,8 +2,8 @@
 // convolution + SiLU with its rolling state, and the gated per-head RMSNorm (the CPU ops and their
 // contracts: k3/kda_ops.hpp; docs/kda.md, "CUDA: conv1d + SiLU and gated RMSNorm").
 //
-// NOT YET RUN ON A GPU: compiled and linked for the build's architectures, tested only where a
-// device is present (tests/cuda/test_cuda_kda_ops.cpp skips its device tests without one).
+// Ran on an H200 (sm_90, 2026-12-04): tests/cuda/test_cuda_kda_ops.cpp passes there (it skips its
+// device tests without a device). Never run on sm_120.
 //
 // Includes no CUDA header: `stream` is a cudaStream_t passed as void* (nullptr = default stream).
 #pragma once

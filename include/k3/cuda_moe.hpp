@@ -1,8 +1,8 @@
 // k3/cuda_moe.hpp — the CUDA fused-MoE backend: plan / prepack / run (docs/moe.md contract).
 //
-// STATUS: compiled for sm_90a and sm_120a in CI; NOT YET RUN ON A GPU. Every kernel behind this
-// API is unverified on hardware until scripts/device-check.sh has passed on a device; `k3 info`
-// and docs/cuda_moe.md say so. The planning logic below is host code and is unit-tested.
+// STATUS: compiled for sm_90a and sm_120a in CI. The sm_90 paths ran on an H200 on 2026-12-04,
+// where the CUDA tests and k3 validate pass (docs/cuda_moe.md, "First GPU run"); speed is below
+// the targets there. The sm_120 path has never run on a GPU. The planning logic below is host code and is unit-tested.
 //
 // Includes no CUDA header. Planning (`plan`) is pure host logic in k3_core, so its checks and
 // its printable decisions are tested on machines without a GPU.
@@ -28,10 +28,10 @@ enum class MoePath : uint8_t {
   kPrefill,  // many rows per expert: mma.sync BF16 tiles of 64 rows, the checkpoint weight layout
   // few rows per expert, the decode choice: swap AB (weights = M operand, tokens = N), split-K over
   // kSplitKWarps warps per CTA, weights in a fragment-native prepacked layout
-  // (src/cuda/moe/moe_pack.hpp). NEVER RUN ON A GPU.
+  // (src/cuda/moe/moe_pack.hpp). Ran on an H200 (2026-12-04).
   kDecodeSplitK,
   // many rows per expert on sm_90: CUTLASS wgmma/TMA grouped mixed-input GEMMs (E4M3 weights with
-  // BF16 scales per 64 columns, re-encoded exactly at prepack). NEVER RUN ON A GPU. Needs a build
+  // BF16 scales per 64 columns, re-encoded exactly at prepack). Ran on an H200 (2026-12-04). Needs a build
   // with CUTLASS (DeviceCaps::has_sm90_grouped); the plan picks it over kPrefill when it can.
   kPrefillSm90,
   // W4A8 on sm_120: CUTLASS's sm_120a block-scaled grouped GEMMs (MXFP8 activations x MXFP4
@@ -166,7 +166,7 @@ struct DeviceInputs {
 Status run(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, void* workspace, void* stream);
 
 // ---- the expert-parallel seam (docs/distributed.md): run() = run_experts() + finalize() -------
-// Mirrors cpu::run_experts / cpu::finalize (k3/cpu_moe.hpp). NOT YET RUN ON A GPU.
+// Mirrors cpu::run_experts / cpu::finalize (k3/cpu_moe.hpp). Ran at world size 1 on an H200 (2026-12-04).
 //
 // The FP32 expert outputs stay where FC2 writes them: the permuted, expert-grouped rows of the
 // workspace, with the (token, slot) -> row map the sort made. They are not compacted into a

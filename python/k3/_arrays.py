@@ -160,7 +160,7 @@ def out_or_new(name, out, shape, dtype):
     return need(name, out, shape, dtype, writable=True)
 
 
-# ---- CUDA arrays (the CUDA entry points; NEVER RUN ON A GPU) ---------------------------------
+# ---- CUDA arrays (the CUDA entry points; never run on a GPU from Python) ----------------------
 _KDLCUDA = 2  # DLPack's device type of CUDA memory
 
 

@@ -209,7 +209,7 @@ def commit(state_pool, window_pool, state_indices, num_accepted, window_tokens, 
 
 
 class CudaKda:
-    """The CUDA backend's serving form (NEVER RUN ON A GPU: compiled, not verified on hardware).
+    """The CUDA backend's serving form (this binding has never run on a GPU; the C++ backend ran on an H200).
 
     The plan is made once for one configuration and CUDA device; ``prefill`` / ``decode`` /
     ``verify`` take CUDA arrays (torch / CuPy, through DLPack, used in place), the outputs, a

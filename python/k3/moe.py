@@ -137,7 +137,7 @@ class CpuMoe:
 
 
 class CudaMoe:
-    """The CUDA backend's serving form (NEVER RUN ON A GPU: compiled, not verified on hardware).
+    """The CUDA backend's serving form (this binding has never run on a GPU; the C++ backend ran on an H200).
 
     The plan is made for ``device`` (at most ``max_tokens`` rows per call) and the host weights
     (checkpoint layout, as for :class:`CpuMoe`) are uploaded once to that device. ``run`` takes

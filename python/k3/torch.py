@@ -21,8 +21,8 @@ Both mutate only their ``!`` outputs and return nothing, so they work under
 ``torch.compile(fullgraph=True)`` (fake implementations describe them to the compiler) and in
 CUDA-graph-style static-buffer loops; tensors cross to the library through DLPack without a copy
 (BF16 tensors are viewed as uint16 bit patterns, never converted). The extension does not link
-against torch. Kernels are registered for CPU and CUDA tensors. The CUDA kernels (NEVER RUN ON
-A GPU: compiled, not verified on hardware) enqueue on ``torch.cuda.current_stream()`` and never
+against torch. Kernels are registered for CPU and CUDA tensors. The CUDA kernels (never run on a
+GPU from Python; the C++ backend behind them ran on an H200, 2026-12-04) enqueue on ``torch.cuda.current_stream()`` and never
 synchronize or copy, so they can be captured in torch CUDA graphs; in a package built without
 CUDA they raise RuntimeError saying how to build with it. A layer is prepared for one device
 (``prepare_moe(..., device=...)`` / ``FusedMoE(..., device=...)``): the CPU (default) or a GPU.
@@ -101,7 +101,7 @@ def prepare_moe(problem, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=8192, th
     """Plans and prepacks one layer's experts and returns its integer handle for
     ``torch.ops.k3.moe_run``. Weights: uint8 tensors or arrays in the checkpoint layout.
     ``device``: None / "cpu" (k3.moe.CpuMoe) or a CUDA device (k3.moe.CudaMoe, the weights
-    uploaded to it, one workspace allocated; the CUDA backend has never run on a GPU).
+    uploaded to it, one workspace allocated; the Python CUDA bindings have never run on a GPU; the C++ backend behind them ran on an H200, 2026-12-04).
     ``threads``: None (default) takes torch's thread count (``torch.get_num_threads()``) so that
     k3 and torch share the cores without oversubscription; 0 means all logical CPUs."""
     if threads is None:
@@ -230,7 +230,8 @@ def _stream(device):
 
 
 # The CUDA kernels: enqueued on the current stream; no synchronization, no host copy, so they are
-# captured by torch.cuda.graph like any torch op. NEVER RUN ON A GPU.
+# captured by torch.cuda.graph like any torch op. Never run on a GPU from Python (the C++ backend
+# ran on an H200, 2026-12-04).
 def _route_cuda(logits, bias, top_k, n_group, topk_group, renormalize, routed_scaling_factor, topk_ids, topk_weights):
     _k3.cuda_require()
     need("logits", logits, dtype="float32")
@@ -494,7 +495,7 @@ class FusedMoE(torch.nn.Module):
     zero). The weights are prepacked once at construction. ``out=`` in ``forward`` writes into the
     caller's tensor (static buffers for graph capture); otherwise a new tensor is returned.
     ``device``: None (the CPU) or a CUDA device: the experts are uploaded there once and forward
-    takes CUDA tensors on it (CUDA-graph capturable; NEVER RUN ON A GPU, see docs/python.md).
+    takes CUDA tensors on it (CUDA-graph capturable; never run on a GPU from Python, see docs/python.md).
 
     From a checkpoint: ``layer = k3.load_checkpoint_layer(dir, 1, ep_size, ep_rank)`` then
     ``FusedMoE(layer.problem(), **layer.weights, router_bias=layer.router_bias, **layer.routing())``.

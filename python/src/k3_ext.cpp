@@ -574,7 +574,8 @@ int64_t kda_replay_window_floats(const k3::kda::KdaConfig& cfg, int64_t window_t
   return value(k3::kda::replay_window_floats(cfg, window_tokens));
 }
 
-// ---- CUDA (device arrays; NEVER RUN ON A GPU) ---------------------------------------------
+// ---- CUDA (device arrays; these bindings have NEVER RUN ON A GPU, the C++ backend behind them
+// ran on an H200, 2026-12-04) ---------------------------------------------------------------
 // Arrays are CUDA DLPack tensors (torch / CuPy / JAX on the GPU), used in place: no copy, no
 // allocation, no synchronization, so every call below can be captured in a CUDA graph. `stream`
 // is a cudaStream_t as an integer (torch.cuda.current_stream().cuda_stream; 0 = the default
@@ -1025,7 +1026,7 @@ NB_MODULE(_k3, m) {
         "dt_bias"_a.noconvert().none(), "cu_seqlens"_a.noconvert().none(), "initial_state"_a.noconvert().none(), "backend"_a, "threads"_a, "isa"_a,
         "o"_a.noconvert(), "final_state"_a.noconvert().none());
 
-  // ---- CUDA (compiled only; NEVER RUN ON A GPU). Present in every build; without CUDA they raise.
+  // ---- CUDA (these bindings have NEVER RUN ON A GPU). Present in every build; without CUDA they raise.
   m.def("cuda_compiled", &cuda_compiled, "True when this build contains the CUDA backend.");
   m.def("cuda_require", &require_cuda, "Raises RuntimeError (how to build with CUDA) in a build without it.");
   m.def("cuda_device_caps", &device_caps_dict, "device"_a, "What CUDA device `device` offers, for planning.");

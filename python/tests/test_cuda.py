@@ -1,5 +1,6 @@
 """The CUDA entry points of the Python package (k3.kda.CudaKda, k3.moe.CudaMoe, the CUDA kernels of
-the torch ops). The CUDA backend has NEVER RUN ON A GPU: on a machine without one, these tests
+the torch ops). These bindings have NEVER RUN ON A GPU (the C++ backend behind them ran on an
+H200, 2026-12-04): on a machine without one, these tests
 check what can be checked without a device (the build-without-CUDA error, planning for a
 hand-described device, argument checks); the GPU tests skip, saying why."""
 

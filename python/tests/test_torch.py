@@ -109,7 +109,7 @@ def test_fused_moe_from_a_checkpoint_layer(tmp_path):
     np.testing.assert_array_equal(out.view(torch.uint16).numpy(), want)
 
 
-# ---- the CUDA kernels of the ops (the CUDA backend has NEVER RUN ON A GPU) ---------------------
+# ---- the CUDA kernels of the ops (never run on a GPU from Python; the C++ backend ran on an H200) --
 
 def test_fused_moe_on_cuda_in_a_build_without_cuda_says_how_to_build_with_it():
     if k3._k3.cuda_compiled():

@@ -2,7 +2,7 @@
 // mainloop (wgmma with the narrow operand converted in registers, TMA-fed shared memory,
 // warp-specialized cooperative schedule, persistent grid over all groups' tiles).
 //
-// NOT YET RUN ON A GPU. Compiled only when CMake found the CUTLASS headers (K3_HAVE_CUTLASS).
+// RAN ON AN H200 (sm_90, 2026-12-04: its CUDA tests and k3 validate pass; docs/cuda_moe.md, "First GPU run"). Compiled only when CMake found the CUTLASS headers (K3_HAVE_CUTLASS).
 //
 // Each GEMM computes, per local expert e (one group), D^T = W_e x X_e^T:
 //   A = W_e   [M_w, K] E4M3 codes, row-major (K-major), with BF16 scales per 64 columns

@@ -154,7 +154,7 @@ TEST(BackendRegistry, KdaBackendsSayWhatTheyCanDo) {
   EXPECT_EQ(list[0].name, "cpu");
   EXPECT_EQ(default_kda_backend().name, "cpu");
   const KdaBackend& cuda = *find_kda_backend("cuda").value();
-  EXPECT_TRUE(cuda.prefill && cuda.decode && cuda.verify);  // every entry (never run on a GPU)
+  EXPECT_TRUE(cuda.prefill && cuda.decode && cuda.verify);  // every entry
   if (!cuda.available().is_ok()) {  // no device here, or built without CUDA: the reason
     EXPECT_TRUE(cuda.available().code() == StatusCode::kUnavailable) << cuda.available().to_string();
   }

@@ -82,7 +82,7 @@ TEST(CudaKdaPlan, DescribeNamesTheChoicesAndSaysUnverified) {
   auto p = cuda::plan(kimi(), opts());
   ASSERT_TRUE(p.is_ok());
   const std::string d = p->describe();
-  for (const char* s : {"H 96", "K 128", "V 128", "UNVERIFIED", "prefill recurrent", "4 warp(s) x 32", "sm_90",
+  for (const char* s : {"H 96", "K 128", "V 128", "checked on an H200 (sm_90, 2026-12-04), never on sm_120", "prefill recurrent", "4 warp(s) x 32", "sm_90",
                         "workspace"}) {
     EXPECT_NE(d.find(s), std::string::npos) << s << " not in: " << d;
   }
@@ -137,7 +137,7 @@ TEST(CudaKdaPlan, ChunkedPlanHasItsGeometry) {
   EXPECT_GT(p->workspace_bytes, 0);
   const std::string d = p->describe();
   const std::string smem = "dynamic smem " + std::to_string(p->chunk_smem_bytes) + " B";
-  for (const std::string& s : {std::string("prefill chunked"), std::string("NEVER RUN ON A GPU"), std::string("3xTF32"),
+  for (const std::string& s : {std::string("prefill chunked"), std::string("slower than recurrent on an H200"), std::string("3xTF32"),
                               std::string("chunks of 16 tokens"), std::string("4 warps"),
                               std::string("V tile(s) of 32"), smem}) {
     EXPECT_NE(d.find(s), std::string::npos) << s << " not in: " << d;

@@ -3,7 +3,7 @@
 // anything), both state layouts, BF16 and FP32 inputs, every gate; decode and verify on a state
 // pool (unnamed slots untouched); the non-finite policy; determinism; CUDA-graph capture and
 // replay; the device-side refusals (status word). Needs a CUDA device: without one every test
-// skips with the reason. NOT YET RUN ON A GPU.
+// skips with the reason. Ran on an H200 (2026-12-04): pass.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 

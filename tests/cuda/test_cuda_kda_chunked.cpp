@@ -3,7 +3,7 @@
 // varlen batches (an empty sequence, length 1, lengths that are no multiple of 16), resets
 // (g = -1000), the safe gate at its -5 bound (strong decay: the exact-ratio tree), both layouts,
 // BF16 and FP32 inputs, every gate, the non-finite policy, bad cu_seqlens, determinism. Needs a
-// CUDA device: without one every test skips with the reason. NOT YET RUN ON A GPU.
+// CUDA device: without one every test skips with the reason. Ran on an H200 (2026-12-04): pass.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 

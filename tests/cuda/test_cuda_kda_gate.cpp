@@ -1,6 +1,6 @@
 // The KDA gate on the device agrees with the host definition the CPU backend uses
 // (kda::detail::log_decay) within a few FP32 ulp, NaN and +-Inf included. Needs a CUDA device;
-// without one every test skips with the reason. NOT YET RUN ON A GPU.
+// without one every test skips with the reason. Ran on an H200 (2026-12-04): pass.
 #include <gtest/gtest.h>
 
 #include <cmath>

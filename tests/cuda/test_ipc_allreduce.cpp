@@ -2,7 +2,7 @@
 // the only world size one GPU can run (its handles are exported and its flags / epochs / slot
 // alternation run, but no peer is mapped, so the cross-rank signalling is NOT exercised here).
 // The one-shot results must equal the NCCL-path two-shot and the CPU all-reduce bit for bit.
-// Skips, saying why, without a CUDA device. NOT YET RUN ON A GPU.
+// Skips, saying why, without a CUDA device. Ran on an H200 (2026-12-04): pass.
 //
 // The device communicator is a world-size-1 one made here (alltoallv = a device copy), so the
 // two-shot code path (allreduce_*_device) runs without NCCL; tests/cuda/test_nccl.cpp covers NCCL.

@@ -24,15 +24,18 @@ TEST(Cli, InfoJsonHasTheFacts) {
   EXPECT_TRUE(j["cpu"]["features"].contains("avx2"));
   EXPECT_GE(j["threads"].get<int>(), 1);
   EXPECT_TRUE(j["cuda"].contains("devices"));
-  // A build with CUDA says, per op, that its kernels have never run on a GPU.
+  // A build with CUDA says, per op, where its kernels have run: sm_90 on one H200, sm_120 never.
   if (j["cuda"]["compiled"].get<bool>()) {
     for (const char* op : {"moe_status", "kda_status"}) {
-      EXPECT_NE(j["cuda"][op].get<std::string>().find("never run on a GPU"), std::string::npos) << op;
+      const std::string st = j["cuda"][op].get<std::string>();
+      EXPECT_NE(st.find("H200"), std::string::npos) << op << ": " << st;
+      EXPECT_NE(st.find("sm_120 never run on a GPU"), std::string::npos) << op << ": " << st;
     }
     // The MoE paths of the build, prefill-sm90 present exactly when its CUTLASS GEMM was built.
     const std::string paths = j["cuda"]["moe_paths"].get<std::string>();
     EXPECT_EQ(paths.rfind("decode-splitk (auto", 0), 0u) << paths;  // the one decode path (no forced-only "decode")
-    EXPECT_NE(paths.find("never run on a GPU"), std::string::npos) << paths;
+    EXPECT_NE(paths.find("the sm_90 paths ran on an H200 (2026-12-04), the sm_120 one never ran"), std::string::npos)
+        << paths;
     EXPECT_EQ(paths.find("prefill-sm90 (CUTLASS") != std::string::npos, k3::cuda::has_sm90_grouped_gemm()) << paths;
     EXPECT_EQ(paths.find("w4a8-sm120-cutlass") != std::string::npos, k3::cuda::has_sm120_blockscaled_gemm()) << paths;
     // The CUTLASS sm_120a block-scaled GEMM: present or not, and UNVERIFIED when present.

@@ -56,7 +56,7 @@ double flop_chunked(double K, double V) {
 
 // --backend cuda: the device API timed with CUDA events, against the device-to-device copy
 // bandwidth measured in the same run (decode moves 2 N H K V 4 bytes of state per step).
-// NOT YET RUN ON A GPU.
+// Ran on an H200 (2026-12-04).
 Status run_cuda(const Args& a) {
   kda::KdaConfig cfg;
   cfg.num_heads = a.heads;

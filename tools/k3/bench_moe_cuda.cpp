@@ -1,4 +1,4 @@
-// `k3 bench moe --backend cuda` (tools/k3/bench_moe_cuda.hpp). NOT YET RUN ON A GPU.
+// `k3 bench moe --backend cuda` (tools/k3/bench_moe_cuda.hpp). Ran on an H200 (2026-12-04).
 #include "bench_moe_cuda.hpp"
 
 #include <algorithm>

@@ -28,16 +28,19 @@ nlohmann::json info_json() {
   j["cuda"]["compiled"] = cuda::compiled();
   j["cuda"]["archs"] = cuda::compiled_archs();
   if (cuda::compiled()) {
-    j["cuda"]["moe_status"] = "compiled, never run on a GPU: unverified until scripts/device-check.sh passes";
+    // What ran where (docs/cuda_moe.md, "First GPU run"): one H200 window so far.
+    j["cuda"]["moe_status"] =
+        "sm_90 paths checked on an H200 on 2026-12-04 (CUDA tests and k3 validate pass; speed not tuned); "
+        "sm_120 never run on a GPU";
     j["cuda"]["kda_status"] =
-        "compiled, never run on a GPU (recurrent prefill / decode / verify, opt-in chunked prefill, conv1d, "
-        "RMSNorm): unverified until scripts/device-check.sh passes";
+        "checked on an H200 (sm_90) on 2026-12-04 (recurrent prefill / decode / verify, opt-in chunked prefill, "
+        "conv1d, RMSNorm: CUDA tests and k3 validate pass; speed not tuned); sm_120 never run on a GPU";
     // The MoE kernel paths in this build (the plan picks one; K3_CUDA_MOE_PATH forces one).
     std::string paths = "decode-splitk (auto up to 16 rows per local expert), prefill";
     paths += cuda::has_sm90_grouped_gemm() ? ", prefill-sm90 (CUTLASS sm_90a; auto above 16 rows on sm_90)"
                                            : "; prefill-sm90 not built (needs the CUTLASS headers: scripts/setup.sh)";
     if (cuda::has_sm120_blockscaled_gemm()) paths += ", w4a8-sm120-cutlass (CUTLASS sm_120a; forced only)";
-    j["cuda"]["moe_paths"] = paths + "; all never run on a GPU";
+    j["cuda"]["moe_paths"] = paths + "; the sm_90 paths ran on an H200 (2026-12-04), the sm_120 one never ran";
     // Opt-in building block only; no sm_120 machine exists here to run it.
     j["cuda"]["sm120_blockscaled_gemm"] =
         cuda::has_sm120_blockscaled_gemm()
@@ -57,7 +60,8 @@ nlohmann::json info_json() {
   j["transports"]["mpi"] = comm::mpi_available().is_ok() ? "ok (" + comm::mpi_library_version() + ")"
                                                           : comm::mpi_available().message();
   const Status nccl = comm::nccl_available();
-  j["transports"]["nccl"] = nccl.is_ok() ? "ok (unverified: never run on a GPU)" : nccl.message();
+  j["transports"]["nccl"] =
+      nccl.is_ok() ? "ok (ran at world size 1 on an H200, 2026-12-04; never run across GPUs)" : nccl.message();
   auto devs = cuda::devices();
   j["cuda"]["devices"] = nlohmann::json::array();
   if (devs.is_ok()) {

@@ -1,4 +1,4 @@
-// The kernels of the device TP all-reduce (k3/comm_nccl.hpp). NEVER RUN ON A GPU.
+// The kernels of the device TP all-reduce (k3/comm_nccl.hpp). Ran at world size 1 on an H200 (2026-12-04); never across GPUs.
 #include "comm/cuda/allreduce_kernels.hpp"
 #include "comm/ops/exact_sum.hpp"
 #include "k3/formats.hpp"

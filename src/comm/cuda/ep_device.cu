@@ -1,8 +1,8 @@
 // Expert-parallel dispatch / experts / combine on GPU buffers over NCCL (k3/cuda_ep.hpp).
 //
-// NOT YET RUN ON A GPU: compiled for sm_90a / sm_120a; the host bookkeeping it uses
-// (k3/ep_route.hpp) is unit-tested, its argument checks are tested without a device, and its
-// world-size-1 test (tests/cuda/test_cuda_ep.cpp) skips without a device and NCCL.
+// Ran at world size 1 on an H200 (2026-12-04: tests/cuda/test_cuda_ep.cpp passes); never run across
+// GPUs. The host bookkeeping it uses (k3/ep_route.hpp) is unit-tested, its argument checks are
+// tested without a device.
 //
 // Transfers: counts and the per-row slot ids over the host communicator (small: 4 * top_k bytes
 // per row), the BF16 rows and the FP32 y rows over NCCL (grouped send / recv, stream-ordered).

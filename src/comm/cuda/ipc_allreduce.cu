@@ -1,8 +1,8 @@
 // The one-shot TP all-reduce over CUDA peer-mapped (IPC) buffers (k3/comm_ipc.hpp): the group
 // (buffers, handles, flags) and its kernels.
 //
-// NOT YET RUN ON A GPU: compiled in CI, its host-side refusals tested; tests/cuda/test_ipc_allreduce.cpp
-// (world size 1, the only size one GPU can run) has not been run either.
+// Ran at world size 1 on an H200 (2026-12-04: tests/cuda/test_ipc_allreduce.cpp passes, the only
+// size one GPU can run); never run across GPUs.
 //
 // Buffer of rank r (cudaMalloc, exported with cudaIpcGetMemHandle):
 //   [0, kHeaderBytes)            flags: uint32 flag[q] = the last epoch rank q signalled to r,

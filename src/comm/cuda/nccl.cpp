@@ -1,8 +1,8 @@
 // The NCCL transport and the device TP all-reduce (k3/comm_nccl.hpp): host code (the kernels
 // are in allreduce_kernels.cu).
 //
-// NEVER RUN ON A GPU (see the header): compiled in CI, its host-side refusals tested; the
-// world-size-1 test in tests/cuda/test_nccl.cpp runs in scripts/device-check.sh when a GPU is lent.
+// Ran at world size 1 on an H200 (2026-12-04: tests/cuda/test_nccl.cpp passes in
+// scripts/device-check.sh); never run across GPUs (see the header).
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <nccl.h>

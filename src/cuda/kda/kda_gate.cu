@@ -1,4 +1,4 @@
-// The KDA gate on the device (k3/cuda_kda.hpp). NOT YET RUN ON A GPU. One thread per element;
+// The KDA gate on the device (k3/cuda_kda.hpp). Ran on an H200 (2026-12-04). One thread per element;
 // the math is kda::detail::log_decay, the definition the reference and the CPU backend use.
 #include "core/kda/kda_math.hpp"
 #include "cuda/common.cuh"

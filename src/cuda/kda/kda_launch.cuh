@@ -62,7 +62,7 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// The chunked prefill (kda_chunked.cu; NOT YET RUN ON A GPU): one block of chunk::kThreads per
+// The chunked prefill (kda_chunked.cu; ran on an H200, 2026-12-04): one block of chunk::kThreads per
 // (32-column V tile, head, sequence), plan.chunk_smem_bytes of dynamic shared memory. Enqueues
 // only (the caller has reset the status word and run the cu_seqlens check).
 Status launch_chunked_prefill(const KdaPlan& plan, const Launch& L, cudaStream_t stream);

@@ -1,5 +1,6 @@
 // Host side of the CUDA fused-MoE backend: device capabilities, prepack, run, run_host.
-// NOT YET RUN ON A GPU (compiled for sm_90a / sm_120a only).
+// The sm_90 paths ran on an H200 (2026-12-04; docs/cuda_moe.md, "First GPU run"); the sm_120
+// path never ran.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -324,7 +325,7 @@ Result<ExpertRows> run_experts(const MoePlan& plan, const DeviceWeights& w, cons
   }
   moe_detail::launch_prep_x(d, p.recipe, in.m_device, in.x, x_bf16, status, s);
   if (effective_path(plan, w) == MoePath::kPrefillSm90) {
-    // NOT YET RUN ON A GPU: gather, CUTLASS GEMM1 -> FP32 h, activation -> act, CUTLASS GEMM2 -> y.
+    // NEVER RUN ON ANY GPU: gather, CUTLASS GEMM1 -> FP32 h, activation -> act, CUTLASS GEMM2 -> y.
     moe_detail::Sm90GroupedIo io;
     io.d = d;
     io.sm_count = plan.sm_count;

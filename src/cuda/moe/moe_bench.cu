@@ -1,4 +1,4 @@
-// Device timing helpers (k3/cuda_bench.hpp). NOT YET RUN ON A GPU.
+// Device timing helpers (k3/cuda_bench.hpp). Ran on an H200 (2026-12-04).
 #include <cublas_v2.h>  // types and prototypes only: the library is opened at run time (below)
 #include <dlfcn.h>
 

@@ -3,7 +3,7 @@
 // produced by one thread, so the result never depends on scheduling. Rows whose slots are all
 // masked or remote come out as exact zeros. Rows are grid-strided (gridDim.y <= 65535 < the
 // largest max_m, 65536), and the token count read from device memory is clamped to max_m.
-// NOT YET RUN ON A GPU.
+// Ran on an H200 (sm_90, 2026-12-04).
 #include "cuda/moe/moe_kernels.cuh"
 #include "k3/formats.hpp"
 

@@ -3,7 +3,7 @@
 // code serves sm_90a and sm_120a). FC1 fuses the gated activation and, for W4A8, the MXFP8
 // re-quantization of its output per 32 columns.
 //
-// NOT YET RUN ON A GPU (compiled for sm_90a / sm_120a only). A first, correctness-oriented
+// Ran on an H200 (sm_90, 2026-12-04): correct, 4-18x slower than prefill-sm90. A first, correctness-oriented
 // design: the A tile is staged through shared memory, B fragments are built straight from global
 // memory (16-byte loads of one MX block per weight row). No cp.async pipelining, no wgmma yet.
 //

