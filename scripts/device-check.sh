@@ -15,9 +15,9 @@
 #                                     # baseline) and checks each one's summary and $OUT; CI runs it
 #
 # With the device tool: `bash scripts/device-check.sh build` here, then
-#   run(command="bash scripts/device-check.sh run", carry=["build-device/carry"], timeout_s=560)
+#   run(command="bash scripts/device-check.sh run", carry=["build-device/carry"], timeout_s=600)
 #
-# The run: one deadline, K3_CHECK_BUDGET_S (default 480 s) from its start. The steps' limits plus
+# The run: one deadline, K3_CHECK_BUDGET_S (default 540 s) from its start. The steps' limits plus
 # a 5 s kill grace each sum to at most the budget less 10 s for the summary (scaled down when the
 # budget is smaller), in this order: probes, CUDA tests (MoE, then the rest, then NCCL at world
 # size 1), k3 validate (moe, kda), k3's benchmarks (moe, kda), and fla last. Every step runs under
@@ -118,7 +118,7 @@ declare -A limit_of=()
 # The planned limits (seconds), in run order; scaled so that sum(limit + 5) <= budget - 10.
 plan_steps() {
   plan_names=(probe_smi probe_info moe_tests cuda_tests nccl validate_moe validate_kda bench_moe bench_kda fla)
-  plan_limits=(10 10 35 25 20 50 45 120 35 70)
+  plan_limits=(10 10 25 20 15 40 50 60 35 200)
   local budget="$1" sum=0 i
   for i in "${!plan_limits[@]}"; do sum=$((sum + plan_limits[i] + 5)); done
   local room=$((budget - 10))
@@ -287,7 +287,7 @@ run_checks() {
   rm -f "$out"/summary.txt "$out"/logs.txt "$out"/*.json
   scratch="$(mktemp -d "${TMPDIR:-/tmp}/k3-device-check.XXXXXX")"
   : >"$out/logs.txt"
-  local budget="${K3_CHECK_BUDGET_S:-480}"
+  local budget="${K3_CHECK_BUDGET_S:-540}"
   if ! [[ "$budget" =~ ^[0-9]+$ ]] || [ "$budget" -lt 120 ]; then
     say "device-check: K3_CHECK_BUDGET_S = '$budget' must be a whole number of seconds >= 120 (ten steps and the summary)" |
       tee "$out/summary.txt"
@@ -344,7 +344,7 @@ run_checks() {
   step nccl gtest "$tests" --gtest_filter='NcclDevice.*:CudaEpDevice.DispatchExperts*' || rc=1
   step validate_moe plain "$k3" validate --op moe --suite all --backend cuda --output "$out/validate.json" || rc=1
   step validate_kda plain "$k3" validate --op kda --backend cuda --output "$out/validate_kda.json" || rc=1
-  step bench_moe plain "$k3" bench moe --backend cuda --m 1,8,128,2048,8192 --recipe w4a8 --routing ep_mixed \
+  step bench_moe plain "$k3" bench moe --backend cuda --m 1,8,128,2048,8192 --recipe both --routing ep_mixed \
     --output "$out/bench.json" || rc=1
   step bench_kda plain "$k3" bench kda --backend cuda --prefill-t 1024 8192 --decode-n 1 64 --iters 3 \
     --output "$out/bench_kda.json" || rc=1
@@ -500,7 +500,7 @@ dry_run() {
   done
   # The budget adds up: the limits plus grace never exceed the budget (default and a small one).
   local b
-  for b in 480 200 120; do
+  for b in 540 200 120; do
     plan_steps "$b"
     local total=0 n
     for n in "${plan_names[@]}"; do total=$((total + limit_of[$n] + 5)); done
