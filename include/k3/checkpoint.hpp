@@ -98,6 +98,9 @@ Result<RoutingConfig> routing_from_config(const MoeModelConfig& c);
 // The fused-MoE problem of a loaded layer under a recipe and output dtype (shape from the layer,
 // activation from its config), validated.
 Result<MoeProblem> moe_problem_from_layer(const MoeLayerWeights& l, Recipe recipe, OutDType out_dtype);
+// The same for inputs that bring their own number of slots per token (a topk_ids file may hold
+// any top_k in [1, 32], not the config's): shape.top_k = top_k, validated (the error names top_k).
+Result<MoeProblem> moe_problem_from_layer(const MoeLayerWeights& l, Recipe recipe, OutDType out_dtype, int top_k);
 
 // "3, 7-9, 12" for a sorted list of ids; after `max_ranges` ranges "... (N more)".
 std::string format_id_ranges(const std::vector<int>& sorted_ids, int max_ranges = 12);

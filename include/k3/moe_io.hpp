@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -34,5 +35,22 @@ struct MoeInputFile {
 // the file holds logits (with topk_ids / topk_weights nothing is routed, so the config's
 // scoring_func does not matter).
 Result<MoeInputFile> load_moe_inputs(const std::string& path, const MoeLayerWeights& layer);
+
+// The output file of `k3 moe run` (one writer for the single-rank and the distributed runs):
+//   out [M, K] in the problem's output dtype (BF16 / F16 / F32), the bytes of `out`;
+//   topk_ids I32 and topk_weights F32 [M, top_k], the slots that were used (`in`);
+//   metadata: k3_version, backend, checkpoint, layer, ep_size, ep_rank (when >= 0), recipe,
+//   activation, routing ("logits routed by k3" or "topk_ids/topk_weights from the input").
+// Written atomically (st::Writer). Errors: out's size is not M * K * the dtype's size, or the
+// inputs' sizes do not match their M and top_k (named); `label` names the path's argument.
+struct MoeRunRecord {
+  std::string backend;     // e.g. "cpu", "cpu (distributed, mpi)"
+  std::string checkpoint;
+  int layer = 0;
+  int ep_size = 1;
+  int ep_rank = -1;        // -1: not stated (the distributed run's file holds every rank's slots)
+};
+Status write_moe_output(const std::string& path, const std::string& label, const MoeProblem& p,
+                        const MoeInputFile& in, std::span<const uint8_t> out, const MoeRunRecord& rec);
 
 }  // namespace k3

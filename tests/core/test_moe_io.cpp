@@ -2,7 +2,9 @@
 // both routing sources, the dtype conversions, and the error of every malformed file.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <random>
@@ -103,6 +105,70 @@ TEST_F(MoeIo, GivenIdsAreUsedAsIs) {
   EXPECT_EQ(in->topk_ids, (std::vector<int32_t>{0, 7, -1, 3}));
   EXPECT_EQ(in->topk_weights, wts);
   std::remove(path.c_str());
+}
+
+// The output file of `k3 moe run`, written by the library for both the single-rank and the
+// distributed run: the bytes, shapes and dtypes of out / topk_ids / topk_weights, the metadata,
+// and the size errors.
+TEST_F(MoeIo, OutputFileHoldsTheResultTheSlotsAndTheRunRecord) {
+  MoeInputFile in;
+  in.m = 2;
+  in.top_k = 5;  // not the config's top-3: the inputs' own slots
+  in.x.assign(2 * 64, 0);
+  in.topk_ids = {0, 1, 2, 3, -1, 4, 5, 6, 7, 0};
+  in.topk_weights = {0.5f, 0.25f, 0.125f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f};
+  auto p = moe_problem_from_layer(layer_, Recipe::kW4A16, OutDType::kFP16, in.top_k);
+  ASSERT_TRUE(p) << p.status().to_string();
+  EXPECT_EQ(p->shape.top_k, 5);
+  EXPECT_EQ(p->shape.hidden, 64);
+  std::vector<uint8_t> out(2 * 64 * 2);
+  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<uint8_t>(i * 7);
+  const std::string path = tmp_.file("out.safetensors");
+  ASSERT_TRUE(write_moe_output(path, "--output", p.value(), in, out, {"cpu", dir_, 1, 2, 1}).is_ok());
+  auto f = st::File::open(path);
+  ASSERT_TRUE(f) << f.status().to_string();
+  const st::TensorInfo* o = f->find("out");
+  ASSERT_NE(o, nullptr);
+  EXPECT_EQ(o->dtype, st::DType::kF16);
+  EXPECT_EQ(o->shape, (std::vector<int64_t>{2, 64}));
+  const auto ob = f->bytes(*o);
+  EXPECT_TRUE(std::equal(ob.begin(), ob.end(), out.begin(), out.end()));
+  const st::TensorInfo* ids = f->find("topk_ids");
+  ASSERT_NE(ids, nullptr);
+  EXPECT_EQ(ids->dtype, st::DType::kI32);
+  EXPECT_EQ(ids->shape, (std::vector<int64_t>{2, 5}));
+  const auto ib = f->bytes(*ids);
+  ASSERT_EQ(ib.size(), 40u);
+  EXPECT_EQ(std::memcmp(ib.data(), in.topk_ids.data(), 40), 0);
+  const st::TensorInfo* wts = f->find("topk_weights");
+  ASSERT_NE(wts, nullptr);
+  EXPECT_EQ(wts->dtype, st::DType::kF32);
+  EXPECT_EQ(std::memcmp(f->bytes(*wts).data(), in.topk_weights.data(), 40), 0);
+  const auto& md = f->metadata();
+  EXPECT_EQ(md.at("backend"), "cpu");
+  EXPECT_EQ(md.at("checkpoint"), dir_);
+  EXPECT_EQ(md.at("layer"), "1");
+  EXPECT_EQ(md.at("ep_size"), "2");
+  EXPECT_EQ(md.at("ep_rank"), "1");
+  EXPECT_EQ(md.at("recipe"), "w4a16");
+  EXPECT_EQ(md.at("routing"), "topk_ids/topk_weights from the input");
+  EXPECT_FALSE(md.at("k3_version").empty());
+  // The distributed run states no rank: the file holds every rank's slots.
+  ASSERT_TRUE(write_moe_output(path, "--output", p.value(), in, out, {"cpu (distributed, mpi)", dir_, 1, 2, -1}).is_ok());
+  EXPECT_EQ(st::File::open(path)->metadata().count("ep_rank"), 0u);
+  // Sizes that do not match are named; nothing is written over the previous file.
+  const Status bad = write_moe_output(path, "--output", p.value(), in, std::span<const uint8_t>(out).first(10),
+                                      {"cpu", dir_, 1, 1, 0});
+  EXPECT_HAS(bad.message(), "out has 10 bytes, expected M = 2 x K = 64 x 2 bytes (fp16)");
+  MoeInputFile short_ids = in;
+  short_ids.topk_ids.pop_back();
+  EXPECT_HAS(write_moe_output(path, "--output", p.value(), short_ids, out, {"cpu", dir_, 1, 1, 0}).message(),
+             "expected M x top_k = 10");
+  EXPECT_EQ(st::File::open(path)->metadata().at("backend"), "cpu (distributed, mpi)");
+  // A top_k beyond k3's limit is refused by name.
+  auto big = moe_problem_from_layer(layer_, Recipe::kW4A16, OutDType::kBF16, 33);
+  ASSERT_FALSE(big);
+  EXPECT_HAS(big.status().message(), "top_k = 33 (slots per token of the inputs)");
 }
 
 TEST_F(MoeIo, MalformedFilesAreNamedWithTheTensor) {

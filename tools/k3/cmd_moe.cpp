@@ -24,7 +24,6 @@
 
 #include "command.hpp"
 #include "k3/atomic_file.hpp"
-#include "k3/build_info.hpp"
 #include "k3/checkpoint.hpp"
 #include "k3/comm.hpp"
 #include "k3/cpu_moe.hpp"
@@ -34,7 +33,6 @@
 #include "k3/formats.hpp"
 #include "k3/moe_io.hpp"
 #include "k3/routing.hpp"
-#include "k3/safetensors.hpp"
 #include "backend_options.hpp"
 #include "moe_layer.hpp"
 #include "paths.hpp"
@@ -53,10 +51,6 @@ struct MoeRunArgs {
   std::string recipe = "w4a8";
   std::string out_dtype = "bf16";
 };
-
-std::span<const uint8_t> as_bytes(const auto& v) {
-  return {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(v[0])};
-}
 
 Status run_moe(const MoeRunArgs& a) {
   // Paths first, before anything is loaded or written: the input must be a regular file (a FIFO
@@ -82,13 +76,10 @@ Status run_moe(const MoeRunArgs& a) {
   K3_RETURN_IF_ERROR(check_ep_flags(a.ep_size, a.ep_rank, a.checkpoint));
   auto layer = load_moe_layer(a.checkpoint, a.layer, a.ep_size, a.ep_rank);
   if (!layer.is_ok()) return layer.status();
-  auto prob = moe_problem_from_layer(layer.value(), recipe.value(), dtype.value());
-  if (!prob.is_ok()) return prob.status();
   auto in = load_moe_inputs(a.input, layer.value());
   if (!in.is_ok()) return in.status();
-  MoeProblem p = prob.value();
-  p.shape.top_k = in->top_k;  // user-supplied ids may carry any number of slots
-  K3_RETURN_IF_ERROR(validate_moe_shape(p.shape));
+  // The input's slots per token (a topk_ids file may hold any top_k, not the config's).
+  K3_ASSIGN_OR_RETURN(const MoeProblem p, moe_problem_from_layer(layer.value(), recipe.value(), dtype.value(), in->top_k));
 
   std::vector<uint8_t> out(in->m * p.shape.hidden * out_dtype_size(p.out_dtype));
   const MoeInputsView view = in->view();
@@ -98,23 +89,8 @@ Status run_moe(const MoeRunArgs& a) {
       with_path_source(with_thread_source(k3::run_moe(*backend, p, layer->view(), view, out, bo), bo.threads)));
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
-  st::Writer w;
-  const st::DType out_st = p.out_dtype == OutDType::kBF16 ? st::DType::kBF16
-                                                          : (p.out_dtype == OutDType::kFP16 ? st::DType::kF16 : st::DType::kF32);
-  Status st = w.add("out", out_st, {in->m, p.shape.hidden}, out);
-  if (st.is_ok()) st = w.add("topk_ids", st::DType::kI32, {in->m, in->top_k}, as_bytes(in->topk_ids));
-  if (st.is_ok()) st = w.add("topk_weights", st::DType::kF32, {in->m, in->top_k}, as_bytes(in->topk_weights));
-  if (!st.is_ok()) return st;
-  w.set_metadata({{"k3_version", build::kVersion},
-                  {"backend", backend->name},
-                  {"checkpoint", a.checkpoint},
-                  {"layer", std::to_string(a.layer)},
-                  {"ep_size", std::to_string(a.ep_size)},
-                  {"ep_rank", std::to_string(a.ep_rank)},
-                  {"recipe", recipe_name(p.recipe)},
-                  {"activation", activation_name(p.activation.kind)},
-                  {"routing", in->routed_here ? "logits routed by k3" : "topk_ids/topk_weights from the input"}});
-  K3_RETURN_IF_ERROR(w.write(a.output, "--output"));
+  K3_RETURN_IF_ERROR(write_moe_output(a.output, "--output", p, in.value(), out,
+                                      {backend->name, a.checkpoint, a.layer, a.ep_size, a.ep_rank}));
   std::printf("k3 moe run: layer %d EP%d rank %d, M %lld, top-%d, %s %s -> %s, backend %s, %.3f s\n", a.layer,
               a.ep_size, a.ep_rank, static_cast<long long>(in->m), in->top_k, recipe_name(p.recipe),
               activation_name(p.activation.kind), out_dtype_name(p.out_dtype), backend->name.c_str(), secs);
@@ -232,8 +208,6 @@ Status run_moe_distributed(const MoeRunArgs& a) {
   maybe_inject_fault(rank, "load");
   K3_RETURN_IF_ERROR(agree(layer.status()));
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
-  auto prob = moe_problem_from_layer(layer.value(), recipe.value(), dtype.value());
-  K3_RETURN_IF_ERROR(agree(prob.status()));
   MoeInputFile in;
   Status read_st = Status::ok();
   if (rank == 0) {
@@ -245,8 +219,9 @@ Status run_moe_distributed(const MoeRunArgs& a) {
   std::vector<int32_t> top_ks(static_cast<size_t>(world));
   const int32_t my_top_k = in.top_k;
   K3_RETURN_IF_ERROR(peer(c.allgather(&my_top_k, sizeof my_top_k, top_ks.data())));
-  MoeProblem p = prob.value();
-  p.shape.top_k = top_ks[0];  // the input's slots per token (rank 0's file)
+  auto prob = moe_problem_from_layer(layer.value(), recipe.value(), dtype.value(), top_ks[0]);  // rank 0's file
+  K3_RETURN_IF_ERROR(agree(prob.status()));
+  const MoeProblem p = prob.value();
   BackendOptions bo = backend_options();
   cpu::MoeOptions co;
   co.threads = threads_per_rank();
@@ -278,21 +253,7 @@ Status run_moe_distributed(const MoeRunArgs& a) {
   K3_RETURN_IF_ERROR(peer(c.allgather(mine, sizeof mine, all.data())));
   Status write_st = Status::ok();
   if (rank == 0) {
-    st::Writer w;
-    const st::DType out_st = p.out_dtype == OutDType::kBF16 ? st::DType::kBF16
-                                                            : (p.out_dtype == OutDType::kFP16 ? st::DType::kF16 : st::DType::kF32);
-    write_st = w.add("out", out_st, {in.m, p.shape.hidden}, out);
-    if (write_st.is_ok()) write_st = w.add("topk_ids", st::DType::kI32, {in.m, in.top_k}, as_bytes(in.topk_ids));
-    if (write_st.is_ok()) write_st = w.add("topk_weights", st::DType::kF32, {in.m, in.top_k}, as_bytes(in.topk_weights));
-    w.set_metadata({{"k3_version", build::kVersion},
-                    {"backend", "cpu (distributed, mpi)"},
-                    {"checkpoint", a.checkpoint},
-                    {"layer", std::to_string(a.layer)},
-                    {"ep_size", std::to_string(world)},
-                    {"recipe", recipe_name(p.recipe)},
-                    {"activation", activation_name(p.activation.kind)},
-                    {"routing", in.routed_here ? "logits routed by k3" : "topk_ids/topk_weights from the input"}});
-    if (write_st.is_ok()) write_st = w.write(a.output, "--output");
+    write_st = write_moe_output(a.output, "--output", p, in, out, {"cpu (distributed, mpi)", a.checkpoint, a.layer, world, -1});
   }
   K3_RETURN_IF_ERROR(agree(write_st));
   if (rank == 0) {

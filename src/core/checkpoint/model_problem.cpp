@@ -50,4 +50,17 @@ Result<MoeProblem> moe_problem_from_layer(const MoeLayerWeights& l, Recipe recip
   return p;
 }
 
+Result<MoeProblem> moe_problem_from_layer(const MoeLayerWeights& l, Recipe recipe, OutDType out_dtype, int top_k) {
+  MoeLayerWeights shape_only;  // the layer's facts without copying its weights
+  shape_only.shape = l.shape;
+  shape_only.shape.top_k = top_k;
+  shape_only.config = l.config;
+  auto p = moe_problem_from_layer(shape_only, recipe, out_dtype);
+  if (!p.is_ok()) {
+    return Status(p.status().code(), "top_k = " + std::to_string(top_k) + " (slots per token of the inputs): " +
+                                         p.status().message());
+  }
+  return p;
+}
+
 }  // namespace k3

@@ -2,8 +2,10 @@
 #include "k3/moe_io.hpp"
 
 #include <cstring>
+#include <map>
 #include <string>
 
+#include "k3/build_info.hpp"
 #include "k3/formats.hpp"
 #include "k3/routing.hpp"
 #include "k3/safetensors.hpp"
@@ -120,5 +122,42 @@ Result<MoeInputFile> load_moe_inputs(const std::string& path, const MoeLayerWeig
   return u;
 }
 
+
+Status write_moe_output(const std::string& path, const std::string& label, const MoeProblem& p,
+                        const MoeInputFile& in, std::span<const uint8_t> out, const MoeRunRecord& rec) {
+  const int64_t want = in.m * p.shape.hidden * out_dtype_size(p.out_dtype);
+  if (in.m < 0 || static_cast<int64_t>(out.size()) != want) {
+    return invalid_argument("write_moe_output: out has " + std::to_string(out.size()) + " bytes, expected M = " +
+                            std::to_string(in.m) + " x K = " + std::to_string(p.shape.hidden) + " x " +
+                            std::to_string(out_dtype_size(p.out_dtype)) + " bytes (" + out_dtype_name(p.out_dtype) + ")");
+  }
+  const int64_t slots = in.m * in.top_k;
+  if (static_cast<int64_t>(in.topk_ids.size()) != slots || static_cast<int64_t>(in.topk_weights.size()) != slots) {
+    return invalid_argument("write_moe_output: topk_ids / topk_weights have " + std::to_string(in.topk_ids.size()) +
+                            " / " + std::to_string(in.topk_weights.size()) + " entries, expected M x top_k = " +
+                            std::to_string(slots));
+  }
+  const st::DType dt = p.out_dtype == OutDType::kBF16   ? st::DType::kBF16
+                       : p.out_dtype == OutDType::kFP16 ? st::DType::kF16
+                                                        : st::DType::kF32;
+  st::Writer w;
+  K3_RETURN_IF_ERROR(w.add("out", dt, {in.m, p.shape.hidden}, out));
+  K3_RETURN_IF_ERROR(w.add("topk_ids", st::DType::kI32, {in.m, in.top_k},
+                           {reinterpret_cast<const uint8_t*>(in.topk_ids.data()), in.topk_ids.size() * 4}));
+  K3_RETURN_IF_ERROR(w.add("topk_weights", st::DType::kF32, {in.m, in.top_k},
+                           {reinterpret_cast<const uint8_t*>(in.topk_weights.data()), in.topk_weights.size() * 4}));
+  std::map<std::string, std::string> meta = {
+      {"k3_version", build::kVersion},
+      {"backend", rec.backend},
+      {"checkpoint", rec.checkpoint},
+      {"layer", std::to_string(rec.layer)},
+      {"ep_size", std::to_string(rec.ep_size)},
+      {"recipe", recipe_name(p.recipe)},
+      {"activation", activation_name(p.activation.kind)},
+      {"routing", in.routed_here ? "logits routed by k3" : "topk_ids/topk_weights from the input"}};
+  if (rec.ep_rank >= 0) meta["ep_rank"] = std::to_string(rec.ep_rank);
+  w.set_metadata(std::move(meta));
+  return w.write(path, label);
+}
 
 }  // namespace k3
