@@ -12,7 +12,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "k3/moe.hpp"
@@ -65,6 +67,22 @@ Result<MoeShape> moe_shape_from_config(const MoeModelConfig& cfg, int ep_size, i
 std::string kimi_expert_tensor_name(int layer, int expert, int proj, bool scale, const std::string& prefix = "language_model.");
 std::string kimi_router_weight_name(int layer, const std::string& prefix = "language_model.");
 std::string kimi_router_bias_name(int layer, const std::string& prefix = "language_model.");
+
+// A Kimi MoE tensor name taken apart: the inverse of the three functions above, for any prefix.
+// Grammar: <prefix>model.layers.{L}.block_sparse_moe. followed by experts.{E}.w{1,2,3}.weight_packed,
+// experts.{E}.w{1,2,3}.weight_scale, gate.weight or gate.e_score_correction_bias; L and E are
+// decimal without sign, below 2^24. Anything else (another tensor of the model, a malformed or
+// truncated name) is std::nullopt. One parser for the loader and `k3 checkpoint inspect`.
+struct KimiMoeTensor {
+  enum class Kind : uint8_t { kExpert, kRouterWeight, kRouterBias };
+  Kind kind = Kind::kExpert;
+  std::string prefix;  // what precedes "model.layers.", e.g. "language_model." or ""
+  int layer = 0;
+  int expert = -1;     // kExpert only
+  int proj = 0;        // kExpert only: 1 gate, 2 down, 3 up
+  bool scale = false;  // kExpert only: weight_scale (else weight_packed)
+};
+std::optional<KimiMoeTensor> parse_kimi_moe_tensor_name(std::string_view name);
 
 // One MoE layer's routed experts for one EP rank, in the layout of k3/moe.hpp (FC1 = [gate; up]).
 struct MoeLayerWeights {

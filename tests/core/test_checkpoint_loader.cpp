@@ -323,3 +323,54 @@ TEST(MoeLayerLoader, LayerEpAndFormatErrors) {
 
 }  // namespace
 }  // namespace k3
+
+namespace k3 {
+namespace {
+
+// The parser of the Kimi MoE tensor names is the inverse of the three name functions, for any
+// prefix, and refuses every other or malformed name.
+TEST(KimiTensorNames, ParseInvertsTheNameFunctionsAndRefusesOthers) {
+  for (const std::string prefix : {"language_model.", "", "a.b."}) {
+    for (int layer : {0, 7, 60}) {
+      for (int expert : {0, 13, 895}) {
+        for (int proj : {1, 2, 3}) {
+          for (bool scale : {false, true}) {
+            const auto t = parse_kimi_moe_tensor_name(kimi_expert_tensor_name(layer, expert, proj, scale, prefix));
+            ASSERT_TRUE(t.has_value());
+            EXPECT_EQ(t->kind, KimiMoeTensor::Kind::kExpert);
+            EXPECT_EQ(t->prefix, prefix);
+            EXPECT_EQ(t->layer, layer);
+            EXPECT_EQ(t->expert, expert);
+            EXPECT_EQ(t->proj, proj);
+            EXPECT_EQ(t->scale, scale);
+          }
+        }
+      }
+      const auto w = parse_kimi_moe_tensor_name(kimi_router_weight_name(layer, prefix));
+      ASSERT_TRUE(w.has_value());
+      EXPECT_EQ(w->kind, KimiMoeTensor::Kind::kRouterWeight);
+      EXPECT_EQ(w->layer, layer);
+      EXPECT_EQ(w->prefix, prefix);
+      const auto b = parse_kimi_moe_tensor_name(kimi_router_bias_name(layer, prefix));
+      ASSERT_TRUE(b.has_value());
+      EXPECT_EQ(b->kind, KimiMoeTensor::Kind::kRouterBias);
+    }
+  }
+  for (const char* bad : {"", "model.layers.", "model.layers.1", "model.layers.1.block_sparse_moe.",
+                          "model.layers.x.block_sparse_moe.gate.weight", "model.layers.1.mlp.gate.weight",
+                          "model.layers.1.block_sparse_moe.experts.3.w4.weight_packed",
+                          "model.layers.1.block_sparse_moe.experts.3.w0.weight_scale",
+                          "model.layers.1.block_sparse_moe.experts..w1.weight_packed",
+                          "model.layers.1.block_sparse_moe.experts.3.w1.weight",
+                          "model.layers.1.block_sparse_moe.experts.3.w1.weight_packed.extra",
+                          "model.layers.1.block_sparse_moe.experts.3.w12.weight_packed",
+                          "model.layers.1.block_sparse_moe.gate.weight.x",
+                          "model.layers.99999999999.block_sparse_moe.gate.weight",
+                          "model.layers.1.block_sparse_moe.experts.16777216.w1.weight_packed",
+                          "model.layers.-1.block_sparse_moe.gate.weight", "model.embed_tokens.weight"}) {
+    EXPECT_FALSE(parse_kimi_moe_tensor_name(bad).has_value()) << bad;
+  }
+}
+
+}  // namespace
+}  // namespace k3

@@ -1,13 +1,11 @@
 // `k3 checkpoint inspect PATH [--json] [--summary]`: every tensor (name, dtype, shape, bytes,
 // file), the totals, the MoE layers with the experts they hold, and the config.json facts.
 #include <algorithm>
-#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <set>
 
 #include "checkpoint_cli.hpp"
 #include "moe_layer.hpp"
@@ -30,34 +28,15 @@ struct MoeLayerSummary {
   bool router_weight = false, router_bias = false;
 };
 
-// "...model.layers.{L}.block_sparse_moe.experts.{E}.w{1,2,3}.weight_{packed,scale}" and the router.
+// Counts a tensor toward its MoE layer's summary (the library's parser of the Kimi names).
 void classify(const std::string& name, std::map<int, MoeLayerSummary>* layers) {
-  static const std::string kLayers = "model.layers.", kMoe = ".block_sparse_moe.";
-  const auto at = name.find(kLayers);
-  if (at == std::string::npos) return;
-  size_t i = at + kLayers.size();
-  int layer = 0;
-  const size_t start = i;
-  while (i < name.size() && std::isdigit(static_cast<unsigned char>(name[i])) && layer < (1 << 20)) {
-    layer = layer * 10 + (name[i++] - '0');
-  }
-  if (i == start || name.compare(i, kMoe.size(), kMoe) != 0) return;
-  const std::string rest = name.substr(i + kMoe.size());
-  if (rest == "gate.weight") {
-    (*layers)[layer].router_weight = true;
-  } else if (rest == "gate.e_score_correction_bias") {
-    (*layers)[layer].router_bias = true;
-  } else if (rest.rfind("experts.", 0) == 0) {
-    size_t j = 8;
-    int expert = 0;
-    const size_t e0 = j;
-    while (j < rest.size() && std::isdigit(static_cast<unsigned char>(rest[j])) && expert < (1 << 20)) {
-      expert = expert * 10 + (rest[j++] - '0');
-    }
-    const std::string tail = rest.substr(j);
-    static const std::set<std::string> kTails = {".w1.weight_packed", ".w1.weight_scale", ".w2.weight_packed",
-                                                 ".w2.weight_scale",  ".w3.weight_packed", ".w3.weight_scale"};
-    if (j > e0 && kTails.count(tail)) ++(*layers)[layer].expert_tensors[expert];
+  const auto t = parse_kimi_moe_tensor_name(name);
+  if (!t) return;
+  MoeLayerSummary& l = (*layers)[t->layer];
+  switch (t->kind) {
+    case KimiMoeTensor::Kind::kRouterWeight: l.router_weight = true; break;
+    case KimiMoeTensor::Kind::kRouterBias: l.router_bias = true; break;
+    case KimiMoeTensor::Kind::kExpert: ++l.expert_tensors[t->expert]; break;
   }
 }
 

@@ -21,23 +21,27 @@ std::string layer_prefix(const std::string& prefix, int layer) {
   return prefix + "model.layers." + std::to_string(layer) + ".block_sparse_moe.";
 }
 
-// Expert ids of `layer` present in the checkpoint (any of their tensors), from the tensor names.
+// Expert ids of `layer` present in the checkpoint (any of their six tensors), from the tensor names.
 std::vector<int> experts_present(const st::Checkpoint& ckpt, const std::string& prefix, int layer) {
-  const std::string head = layer_prefix(prefix, layer) + "experts.";
   std::set<int> ids;
   for (const auto& name : ckpt.tensor_names()) {
-    if (name.compare(0, head.size(), head) != 0) continue;
-    int id = 0;
-    size_t i = head.size();
-    bool digits = false;
-    while (i < name.size() && name[i] >= '0' && name[i] <= '9' && id < (1 << 24)) {
-      id = id * 10 + (name[i] - '0');
-      ++i;
-      digits = true;
-    }
-    if (digits && i < name.size() && name[i] == '.') ids.insert(id);
+    const auto t = parse_kimi_moe_tensor_name(name);
+    if (t && t->kind == KimiMoeTensor::Kind::kExpert && t->layer == layer && t->prefix == prefix) ids.insert(t->expert);
   }
   return {ids.begin(), ids.end()};
+}
+
+// Reads a decimal number below 2^24 at s[*i], advancing *i; false when there is none or it is too large.
+bool read_index(std::string_view s, size_t* i, int* out) {
+  const size_t start = *i;
+  int v = 0;
+  while (*i < s.size() && s[*i] >= '0' && s[*i] <= '9') {
+    v = v * 10 + (s[*i] - '0');
+    if (v >= (1 << 24)) return false;
+    ++*i;
+  }
+  *out = v;
+  return *i > start;
 }
 
 // One expert tensor the rank needs, its expected shape and where it goes.
@@ -239,6 +243,42 @@ std::string kimi_expert_tensor_name(int layer, int expert, int proj, bool scale,
   return layer_prefix(prefix, layer) + "experts." + std::to_string(expert) + ".w" + std::to_string(proj) +
          (scale ? ".weight_scale" : ".weight_packed");
 }
+std::optional<KimiMoeTensor> parse_kimi_moe_tensor_name(std::string_view name) {
+  static constexpr std::string_view kLayers = "model.layers.", kMoe = ".block_sparse_moe.";
+  const size_t at = name.find(kLayers);
+  if (at == std::string_view::npos) return std::nullopt;
+  KimiMoeTensor t;
+  t.prefix = std::string(name.substr(0, at));
+  size_t i = at + kLayers.size();
+  if (!read_index(name, &i, &t.layer) || name.substr(i, kMoe.size()) != kMoe) return std::nullopt;
+  const std::string_view rest = name.substr(i + kMoe.size());
+  if (rest == "gate.weight") {
+    t.kind = KimiMoeTensor::Kind::kRouterWeight;
+    return t;
+  }
+  if (rest == "gate.e_score_correction_bias") {
+    t.kind = KimiMoeTensor::Kind::kRouterBias;
+    return t;
+  }
+  static constexpr std::string_view kExperts = "experts.";
+  if (rest.substr(0, kExperts.size()) != kExperts) return std::nullopt;
+  size_t j = kExperts.size();
+  if (!read_index(rest, &j, &t.expert)) return std::nullopt;
+  const std::string_view tail = rest.substr(j);
+  if (tail.size() < 4 || tail.substr(0, 2) != ".w" || tail[2] < '1' || tail[2] > '3') return std::nullopt;
+  t.proj = tail[2] - '0';
+  const std::string_view kind = tail.substr(3);
+  if (kind == ".weight_packed") {
+    t.scale = false;
+  } else if (kind == ".weight_scale") {
+    t.scale = true;
+  } else {
+    return std::nullopt;
+  }
+  t.kind = KimiMoeTensor::Kind::kExpert;
+  return t;
+}
+
 std::string kimi_router_weight_name(int layer, const std::string& prefix) {
   return layer_prefix(prefix, layer) + "gate.weight";
 }
