@@ -103,6 +103,10 @@ struct MoeLayerWeights {
 // ranges, with the experts the checkpoint does hold for that layer); a tensor with the wrong
 // dtype or shape (each named with what was expected); a quantization format other than MXFP4.
 Result<MoeLayerWeights> load_moe_layer(const std::string& checkpoint_dir, int layer, int ep_size, int ep_rank);
+// The same with the checkpoint's config already read (load_model_config(checkpoint_dir)), for a
+// caller that checked its own arguments against it first: config.json is read once.
+Result<MoeLayerWeights> load_moe_layer(const MoeModelConfig& config, const std::string& checkpoint_dir, int layer,
+                                       int ep_size, int ep_rank);
 
 // ---- config.json -> what the backends take ---------------------------------------------------
 // Activation from hidden_act ("situ" with the config's betas, "swiglu", "silu"); anything else is

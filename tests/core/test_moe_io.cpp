@@ -171,6 +171,26 @@ TEST_F(MoeIo, OutputFileHoldsTheResultTheSlotsAndTheRunRecord) {
   EXPECT_HAS(big.status().message(), "top_k = 33 (slots per token of the inputs)");
 }
 
+// `k3 moe run` reads config.json once and hands it to the loader: the same layer, byte for byte,
+// as the loader that reads the config itself, and the same errors.
+TEST_F(MoeIo, LoadingWithTheConfigReadOnceGivesTheSameLayer) {
+  auto cfg = load_model_config(dir_);
+  ASSERT_TRUE(cfg) << cfg.status().to_string();
+  auto l = load_moe_layer(cfg.value(), dir_, 1, 1, 0);
+  ASSERT_TRUE(l) << l.status().to_string();
+  EXPECT_EQ(l->fc1_q, layer_.fc1_q);
+  EXPECT_EQ(l->fc1_scale, layer_.fc1_scale);
+  EXPECT_EQ(l->fc2_q, layer_.fc2_q);
+  EXPECT_EQ(l->fc2_scale, layer_.fc2_scale);
+  EXPECT_EQ(l->router_bias, layer_.router_bias);
+  EXPECT_EQ(l->shape.num_experts, layer_.shape.num_experts);
+  EXPECT_EQ(l->config.source, layer_.config.source);
+  const Status a = load_moe_layer(cfg.value(), dir_, 99, 1, 0).status();
+  const Status b = load_moe_layer(dir_, 99, 1, 0).status();
+  EXPECT_FALSE(a.is_ok());
+  EXPECT_EQ(a.message(), b.message());
+}
+
 TEST_F(MoeIo, MalformedFilesAreNamedWithTheTensor) {
   const int64_t m = 2, k = 64;
   std::vector<float> x(m * k, 1.f), wts(m * 2, 0.5f);

@@ -73,8 +73,13 @@ Status run_moe(const MoeRunArgs& a) {
     }
     backend = b.value();
   }
-  K3_RETURN_IF_ERROR(check_ep_flags(a.ep_size, a.ep_rank, a.checkpoint));
-  auto layer = load_moe_layer(a.checkpoint, a.layer, a.ep_size, a.ep_rank);
+  // config.json is read once: the flags are checked against it, then the layer is loaded with it
+  // (flags out of range are named first, before any config problem, as before).
+  K3_RETURN_IF_ERROR(check_ep_ranges(a.ep_size, a.ep_rank));
+  auto cfg = load_model_config(a.checkpoint);
+  if (!cfg.is_ok()) return cfg.status();
+  K3_RETURN_IF_ERROR(check_ep_flags(a.ep_size, a.ep_rank, cfg.value()));
+  auto layer = load_moe_layer(cfg.value(), a.checkpoint, a.layer, a.ep_size, a.ep_rank);
   if (!layer.is_ok()) return layer.status();
   auto in = load_moe_inputs(a.input, layer.value());
   if (!in.is_ok()) return in.status();

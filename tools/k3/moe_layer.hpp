@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "k3/checkpoint.hpp"
 #include "k3/status.hpp"
 
 namespace k3::tool {
@@ -13,5 +14,9 @@ namespace k3::tool {
 // that cannot be read the loader reports it). Errors name the flags and their values, not the
 // config file, which is not what is wrong.
 Status check_ep_flags(int ep_size, int ep_rank, const std::string& checkpoint);
+// The same against a config already read (`k3 moe run` reads config.json once).
+Status check_ep_flags(int ep_size, int ep_rank, const MoeModelConfig& config);
+// The part that needs no config: ep_size >= 1 and ep_rank in [0, ep_size).
+Status check_ep_ranges(int ep_size, int ep_rank);
 
 }  // namespace k3::tool

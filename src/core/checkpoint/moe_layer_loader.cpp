@@ -69,13 +69,11 @@ std::string join_errors(const std::vector<std::string>& errors) {
   return msg;
 }
 
-Result<MoeLayerWeights> load_impl(const std::string& checkpoint_dir, int layer, int ep_size, int ep_rank) {
-  auto cfg = load_model_config(checkpoint_dir);
-  if (!cfg) return cfg.status();
-  auto shape = moe_shape_from_config(cfg.value(), ep_size, ep_rank);
+Result<MoeLayerWeights> load_impl(const MoeModelConfig& c, const std::string& checkpoint_dir, int layer, int ep_size,
+                                   int ep_rank) {
+  auto shape = moe_shape_from_config(c, ep_size, ep_rank);
   if (!shape) return shape.status();
   const MoeShape s = shape.value();
-  const MoeModelConfig& c = cfg.value();
   if (layer < 0 || layer >= c.num_hidden_layers) {
     return invalid_argument("layer = " + std::to_string(layer) + " must be in [0, num_hidden_layers = " +
                             std::to_string(c.num_hidden_layers) + ") of " + c.source);
@@ -319,8 +317,15 @@ MoeWeightsView MoeLayerWeights::view() const {
 }
 
 Result<MoeLayerWeights> load_moe_layer(const std::string& checkpoint_dir, int layer, int ep_size, int ep_rank) {
+  auto cfg = load_model_config(checkpoint_dir);
+  if (!cfg) return cfg.status();
+  return load_moe_layer(cfg.value(), checkpoint_dir, layer, ep_size, ep_rank);
+}
+
+Result<MoeLayerWeights> load_moe_layer(const MoeModelConfig& config, const std::string& checkpoint_dir, int layer,
+                                       int ep_size, int ep_rank) {
   try {
-    return load_impl(checkpoint_dir, layer, ep_size, ep_rank);
+    return load_impl(config, checkpoint_dir, layer, ep_size, ep_rank);
   } catch (const std::exception& e) {  // std::bad_alloc for a rank too large for this machine
     return io_error(checkpoint_dir + ": cannot load layer " + std::to_string(layer) + ": " + e.what());
   }
