@@ -49,7 +49,11 @@ struct MoeBackend {
   std::string name;  // "reference", "cpu", "cuda"
   int priority = 0;  // default = highest priority whose available() is ok
   std::function<Status()> available;
-  std::function<Status(const MoeProblem&)> supports;
+  // Whether this backend computes `problem` with these options (threads, SIMD level, device,
+  // path): its planner's verdict (cpu::plan, cuda::plan on options.device; the reference checks
+  // the problem), ok or the reason, e.g. a SIMD level this CPU lacks, a path the device cannot run,
+  // a layer whose tiles do not fit the device's shared memory. Call it after available().
+  std::function<Status(const MoeProblem&, const BackendOptions&)> supports;
   // One call: out = M*K elements of the problem's out_dtype (little-endian bytes). Serving loops
   // that keep plans, packed weights and workspaces use the backend's own API (k3/cpu_moe.hpp,
   // k3/cuda_moe.hpp); this entry is for tools, validation and bindings.

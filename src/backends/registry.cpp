@@ -73,13 +73,36 @@ Status moe_cuda(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsVie
   return cuda::run_host(p, w, in, out, o.path, o.device);
 }
 
+Status moe_reference_supports(const MoeProblem& p, const BackendOptions&) {
+  K3_RETURN_IF_ERROR(validate_moe_shape(p.shape));
+  return validate_activation(p.activation);
+}
+
+Status moe_cpu_supports(const MoeProblem& p, const BackendOptions& opt) {
+  cpu::MoeOptions o;
+  o.max_tokens = 1;
+  o.threads = opt.threads;
+  o.isa = opt.isa;
+  return cpu::plan(p, o).status();
+}
+
+Status moe_cuda_supports(const MoeProblem& p, const BackendOptions& opt) {
+  cuda::MoeOptions o;
+  o.max_tokens = 1;
+  K3_ASSIGN_OR_RETURN(o.device, cuda::device_caps(opt.device));
+  if (!opt.path.empty()) {
+    K3_ASSIGN_OR_RETURN(o.path, cuda::moe_path_from_name(opt.path));
+  }
+  return cuda::plan(p, o).status();
+}
+
 // Priorities: cpu 10 > cuda 5 > reference 0. The CUDA kernels ran on one GPU once (an H200,
 // 2026-12-04) and are not tuned, so they are used only when asked for by name.
 std::vector<MoeBackend> make_moe_backends() {
   std::vector<MoeBackend> v;
-  v.push_back({"cpu", 10, always, [](const MoeProblem&) { return Status::ok(); }, moe_cpu});
-  v.push_back({"cuda", 5, cuda_available, [](const MoeProblem&) { return Status::ok(); }, moe_cuda});
-  v.push_back({"reference", 0, always, [](const MoeProblem&) { return Status::ok(); }, moe_reference});
+  v.push_back({"cpu", 10, always, moe_cpu_supports, moe_cpu});
+  v.push_back({"cuda", 5, cuda_available, moe_cuda_supports, moe_cuda});
+  v.push_back({"reference", 0, always, moe_reference_supports, moe_reference});
   return v;
 }
 
@@ -185,7 +208,7 @@ Status run_moe(const MoeBackend& b, const MoeProblem& p, const MoeWeightsView& w
   }
   if (b.name != "cuda") K3_RETURN_IF_ERROR(no_paths(opt, "moe", b.name));
   K3_RETURN_IF_ERROR(b.available());
-  K3_RETURN_IF_ERROR(b.supports(p));
+  K3_RETURN_IF_ERROR(b.supports(p, opt));
   return b.run(p, w, in, out, opt);
 }
 

@@ -116,6 +116,37 @@ TEST(BackendRegistry, RunMoeChecksBuffersAndAvailability) {
 // BackendOptions::path is a kernel path of the cuda MoE backend: the others refuse one by name
 // (the k3 tool passes K3_CUDA_MOE_PATH to the cuda backend only), and a bad name for the cuda
 // backend is refused naming `path` before any device is needed.
+// supports() is each backend's planner's verdict on the problem and the options, not a blanket
+// yes: the cpu backend refuses a thread count beyond its limit and a bad activation, the
+// reference backend a bad shape or activation, both before any weight is read; run_moe says
+// the same.
+TEST(BackendRegistry, MoeSupportsIsThePlannersVerdict) {
+  const MoeCase c = small_case(8);
+  const MoeBackend& cpu = *find_moe_backend("cpu").value();
+  const MoeBackend& ref = *find_moe_backend("reference").value();
+  EXPECT_TRUE(cpu.supports(c.problem, {}).is_ok());
+  EXPECT_TRUE(ref.supports(c.problem, {}).is_ok());
+  BackendOptions many;
+  many.threads = 1 << 20;
+  const Status t = cpu.supports(c.problem, many);
+  ASSERT_FALSE(t.is_ok());
+  EXPECT_NE(t.message().find("threads"), std::string::npos) << t.message();
+  std::vector<uint8_t> out(static_cast<size_t>(c.m * c.problem.shape.hidden * out_dtype_size(c.problem.out_dtype)));
+  EXPECT_EQ(run_moe(cpu, c.problem, c.weights(), c.inputs(), out, many).message(), t.message());
+  MoeProblem bad_act = c.problem;
+  bad_act.activation.kind = ActivationKind::kSiTU;
+  bad_act.activation.situ_beta = -1.0f;
+  for (const MoeBackend* b : {&cpu, &ref}) {
+    const Status st = b->supports(bad_act, {});
+    ASSERT_FALSE(st.is_ok()) << b->name;
+    EXPECT_NE(st.message().find("beta"), std::string::npos) << b->name << ": " << st.message();
+  }
+  MoeProblem bad_shape = c.problem;
+  bad_shape.shape.hidden = 33;
+  EXPECT_FALSE(ref.supports(bad_shape, {}).is_ok());
+  EXPECT_FALSE(cpu.supports(bad_shape, {}).is_ok());
+}
+
 TEST(BackendRegistry, OnlyTheCudaMoeBackendTakesAKernelPath) {
   const MoeCase c = small_case(8);
   std::vector<uint8_t> out(static_cast<size_t>(c.m * 64 * 4));

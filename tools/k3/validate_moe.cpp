@@ -70,6 +70,8 @@ Selection select(const ValidateOptions& o, std::vector<ValidateRow>& rows) {
 
 // --require CAPABILITY: a backend name must be registered and usable; a recipe or activation must
 // be supported by every selected backend. Missing means FAIL.
+MoeCaseSpec smoke_spec(int64_t m, RoutingPattern routing, uint64_t seed);  // below
+
 void check_requirements(const ValidateOptions& o, const Selection& sel, std::vector<ValidateRow>& rows) {
   for (const std::string& cap : o.require) {
     const auto recipe = parse_recipe(cap);
@@ -91,9 +93,10 @@ void check_requirements(const ValidateOptions& o, const Selection& sel, std::vec
     if (sel.backends.empty()) rows.push_back(make_row("require " + cap, "-", false, "no backend selected"));
     for (const MoeBackend* b : sel.backends) {
       MoeProblem p;
+      p.shape = smoke_spec(1, RoutingPattern::kUniform, 0).problem.shape;  // a problem every backend should take
       if (recipe.is_ok()) p.recipe = recipe.value();
       if (act.is_ok()) p.activation.kind = act.value();
-      const Status st = b->supports ? b->supports(p) : Status::ok();
+      const Status st = b->supports ? b->supports(p, backend_options(b->name)) : Status::ok();
       rows.push_back(make_row("require " + cap, b->name, st.is_ok(), st.is_ok() ? "supported" : st.message()));
     }
   }
@@ -129,10 +132,12 @@ struct Runner {
 
   bool supported(const MoeBackend& b, const MoeCase& c, const std::string& name) {
     if (!b.supports) return true;
-    const Status st = b.supports(c.problem);
+    const Status st = with_path_source(b.supports(c.problem, backend_options(b.name)));
     if (!st.is_ok()) {
-      rows.push_back(make_row(label(name, c.problem), b.name, true,
-                              "skipped, not supported: " + st.message() + " (--require makes this fail)"));
+      ValidateRow r = make_row(label(name, c.problem), b.name, true,
+                               "skipped, not supported: " + st.message() + " (--require makes this fail)");
+      r.skipped = true;
+      rows.push_back(r);
     }
     return st.is_ok();
   }
