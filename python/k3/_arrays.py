@@ -141,6 +141,16 @@ def seqlens_arg(name, cu, num_tokens):
     return cu
 
 
+def shape_of(name, a, ndim, what):
+    """The shape of array argument `name`, which must have `ndim` dimensions (`what` describes
+    them, e.g. "[T, H, K]"): ValueError naming the argument for a non-array or another rank."""
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise ValueError(f"{name} must be an array (numpy, torch, ...) {what}, got {type(a).__name__}")
+    if len(a.shape) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {what}, got shape {tuple(a.shape)}")
+    return tuple(int(d) for d in a.shape)
+
+
 def host_view(a):
     """A CPU torch tensor as a numpy array over the same memory (about 1 us; torch's DLPack export
     costs about 10 per tensor); anything else unchanged. Tensors of dtypes numpy lacks (bfloat16)

@@ -11,19 +11,15 @@ import numpy as np
 
 from . import _k3
 from ._arrays import (bf16_bits, cuda_empty, host_view, need, need_cuda, no_overlap, out_or_new, seqlens_arg,
-                      stream_int)
+                      shape_of, stream_int)
 
 
 def prefill(q, k, v, g, beta, a_log=None, dt_bias=None, cu_seqlens=None, initial_state=None, gate="safe",
             gate_lower_bound=-5.0, beta_logits=True, l2norm_qk=True, scale=0.0, layout="k_first", backend=None,
             threads=0, isa="", o=None, final_state=None, return_final_state=False):
     q, k, v, g, beta = _host_qkv(q, k, v, g, beta)
-    if len(q.shape) != 3:
-        raise ValueError(f"q must be 3-D [T, H, K], got shape {tuple(q.shape)}")
-    t, h, hk = (int(d) for d in q.shape)
-    if len(v.shape) != 3:
-        raise ValueError(f"v must be 3-D [T, H, V], got shape {tuple(v.shape)}")
-    hv = int(v.shape[-1])
+    t, h, hk = shape_of("q", q, 3, "[T, H, K]")
+    hv = shape_of("v", v, 3, "[T, H, V]")[-1]
     dtype = np.uint16 if str(q.dtype).endswith("uint16") else np.float32
     need("q", q, (t, h, hk), dtype)
     need("k", k, (t, h, hk), dtype)
@@ -75,7 +71,7 @@ def _step_checks(q, k, v, g, beta, rows):
     if len(q.shape) != 3 or q.shape[0] != rows:
         raise ValueError(f"q must be [{rows}, H, K], got shape {tuple(q.shape)}")
     _, h, hk = q.shape
-    hv = v.shape[-1]
+    hv = shape_of("v", v, 3, f"[{rows}, H, V]")[-1]
     dtype = np.uint16 if str(q.dtype).endswith("uint16") else np.float32
     need("q", q, (rows, h, hk), dtype)
     need("k", k, (rows, h, hk), dtype)

@@ -5,7 +5,7 @@ scales are E8M0 codes in the linear layout [rows, cols / 32]."""
 import numpy as np
 
 from . import _k3
-from ._arrays import need, out_or_new
+from ._arrays import need, out_or_new, shape_of
 
 
 def _row_bytes(element, cols):
@@ -30,7 +30,11 @@ def quantize(x, element="mxfp4", rule="rceil", q=None, scales=None, bf16=False):
 
 def dequantize(q, scales, cols, element="mxfp4", out=None):
     """Exact dequantization to float32 [rows, cols]."""
-    rows = q.shape[0]
+    if isinstance(cols, bool) or not isinstance(cols, (int, np.integer)) or cols <= 0 or cols % 32:
+        raise ValueError(f"cols = {cols!r} must be a positive int, a multiple of 32 (one E8M0 scale per 32 elements)")
+    if element not in ("mxfp4", "mxfp8"):
+        raise ValueError(f"element = {element!r} must be 'mxfp4' or 'mxfp8'")
+    rows = shape_of("q", q, 2, "[rows, packed bytes]")[0]
     need("q", q, (rows, _row_bytes(element, cols)), np.uint8)
     need("scales", scales, (rows, cols // 32), np.uint8)
     out = out_or_new("out", out, (rows, cols), np.float32)

@@ -580,7 +580,9 @@ class Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe}, k3"
 
     def forward(self, x, out=None):
-        if x.shape[-1] != self.in_features:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"x must be a torch.Tensor [..., {self.in_features}], got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x has shape {tuple(x.shape)}, expected [..., {self.in_features}]")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)

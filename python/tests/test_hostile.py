@@ -157,6 +157,38 @@ def test_non_arrays_are_refused_by_name():
         k3.moe.run(p, **w, x=x.tolist(), topk_ids=ids, topk_weights=wts)
     with pytest.raises(ValueError, match="logits must be an array"):
         k3.route([[0.0, 1.0]], top_k=1)
+    # Found by a random-argument fuzz (2026-12-04): these raised AttributeError / IndexError from
+    # inside the wrapper instead of naming the argument.
+    q, k, v, g, beta = kda_case()
+    with pytest.raises(ValueError, match=r"q must be an array \(numpy, torch, ...\) \[T, H, K\], got list"):
+        k3.kda.prefill(q.tolist(), k, v, g, beta, gate="log_decay")
+    with pytest.raises(ValueError, match=r"v must be 3-D \[T, H, V\], got shape \(12, 32\)"):
+        k3.kda.prefill(q, k, v.reshape(12, 32), g, beta, gate="log_decay")
+    codes, scales = k3.mx.quantize(np.ones((2, 64), np.float32))
+    with pytest.raises(ValueError, match=r"q must be 2-D \[rows, packed bytes\], got shape \(64,\)"):
+        k3.mx.dequantize(codes.reshape(-1), scales, 64)
+    with pytest.raises(ValueError, match=r"q must be an array"):
+        k3.mx.dequantize(None, scales, 64)
+    for cols in (0, 33, -32, 64.0, "64", True):
+        with pytest.raises(ValueError, match=r"cols = .* must be a positive int, a multiple of 32"):
+            k3.mx.dequantize(codes, scales, cols)
+    with pytest.raises(ValueError, match=r"element = 'e4m3' must be 'mxfp4' or 'mxfp8'"):
+        k3.mx.dequantize(codes, scales, 64, element="e4m3")
+    assert np.array_equal(k3.mx.dequantize(codes, scales, 64), np.ones((2, 64), np.float32))
+    pool = np.zeros((2, 2, 16, 16), np.float32)
+    with pytest.raises(ValueError, match=r"v must be 3-D \[1, H, V\], got shape \(16,\)"):
+        k3.kda.decode(q[:1], k[:1], v[0, 0], g[:1], beta[:1], pool, np.zeros(1, np.int32), gate="log_decay")
+
+
+@needs_torch
+def test_torch_linear_module_refuses_a_non_tensor_by_name():
+    import k3.torch as k3torch
+
+    lin = k3torch.Linear.from_linear(torch.nn.Linear(64, 16).to(torch.bfloat16), recipe="w16a16")
+    with pytest.raises(ValueError, match=r"x must be a torch.Tensor \[..., 64\], got ndarray"):
+        lin(np.zeros((1, 64), np.uint16))
+    with pytest.raises(ValueError, match=r"x has shape \(\), expected \[..., 64\]"):
+        lin(torch.tensor(1.0, dtype=torch.bfloat16))
 
 
 # ---- BF16 and FP16 told apart; torch tensors at the numpy-level API ---------------------------
