@@ -7,13 +7,29 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
+#include "k3/backend.hpp"
 #include "k3/cpu_moe.hpp"
 #include "k3/moe_case.hpp"
 
 namespace k3test {
+
+// The cpu backend's prepared layer through the registry (what the expert-parallel driver takes).
+inline k3::Result<std::unique_ptr<k3::PreparedMoe>> prepare_cpu(const k3::MoeProblem& p, const k3::MoeWeightsView& w,
+                                                                int threads, std::optional<k3::IsaLevel> isa = {},
+                                                                int64_t max_tokens = 0) {
+  auto cpu = k3::find_moe_backend("cpu");
+  if (!cpu.is_ok()) return cpu.status();
+  k3::BackendOptions o;
+  o.threads = threads;
+  o.isa = isa;
+  o.max_tokens = max_tokens;
+  return k3::prepare_moe(*cpu.value(), p, w, o);
+}
 
 enum class EpTokens { kUneven, kAllOnRankZero };
 enum class EpRouting { kFromCase, kFirstExpertsOnly };

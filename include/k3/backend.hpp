@@ -6,6 +6,11 @@
 // is outside what it computes) and the entry points. The `k3` tool, the tests, the benchmarks and
 // the bindings all ask the registry; nothing outside it names a backend's functions.
 //
+// Fused MoE layers are prepared once (prepare_moe: plan + weights in the backend's layout, held by
+// a PreparedMoe) and run many times; the one-shot run_moe is prepare + run. The expert-parallel
+// driver (k3/ep.hpp) takes a PreparedMoe, so every backend with the seam's host entry points runs
+// distributed through the same code.
+//
 // Options come in through BackendOptions; backends never read environment variables (the `k3`
 // tool reads K3_NUM_THREADS and K3_ISA and passes them here). Left at their defaults, the options
 // mean hardware facts: all logical CPUs and the best SIMD level of this CPU.
@@ -16,6 +21,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -42,6 +48,46 @@ struct BackendOptions {
   // non-empty one by name. No backend reads an environment variable: the k3 tool translates
   // K3_CUDA_MOE_PATH into this field.
   std::string path;
+  // Prepared layers (prepare_moe): the largest M one call takes; 0: the backend's default (8192).
+  int64_t max_tokens = 0;
+};
+
+// ---- fused MoE: a prepared layer -------------------------------------------------------------
+// A layer prepared for one backend: its plan and its weights in the backend's layout, owned here
+// (the caller's MoeWeightsView may be freed after prepare_moe). All buffers are host memory; a
+// backend that computes elsewhere (cuda) copies in and out inside the call. Calls with distinct
+// workspaces and outputs may run concurrently, except on the cuda backend (one call at a time per
+// handle; it serializes them).
+class PreparedMoe {
+ public:
+  virtual ~PreparedMoe() = default;
+  virtual const std::string& backend() const = 0;  // "cpu", "cuda", "reference"
+  virtual const MoeProblem& problem() const = 0;
+  // What runs, one line: the plan's decisions (ISA and kernel, threads, tiles; the CUDA path that
+  // runs with these weights, not only the one planned).
+  virtual std::string describe() const = 0;
+  // The kernel that runs, short: "avx512bf16 vdpbf16ps", "decode-splitk", "fp64 oracle".
+  virtual std::string kernel() const = 0;
+  virtual int64_t max_tokens() const = 0;       // the largest M of run() and run_experts()
+  // Tokens one pass over the weights serves (a call of M tokens streams the weights
+  // ceil(M / tokens_per_pass()) times; the cpu backend's chunk, else max_tokens()): the traffic model's input.
+  virtual int64_t tokens_per_pass() const { return max_tokens(); }
+  virtual int64_t workspace_bytes() const = 0;  // host workspace run() and run_experts() need (may be 0)
+  // out = M*K elements of the problem's out_dtype. Checks the inputs (validate_moe_buffers with
+  // the layer's shape), M <= max_tokens(), the workspace and out sizes.
+  virtual Status run(const MoeInputsView& in, std::span<uint8_t> workspace, std::span<uint8_t> out) const = 0;
+
+  // The expert-parallel seam (docs/distributed.md): run() = run_experts() + the contract's
+  // finalize (cpu::finalize on the host: the same bits for every backend), with W4A8 rows
+  // quantized by the contract's quantizer (cpu::quantize_x_mxfp8). ok when this backend has
+  // run_experts on host buffers, else the reason (kUnsupported, naming the backend), which
+  // run_experts then returns.
+  virtual Status expert_parallel() const = 0;
+  // y [local slots, K] FP32: the expert output of every slot whose id is a local expert, in slot
+  // order, before the routing weights. in.topk_weights is not used. x_mxfp8 (W4A8 only): x already
+  // quantized by the contract's quantizer (e.g. on the rank that sent it), in.x then empty.
+  virtual Status run_experts(const MoeInputsView& in, std::span<uint8_t> workspace, std::span<float> y,
+                             const Mxfp8Rows& x_mxfp8 = {}) const = 0;
 };
 
 // ---- fused MoE -------------------------------------------------------------------------------
@@ -54,12 +100,10 @@ struct MoeBackend {
   // the problem), ok or the reason, e.g. a SIMD level this CPU lacks, a path the device cannot run,
   // a layer whose tiles do not fit the device's shared memory. Call it after available().
   std::function<Status(const MoeProblem&, const BackendOptions&)> supports;
-  // One call: out = M*K elements of the problem's out_dtype (little-endian bytes). Serving loops
-  // that keep plans, packed weights and workspaces use the backend's own API (k3/cpu_moe.hpp,
-  // k3/cuda_moe.hpp); this entry is for tools, validation and bindings.
-  std::function<Status(const MoeProblem&, const MoeWeightsView&, const MoeInputsView&, std::span<uint8_t> out,
-                       const BackendOptions&)>
-      run;
+  // Plans for options.max_tokens and takes the weights into the backend's layout. Called through
+  // prepare_moe, which checks available(), supports() and the weights first.
+  std::function<Result<std::unique_ptr<PreparedMoe>>(const MoeProblem&, const MoeWeightsView&, const BackendOptions&)>
+      prepare;
 };
 
 std::span<const MoeBackend> moe_backends();  // highest priority first, then by name
@@ -67,7 +111,11 @@ std::span<const MoeBackend> moe_backends();  // highest priority first, then by 
 Result<const MoeBackend*> find_moe_backend(std::string_view name);
 // The usable backend of highest priority ("reference" is always usable).
 const MoeBackend& default_moe_backend();
-// Checks the buffers (validate_moe_buffers), out's size and supports(), then runs.
+// Checks available(), the path option, supports() and the weights, then prepares the layer.
+Result<std::unique_ptr<PreparedMoe>> prepare_moe(const MoeBackend& b, const MoeProblem& p, const MoeWeightsView& w,
+                                                 const BackendOptions& opt = {});
+// One call: checks the buffers (validate_moe_buffers) and out's size, then prepare_moe for M
+// tokens and run. Serving loops keep the PreparedMoe instead.
 Status run_moe(const MoeBackend& b, const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in,
                std::span<uint8_t> out, const BackendOptions& opt = {});
 

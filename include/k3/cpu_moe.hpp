@@ -139,10 +139,7 @@ int64_t local_slot_count(const MoeShape& shape, std::span<const int32_t> topk_id
 // inputs.topk_weights is not used (may be empty). Same checks as run() except out.
 // x_mxfp8 (W4A8 only, optional): x already quantized by quantize_x_mxfp8 (e.g. on the rank that
 // sent it), inputs.x then empty; the result is the same bits as quantizing here.
-struct Mxfp8Rows {
-  std::span<const uint8_t> codes;   // [M, K] E4M3
-  std::span<const uint8_t> scales;  // [M, K/32] E8M0
-};
+using Mxfp8Rows = k3::Mxfp8Rows;  // k3/moe.hpp: codes [M, K] E4M3, scales [M, K/32] E8M0
 Status run_experts(const MoePlan& plan, const PackedWeights& weights, const MoeInputsView& inputs,
                    std::span<uint8_t> workspace, std::span<float> y, const Mxfp8Rows& x_mxfp8 = {});
 

@@ -196,7 +196,34 @@ Result<ExpertRows> run_experts(const MoePlan& plan, const DeviceWeights& w, cons
 Status finalize(const MoePlan& plan, const int32_t* m_device, const ExpertRows& rows, const float* topk_weights,
                 void* out, void* stream);
 
-// Convenience for tools and tests: plan + prepack + copies + run + copy back, on device `device`.
+// A layer planned and prepacked once on device `device`, run from host buffers: each run copies x,
+// topk_ids and topk_weights in, runs, waits, checks the kernels' error bits and copies the output
+// back. Device buffers for max_tokens tokens are allocated once. For tools and the registry's
+// PreparedMoe (k3/backend.hpp); serving loops use plan / prepack / run on device buffers. One call
+// at a time (run() serializes). This host wrapper is run_host split in two; it has NOT RUN on a GPU
+// in this form (run_host ran on an H200 on 2026-12-04 before the split).
+class HostMoe {
+ public:
+  // path: "" (the plan's choice) or a path name; a bad name is an error naming `path` even without
+  // a device. max_tokens: 1..65536.
+  static Result<std::unique_ptr<HostMoe>> create(const MoeProblem& p, const MoeWeightsView& w, int64_t max_tokens,
+                                                 const std::string& path = "", int device = 0);
+  ~HostMoe();
+  HostMoe(const HostMoe&) = delete;
+  HostMoe& operator=(const HostMoe&) = delete;
+  const MoePlan& plan() const;
+  MoePath path() const;  // effective_path(plan, weights): what runs
+  // in.m <= plan().max_tokens; out: M*K elements of the out dtype. Inputs are checked
+  // (validate_moe_inputs) before any copy.
+  Status run(const MoeInputsView& in, std::span<uint8_t> out) const;
+  struct Impl;
+  explicit HostMoe(std::unique_ptr<Impl> impl);
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Convenience for tools and tests: HostMoe::create for M tokens + run, on device `device`.
 // path: "" (the plan's choice) or a path name (moe_path_from_name); a bad name is an error naming
 // `path` even without a device.
 Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out,

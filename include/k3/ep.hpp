@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "k3/backend.hpp"
 #include "k3/comm.hpp"
-#include "k3/cpu_moe.hpp"
 #include "k3/moe.hpp"
 #include "k3/status.hpp"
 
@@ -62,6 +62,7 @@ struct EpBuffers {
 
 struct EpOptions {
   bool mxfp8_wire = true;  // W4A8: send MXFP8 codes + scales (about half the bytes of BF16)
+  int threads = 0;         // host threads of the W4A8 quantizer and the finalize (0: all logical CPUs)
 };
 
 // Collective: every rank's shape must describe the same layer and partition — hidden,
@@ -72,15 +73,18 @@ Status agree_on_partition(Communicator& comm, const MoeShape& shape, Recipe reci
 
 // Sends this rank's tokens (local.x [M, K] BF16, local.topk_ids [M, top_k] global ids) to the
 // experts' ranks. local.topk_weights is not sent (the source applies the weights in combine).
-// plan: this rank's (shape.ep_size must be comm.size() and ep_rank comm.rank()).
-Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, const MoeInputsView& local,
+// problem: this rank's layer (shape.ep_size must be comm.size() and ep_rank comm.rank()). W4A8
+// rows on the MXFP8 wire are quantized here with the contract's quantizer (cpu::quantize_x_mxfp8).
+Result<EpDispatch> ep_dispatch(Communicator& comm, const MoeProblem& problem, const MoeInputsView& local,
                                const EpOptions& options = {}, EpBuffers* buffers = nullptr);
 
 // y: the expert outputs of d's local slots ([sum of d.slots_from, K] FP32, the order of
-// cpu::run_experts on d's rows). Returns every slot's y to its source and writes
-// out [M, K] (plan's output dtype) for this rank's M tokens with cpu::finalize(topk_weights).
-Status ep_combine(Communicator& comm, const EpDispatch& d, const cpu::MoePlan& plan, std::span<const float> y,
-                  std::span<const float> topk_weights, std::span<uint8_t> out, EpBuffers* buffers = nullptr);
+// PreparedMoe::run_experts on d's rows). Returns every slot's y to its source and writes
+// out [M, K] (the problem's output dtype) for this rank's M tokens with the contract's finalize
+// (cpu::finalize: FP32 FMAs in slot order, the same bits as every backend's run()).
+Status ep_combine(Communicator& comm, const EpDispatch& d, const MoeProblem& problem, std::span<const float> y,
+                  std::span<const float> topk_weights, std::span<uint8_t> out, EpBuffers* buffers = nullptr,
+                  const EpOptions& options = {});
 
 struct EpRunStats {
   int64_t rows_received = 0, slots_computed = 0;
@@ -88,11 +92,13 @@ struct EpRunStats {
   double dispatch_s = 0, experts_s = 0, combine_s = 0;
 };
 
-// dispatch -> cpu::run_experts (in pieces of at most plan.max_tokens rows) -> combine.
-// plan / weights: this rank's (plan.problem.shape.ep_size = W, ep_rank = rank).
-// workspace: plan.workspace_bytes. out: [local.m, K] of the plan's output dtype.
-Status ep_moe_run(Communicator& comm, const cpu::MoePlan& plan, const cpu::PackedWeights& weights,
-                  const MoeInputsView& local, std::span<uint8_t> workspace, std::span<uint8_t> out,
-                  EpRunStats* stats = nullptr, const EpOptions& options = {}, EpBuffers* buffers = nullptr);
+// The expert-parallel driver, for every backend whose prepared layer has the seam
+// (PreparedMoe::expert_parallel(): the cpu backend; the others refuse by name on every rank):
+// dispatch -> layer.run_experts (in pieces of at most layer.max_tokens() rows) -> combine.
+// layer: this rank's (problem().shape.ep_size = W, ep_rank = rank). workspace:
+// layer.workspace_bytes(). out: [local.m, K] of the layer's output dtype.
+Status ep_moe_run(Communicator& comm, const PreparedMoe& layer, const MoeInputsView& local,
+                  std::span<uint8_t> workspace, std::span<uint8_t> out, EpRunStats* stats = nullptr,
+                  const EpOptions& options = {}, EpBuffers* buffers = nullptr);
 
 }  // namespace k3::comm

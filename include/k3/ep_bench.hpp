@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "k3/comm.hpp"
-#include "k3/cpu_moe.hpp"
 #include "k3/ep.hpp"
 #include "k3/status.hpp"
 
@@ -28,8 +27,9 @@ struct EpBenchRecord {
 // Uniform top-k routing (distinct experts per token, seeded per rank), random BF16 x; the
 // experts are not run (combine gets zero y rows of the right count): this measures the data
 // movement and k3's packing / unpacking / finalize, not the GEMMs. Each timed call is preceded
-// by a barrier. plan: this rank's plan (its shape's ep_size = comm.size(), ep_rank = rank).
-Result<std::vector<EpBenchRecord>> bench_ep(Communicator& comm, const cpu::MoePlan& plan, std::span<const int64_t> ms,
-                                            int iters, bool mxfp8_wire);
+// by a barrier. problem: this rank's layer (its shape's ep_size = comm.size(), ep_rank = rank);
+// threads: the host threads of the quantizer and the finalize (0: all logical CPUs).
+Result<std::vector<EpBenchRecord>> bench_ep(Communicator& comm, const MoeProblem& problem, std::span<const int64_t> ms,
+                                            int iters, bool mxfp8_wire, int threads = 0);
 
 }  // namespace k3::comm

@@ -105,6 +105,14 @@ struct MoeInputsView {
   std::span<const float> topk_weights;
 };
 
+// W4A8 activation rows already quantized to MXFP8 (E4M3 codes + E8M0 scales per 32 along K, the
+// quantizer of the fused-MoE contract), e.g. on the rank that sent them (k3/ep.hpp):
+//   codes [rows, K], scales [rows, K/32].
+struct Mxfp8Rows {
+  std::span<const uint8_t> codes;
+  std::span<const uint8_t> scales;
+};
+
 // Everything that fixes what a backend computes.
 struct MoeProblem {
   MoeShape shape;
@@ -113,7 +121,12 @@ struct MoeProblem {
   OutDType out_dtype = OutDType::kBF16;
 };
 
-// Checks every span of weights / inputs against the problem's shape.
+// Checks every span of the weights against the problem's shape.
+Status validate_moe_weights(const MoeProblem& p, const MoeWeightsView& w);
+// Checks the inputs against the problem's shape: M >= 0, the spans' sizes, every expert id in
+// [-1, E). The message names the argument, the limit and the value.
+Status validate_moe_inputs(const MoeProblem& p, const MoeInputsView& in);
+// Both.
 Status validate_moe_buffers(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in);
 
 }  // namespace k3

@@ -114,19 +114,35 @@ def run(p, fc1_q, fc1_scale, fc2_q, fc2_scale, x, topk_ids, topk_weights, out=No
     return out if given is None else given
 
 
-class CpuMoe:
-    """The CPU backend's serving form: the plan and the prepacked weights are made once; ``run``
-    takes the batch and writes into the caller's output (M <= max_tokens)."""
+class PreparedMoe:
+    """A layer prepared once through the library's backend registry (the plan and the weights in
+    the backend's layout, owned by the object); ``run`` takes the batch and writes into the
+    caller's output (M <= max_tokens). ``backend``: None (the default backend: cpu) or a name
+    from ``k3.info()["backends"]["moe"]`` ("cpu", "reference", "cuda"; the cuda one copies host
+    buffers in and out per call, see :class:`CudaMoe` for device tensors)."""
 
-    def __init__(self, p, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=8192, threads=0, isa=""):
+    def __init__(self, p, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=8192, threads=0, isa="", backend=None):
         _check_weights(p, fc1_q, fc1_scale, fc2_q, fc2_scale)
         self.problem = p
-        self._native = _k3.cpu_moe_prepare(p.native, max_tokens, threads, isa, fc1_q, fc1_scale, fc2_q, fc2_scale)
+        self._native = _k3.moe_prepare(p.native, backend or "", max_tokens, threads, isa, fc1_q, fc1_scale, fc2_q,
+                                       fc2_scale)
+
+    @property
+    def backend(self):
+        return self._native.backend
 
     @property
     def plan(self):
-        """The plan in one line: ISA level, kernel, threads, chunking, tiles, workspace."""
+        """What runs, in one line: the plan's decisions (ISA level and kernel, threads, chunking, tiles)."""
         return self._native.describe
+
+    @property
+    def kernel(self):
+        return self._native.kernel
+
+    @property
+    def max_tokens(self):
+        return self._native.max_tokens
 
     def run(self, x, topk_ids, topk_weights, out=None):
         given = out
@@ -134,6 +150,14 @@ class CpuMoe:
         m, o = _check_inputs(self.problem, x, topk_ids, topk_weights, out)
         self._native.run(x, topk_ids, topk_weights, m, o)
         return o if given is None else given
+
+
+class CpuMoe(PreparedMoe):
+    """The CPU backend's serving form: :class:`PreparedMoe` on the "cpu" backend."""
+
+    def __init__(self, p, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=8192, threads=0, isa=""):
+        super().__init__(p, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=max_tokens, threads=threads, isa=isa,
+                         backend="cpu")
 
 
 class CudaMoe:

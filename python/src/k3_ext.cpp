@@ -210,39 +210,38 @@ void moe_run(const k3::MoeProblem& p, In<uint8_t> fc1_q, In<uint8_t> fc1_scale, 
   check(k3::run_moe(*b, p, w.view(), in, bytes(out), o));
 }
 
-// The CPU backend's own grammar: plan once, prepack once, run per batch with caller buffers.
-// One workspace per object: concurrent run() calls on the same object take turns (the mutex is
-// taken after the GIL is released, so other Python threads keep running).
-struct CpuMoe {
-  k3::cpu::MoePlan plan;
-  k3::cpu::PackedWeights packed;
+// A layer prepared once through the registry (k3/backend.hpp prepare_moe: plan + weights in the
+// backend's layout), run per batch with caller buffers. One workspace per object: concurrent run()
+// calls on the same object take turns (the mutex is taken after the GIL is released, so other
+// Python threads keep running).
+struct PreparedMoe {
+  std::unique_ptr<k3::PreparedMoe> layer;
   std::vector<uint8_t> workspace;
   std::mutex mu;
 };
 
-CpuMoe* cpu_moe_prepare(const k3::MoeProblem& p, int64_t max_tokens, int threads, const std::string& isa,
-                        In<uint8_t> fc1_q, In<uint8_t> fc1_scale, In<uint8_t> fc2_q, In<uint8_t> fc2_scale) {
-  k3::cpu::MoeOptions o;
+PreparedMoe* moe_prepare(const k3::MoeProblem& p, const std::string& backend, int64_t max_tokens, int threads,
+                         const std::string& isa, In<uint8_t> fc1_q, In<uint8_t> fc1_scale, In<uint8_t> fc2_q,
+                         In<uint8_t> fc2_scale) {
+  const k3::MoeBackend* b = backend.empty() ? &k3::default_moe_backend() : value(k3::find_moe_backend(backend));
+  k3::BackendOptions o = options(threads, isa);
   o.max_tokens = max_tokens;
-  o.threads = threads;
-  if (!isa.empty()) o.isa = value(k3::parse_isa_level(isa));
-  auto plan = value(k3::cpu::plan(p, o));
   const MoeWeights w{fc1_q, fc1_scale, fc2_q, fc2_scale};
-  std::optional<k3::Result<k3::cpu::PackedWeights>> packed;
+  std::optional<k3::Result<std::unique_ptr<k3::PreparedMoe>>> made;
   {
     nb::gil_scoped_release release;
-    packed.emplace(k3::cpu::prepack(plan, w.view()));
+    made.emplace(k3::prepare_moe(*b, p, w.view(), o));
   }
-  auto* c = new CpuMoe{std::move(plan), value(std::move(*packed)), {}, {}};
-  c->workspace.resize(static_cast<size_t>(c->plan.workspace_bytes));
+  auto* c = new PreparedMoe{value(std::move(*made)), {}, {}};
+  c->workspace.resize(static_cast<size_t>(c->layer->workspace_bytes()));
   return c;
 }
 
-void cpu_moe_run(CpuMoe& c, In<uint16_t> x, In<int32_t> ids, In<float> weights, int64_t m, AnyOut out) {
+void prepared_moe_run(PreparedMoe& c, In<uint16_t> x, In<int32_t> ids, In<float> weights, int64_t m, AnyOut out) {
   const k3::MoeInputsView in{m, span(x), span(ids), span(weights)};
   nb::gil_scoped_release release;
   std::lock_guard<std::mutex> lock(c.mu);
-  check(k3::cpu::run(c.plan, c.packed, in, c.workspace, bytes(out)));
+  check(c.layer->run(in, c.workspace, bytes(out)));
 }
 
 // ---- dense linear (k3/linear.hpp, k3/cpu_linear.hpp) ----------------------------------------
@@ -331,18 +330,18 @@ double cpu_linear_time_native(CpuLinear& c, In<uint16_t> x, int64_t m, AnyOut ou
 
 // Seconds per call of the C++ run() alone (median of `iters` calls on the same buffers, after one
 // untimed call): the baseline that the Python per-call overhead is measured against.
-double cpu_moe_time_native(CpuMoe& c, In<uint16_t> x, In<int32_t> ids, In<float> weights, int64_t m, AnyOut out,
-                           int iters) {
+double prepared_moe_time_native(PreparedMoe& c, In<uint16_t> x, In<int32_t> ids, In<float> weights, int64_t m,
+                                AnyOut out, int iters) {
   if (iters < 1 || iters > 10000000) throw nb::value_error("iters must be in [1, 10^7]");
   const k3::MoeInputsView in{m, span(x), span(ids), span(weights)};
   const std::span<uint8_t> o = bytes(out);
   nb::gil_scoped_release release;
   std::lock_guard<std::mutex> lock(c.mu);
-  check(k3::cpu::run(c.plan, c.packed, in, c.workspace, o));
+  check(c.layer->run(in, c.workspace, o));
   std::vector<double> t(static_cast<size_t>(iters));
   for (auto& v : t) {
     const auto t0 = std::chrono::steady_clock::now();
-    const k3::Status st = k3::cpu::run(c.plan, c.packed, in, c.workspace, o);
+    const k3::Status st = c.layer->run(in, c.workspace, o);
     v = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!st.is_ok()) check(st);
   }
@@ -963,13 +962,15 @@ NB_MODULE(_k3, m) {
   m.def("moe_run", &moe_run, "problem"_a, "fc1_q"_a.noconvert(), "fc1_scale"_a.noconvert(), "fc2_q"_a.noconvert(), "fc2_scale"_a.noconvert(), "x"_a.noconvert(), "topk_ids"_a.noconvert(),
         "topk_weights"_a.noconvert(), "m"_a, "backend"_a, "threads"_a, "isa"_a, "out"_a.noconvert());
 
-  nb::class_<CpuMoe>(m, "CpuMoe")
-      .def_prop_ro("describe", [](const CpuMoe& c) { return c.plan.describe(); })
-      .def_prop_ro("workspace_bytes", [](const CpuMoe& c) { return c.plan.workspace_bytes; })
-      .def_prop_ro("max_tokens", [](const CpuMoe& c) { return c.plan.max_tokens; })
-      .def("run", &cpu_moe_run, "x"_a.noconvert(), "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "m"_a, "out"_a.noconvert())
-      .def("time_native", &cpu_moe_time_native, "x"_a.noconvert(), "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "m"_a, "out"_a.noconvert(), "iters"_a);
-  m.def("cpu_moe_prepare", &cpu_moe_prepare, nb::rv_policy::take_ownership, "problem"_a, "max_tokens"_a,
+  nb::class_<PreparedMoe>(m, "PreparedMoe")
+      .def_prop_ro("backend", [](const PreparedMoe& c) { return c.layer->backend(); })
+      .def_prop_ro("describe", [](const PreparedMoe& c) { return c.layer->describe(); })
+      .def_prop_ro("kernel", [](const PreparedMoe& c) { return c.layer->kernel(); })
+      .def_prop_ro("workspace_bytes", [](const PreparedMoe& c) { return c.layer->workspace_bytes(); })
+      .def_prop_ro("max_tokens", [](const PreparedMoe& c) { return c.layer->max_tokens(); })
+      .def("run", &prepared_moe_run, "x"_a.noconvert(), "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "m"_a, "out"_a.noconvert())
+      .def("time_native", &prepared_moe_time_native, "x"_a.noconvert(), "topk_ids"_a.noconvert(), "topk_weights"_a.noconvert(), "m"_a, "out"_a.noconvert(), "iters"_a);
+  m.def("moe_prepare", &moe_prepare, nb::rv_policy::take_ownership, "problem"_a, "backend"_a, "max_tokens"_a,
         "threads"_a, "isa"_a, "fc1_q"_a.noconvert(), "fc1_scale"_a.noconvert(), "fc2_q"_a.noconvert(), "fc2_scale"_a.noconvert());
 
   m.def("linear_run", &linear_run, "k"_a.noconvert(), "n"_a, "recipe"_a, "out_dtype"_a, "codes"_a.noconvert().none(),

@@ -27,35 +27,156 @@ Status no_paths(const BackendOptions& o, const char* op, const std::string& back
 
 // ---- MoE -------------------------------------------------------------------------------------
 
-// The FP64 contract oracle rounded once to the output dtype: the slowest backend and the
-// definition of the others.
-Status moe_reference(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out,
-                     const BackendOptions&) {
-  std::vector<double> acc;
-  try {
-    acc.resize(static_cast<size_t>(in.m * p.shape.hidden));
-  } catch (const std::bad_alloc&) {
-    return unavailable("reference backend: out of memory for M*K = " + std::to_string(in.m * p.shape.hidden) +
-                       " FP64 values");
+Status check_sizes(const MoeProblem& p, const MoeInputsView& in, int64_t max_tokens, std::span<const uint8_t> ws,
+                   int64_t ws_bytes, std::span<const uint8_t> out) {
+  K3_RETURN_IF_ERROR(validate_moe_inputs(p, in));
+  if (in.m > max_tokens) {
+    return invalid_argument("m = " + std::to_string(in.m) + " exceeds the prepared layer's max_tokens = " +
+                            std::to_string(max_tokens) + " (BackendOptions::max_tokens at prepare_moe)");
   }
-  K3_RETURN_IF_ERROR(moe_oracle(p, w, in, OracleKind::kContract, acc));
-  round_output(acc, p.out_dtype, out);
+  if (static_cast<int64_t>(ws.size()) < ws_bytes) {
+    return invalid_argument("workspace has " + std::to_string(ws.size()) + " bytes, the layer needs workspace_bytes() = " +
+                            std::to_string(ws_bytes));
+  }
+  const int64_t want = in.m * p.shape.hidden * out_dtype_size(p.out_dtype);
+  if (static_cast<int64_t>(out.size()) != want) {
+    return invalid_argument("out has " + std::to_string(out.size()) + " bytes, expected M*K*" +
+                            std::to_string(out_dtype_size(p.out_dtype)) + " = " + std::to_string(want));
+  }
   return Status::ok();
 }
 
-// One call: plan for exactly this M, prepack, run.
-Status moe_cpu(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out,
-               const BackendOptions& opt) {
+int64_t max_tokens_of(const BackendOptions& o) { return o.max_tokens > 0 ? o.max_tokens : 8192; }
+
+// A backend without the seam's host entry points: each returns why.
+class NoSeam : public PreparedMoe {
+ public:
+  Status run_experts(const MoeInputsView&, std::span<uint8_t>, std::span<float>, const Mxfp8Rows&) const override {
+    return expert_parallel();
+  }
+};
+
+// The FP64 contract oracle rounded once to the output dtype: the slowest backend and the
+// definition of the others. It keeps its own copy of the weights.
+class ReferenceMoe final : public NoSeam {
+ public:
+  ReferenceMoe(const MoeProblem& p, const MoeWeightsView& w, int64_t max_tokens)
+      : problem_(p), max_tokens_(max_tokens), fc1_q_(w.fc1_q.begin(), w.fc1_q.end()),
+        fc1_s_(w.fc1_scale.begin(), w.fc1_scale.end()), fc2_q_(w.fc2_q.begin(), w.fc2_q.end()),
+        fc2_s_(w.fc2_scale.begin(), w.fc2_scale.end()), beta_(w.situ_beta.begin(), w.situ_beta.end()),
+        linear_beta_(w.situ_linear_beta.begin(), w.situ_linear_beta.end()) {}
+  const std::string& backend() const override { return name_; }
+  const MoeProblem& problem() const override { return problem_; }
+  std::string describe() const override {
+    return "reference: the FP64 contract oracle, rounded once to " + std::string(out_dtype_name(problem_.out_dtype)) +
+           "; max_tokens " + std::to_string(max_tokens_);
+  }
+  std::string kernel() const override { return "fp64 oracle"; }
+  int64_t max_tokens() const override { return max_tokens_; }
+  int64_t workspace_bytes() const override { return 0; }
+  Status run(const MoeInputsView& in, std::span<uint8_t> ws, std::span<uint8_t> out) const override {
+    K3_RETURN_IF_ERROR(check_sizes(problem_, in, max_tokens_, ws, 0, out));
+    std::vector<double> acc;
+    try {
+      acc.resize(static_cast<size_t>(in.m * problem_.shape.hidden));
+    } catch (const std::bad_alloc&) {
+      return unavailable("reference backend: out of memory for M*K = " + std::to_string(in.m * problem_.shape.hidden) +
+                         " FP64 values");
+    }
+    const MoeWeightsView w{fc1_q_, fc1_s_, fc2_q_, fc2_s_, beta_, linear_beta_};
+    K3_RETURN_IF_ERROR(moe_oracle(problem_, w, in, OracleKind::kContract, acc));
+    round_output(acc, problem_.out_dtype, out);
+    return Status::ok();
+  }
+  Status expert_parallel() const override {
+    return unsupported("the moe backend 'reference' has no expert-parallel entry points: it computes the whole "
+                       "layer in FP64 and rounds once, so it has no FP32 expert outputs to combine (use cpu)");
+  }
+
+ private:
+  std::string name_ = "reference";
+  MoeProblem problem_;
+  int64_t max_tokens_;
+  std::vector<uint8_t> fc1_q_, fc1_s_, fc2_q_, fc2_s_;
+  std::vector<float> beta_, linear_beta_;
+};
+
+class CpuMoe final : public PreparedMoe {
+ public:
+  CpuMoe(cpu::MoePlan plan, cpu::PackedWeights weights) : plan_(std::move(plan)), weights_(std::move(weights)) {}
+  const std::string& backend() const override { return name_; }
+  const MoeProblem& problem() const override { return plan_.problem; }
+  std::string describe() const override { return plan_.describe(); }
+  std::string kernel() const override { return plan_.blocking.kernel; }
+  int64_t max_tokens() const override { return plan_.max_tokens; }
+  int64_t tokens_per_pass() const override { return plan_.chunk_tokens; }
+  int64_t workspace_bytes() const override { return plan_.workspace_bytes; }
+  Status run(const MoeInputsView& in, std::span<uint8_t> ws, std::span<uint8_t> out) const override {
+    return cpu::run(plan_, weights_, in, ws, out);
+  }
+  Status expert_parallel() const override { return Status::ok(); }
+  Status run_experts(const MoeInputsView& in, std::span<uint8_t> ws, std::span<float> y,
+                     const Mxfp8Rows& x_mxfp8) const override {
+    return cpu::run_experts(plan_, weights_, in, ws, y, x_mxfp8);
+  }
+
+ private:
+  std::string name_ = "cpu";
+  cpu::MoePlan plan_;
+  cpu::PackedWeights weights_;
+};
+
+// The cuda backend from host buffers (cuda::HostMoe: device weights and buffers held; copies in
+// and out per call). Its expert-parallel path works on device buffers over NCCL (k3/cuda_ep.hpp).
+class CudaMoe final : public NoSeam {
+ public:
+  explicit CudaMoe(std::unique_ptr<cuda::HostMoe> layer) : layer_(std::move(layer)) {}
+  const std::string& backend() const override { return name_; }
+  const MoeProblem& problem() const override { return layer_->plan().problem; }
+  std::string describe() const override {
+    return layer_->plan().describe() + "; runs " + cuda::moe_path_name(layer_->path());
+  }
+  std::string kernel() const override { return cuda::moe_path_name(layer_->path()); }
+  int64_t max_tokens() const override { return layer_->plan().max_tokens; }
+  int64_t workspace_bytes() const override { return 0; }  // the device workspace is the layer's own
+  Status run(const MoeInputsView& in, std::span<uint8_t>, std::span<uint8_t> out) const override {
+    return layer_->run(in, out);
+  }
+  Status expert_parallel() const override {
+    return unsupported("the moe backend 'cuda' has no host expert-parallel entry points: its expert-parallel path "
+                       "runs on device buffers over NCCL (k3/cuda_ep.hpp); the host driver runs the cpu backend");
+  }
+
+ private:
+  std::string name_ = "cuda";
+  std::unique_ptr<cuda::HostMoe> layer_;
+};
+
+Result<std::unique_ptr<PreparedMoe>> moe_reference_prepare(const MoeProblem& p, const MoeWeightsView& w,
+                                                           const BackendOptions& o) {
+  try {
+    return std::unique_ptr<PreparedMoe>(std::make_unique<ReferenceMoe>(p, w, max_tokens_of(o)));
+  } catch (const std::bad_alloc&) {
+    return unavailable("reference backend: out of memory for a copy of the weights");
+  }
+}
+
+Result<std::unique_ptr<PreparedMoe>> moe_cpu_prepare(const MoeProblem& p, const MoeWeightsView& w,
+                                                     const BackendOptions& opt) {
   cpu::MoeOptions o;
-  o.max_tokens = std::max<int64_t>(1, in.m);
+  o.max_tokens = max_tokens_of(opt);
   o.threads = opt.threads;
   o.isa = opt.isa;
-  auto plan = cpu::plan(p, o);
-  if (!plan.is_ok()) return plan.status();
-  auto packed = cpu::prepack(plan.value(), w);
-  if (!packed.is_ok()) return packed.status();
-  std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));
-  return cpu::run(plan.value(), packed.value(), in, ws, out);
+  K3_ASSIGN_OR_RETURN(cpu::MoePlan plan, cpu::plan(p, o));
+  K3_ASSIGN_OR_RETURN(cpu::PackedWeights packed, cpu::prepack(plan, w));
+  return std::unique_ptr<PreparedMoe>(std::make_unique<CpuMoe>(std::move(plan), std::move(packed)));
+}
+
+Result<std::unique_ptr<PreparedMoe>> moe_cuda_prepare(const MoeProblem& p, const MoeWeightsView& w,
+                                                      const BackendOptions& o) {
+  K3_ASSIGN_OR_RETURN(std::unique_ptr<cuda::HostMoe> layer,
+                      cuda::HostMoe::create(p, w, max_tokens_of(o), o.path, o.device));
+  return std::unique_ptr<PreparedMoe>(std::make_unique<CudaMoe>(std::move(layer)));
 }
 
 Status cuda_available() {
@@ -66,11 +187,6 @@ Status cuda_available() {
                        cuda::compiled_archs());
   }
   return Status::ok();
-}
-
-Status moe_cuda(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out,
-                const BackendOptions& o) {
-  return cuda::run_host(p, w, in, out, o.path, o.device);
 }
 
 Status moe_reference_supports(const MoeProblem& p, const BackendOptions&) {
@@ -100,9 +216,9 @@ Status moe_cuda_supports(const MoeProblem& p, const BackendOptions& opt) {
 // 2026-12-04) and are not tuned, so they are used only when asked for by name.
 std::vector<MoeBackend> make_moe_backends() {
   std::vector<MoeBackend> v;
-  v.push_back({"cpu", 10, always, moe_cpu_supports, moe_cpu});
-  v.push_back({"cuda", 5, cuda_available, moe_cuda_supports, moe_cuda});
-  v.push_back({"reference", 0, always, moe_reference_supports, moe_reference});
+  v.push_back({"cpu", 10, always, moe_cpu_supports, moe_cpu_prepare});
+  v.push_back({"cuda", 5, cuda_available, moe_cuda_supports, moe_cuda_prepare});
+  v.push_back({"reference", 0, always, moe_reference_supports, moe_reference_prepare});
   return v;
 }
 
@@ -198,6 +314,19 @@ Result<const MoeBackend*> find_moe_backend(std::string_view name) { return find_
 
 const MoeBackend& default_moe_backend() { return default_in(moe_backends()); }
 
+Result<std::unique_ptr<PreparedMoe>> prepare_moe(const MoeBackend& b, const MoeProblem& p, const MoeWeightsView& w,
+                                                 const BackendOptions& opt) {
+  if (b.name != "cuda") K3_RETURN_IF_ERROR(no_paths(opt, "moe", b.name));
+  if (opt.max_tokens < 0 || opt.max_tokens > (int64_t{1} << 24)) {
+    return invalid_argument("max_tokens = " + std::to_string(opt.max_tokens) +
+                            " must be in [1, 2^24] (0: the backend's default, 8192)");
+  }
+  K3_RETURN_IF_ERROR(b.available());
+  K3_RETURN_IF_ERROR(b.supports(p, opt));
+  K3_RETURN_IF_ERROR(validate_moe_weights(p, w));
+  return b.prepare(p, w, opt);
+}
+
 Status run_moe(const MoeBackend& b, const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in,
                std::span<uint8_t> out, const BackendOptions& opt) {
   K3_RETURN_IF_ERROR(validate_moe_buffers(p, w, in));
@@ -206,10 +335,11 @@ Status run_moe(const MoeBackend& b, const MoeProblem& p, const MoeWeightsView& w
     return invalid_argument("out has " + std::to_string(out.size()) + " bytes, expected M*K*" +
                             std::to_string(out_dtype_size(p.out_dtype)) + " = " + std::to_string(want));
   }
-  if (b.name != "cuda") K3_RETURN_IF_ERROR(no_paths(opt, "moe", b.name));
-  K3_RETURN_IF_ERROR(b.available());
-  K3_RETURN_IF_ERROR(b.supports(p, opt));
-  return b.run(p, w, in, out, opt);
+  BackendOptions o = opt;
+  o.max_tokens = std::max<int64_t>(1, in.m);
+  K3_ASSIGN_OR_RETURN(const std::unique_ptr<PreparedMoe> layer, prepare_moe(b, p, w, o));
+  std::vector<uint8_t> ws(static_cast<size_t>(layer->workspace_bytes()));
+  return layer->run(in, ws, out);
 }
 
 namespace {

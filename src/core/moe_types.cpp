@@ -80,7 +80,7 @@ Status need(const char* name, size_t have, int64_t want) {
 }
 }  // namespace
 
-Status validate_moe_buffers(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in) {
+Status validate_moe_weights(const MoeProblem& p, const MoeWeightsView& w) {
   K3_RETURN_IF_ERROR(validate_moe_shape(p.shape));
   const int64_t e = p.shape.local_experts(), k = p.shape.hidden, n = p.shape.intermediate;
   K3_RETURN_IF_ERROR(need("fc1_q [E_local, 2N, K/2]", w.fc1_q.size(), e * 2 * n * k / 2));
@@ -89,6 +89,12 @@ Status validate_moe_buffers(const MoeProblem& p, const MoeWeightsView& w, const 
   K3_RETURN_IF_ERROR(need("fc2_scale [E_local, K, N/32]", w.fc2_scale.size(), e * k * n / 32));
   if (!w.situ_beta.empty()) K3_RETURN_IF_ERROR(need("situ_beta [E_local]", w.situ_beta.size(), e));
   if (!w.situ_linear_beta.empty()) K3_RETURN_IF_ERROR(need("situ_linear_beta [E_local]", w.situ_linear_beta.size(), e));
+  return Status::ok();
+}
+
+Status validate_moe_inputs(const MoeProblem& p, const MoeInputsView& in) {
+  K3_RETURN_IF_ERROR(validate_moe_shape(p.shape));
+  const int64_t k = p.shape.hidden;
   if (in.m < 0) return invalid_argument("m = " + num(in.m) + " must be >= 0");
   K3_RETURN_IF_ERROR(need("x [M, K]", in.x.size(), in.m * k));
   K3_RETURN_IF_ERROR(need("topk_ids [M, top_k]", in.topk_ids.size(), in.m * p.shape.top_k));
@@ -102,6 +108,11 @@ Status validate_moe_buffers(const MoeProblem& p, const MoeWeightsView& w, const 
     }
   }
   return Status::ok();
+}
+
+Status validate_moe_buffers(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in) {
+  K3_RETURN_IF_ERROR(validate_moe_weights(p, w));
+  return validate_moe_inputs(p, in);
 }
 
 }  // namespace k3

@@ -75,6 +75,19 @@ Status run_host(const MoeProblem&, const MoeWeightsView&, const MoeInputsView&, 
                 int) {
   return not_built();
 }
+struct HostMoe::Impl {};
+HostMoe::HostMoe(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+HostMoe::~HostMoe() = default;
+Result<std::unique_ptr<HostMoe>> HostMoe::create(const MoeProblem&, const MoeWeightsView&, int64_t, const std::string&,
+                                                 int) {
+  return not_built();
+}
+const MoePlan& HostMoe::plan() const {
+  static const MoePlan none;
+  return none;
+}
+MoePath HostMoe::path() const { return MoePath::kDecodeSplitK; }
+Status HostMoe::run(const MoeInputsView&, std::span<uint8_t>) const { return not_built(); }
 
 Result<DeviceTiming> time_device_copy(int64_t, int, int) { return not_built(); }
 Result<DeviceTiming> time_moe(const MoeProblem&, const MoeWeightsView&, const MoeInputsView&, int, int, int,

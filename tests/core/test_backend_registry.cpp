@@ -35,7 +35,7 @@ TEST(BackendRegistry, MoeBackendsAreOrderedNamedAndFindable) {
   EXPECT_EQ(list[2].name, "reference");
   for (size_t i = 1; i < list.size(); ++i) EXPECT_GT(list[i - 1].priority, list[i].priority);
   for (const auto& b : list) {
-    ASSERT_TRUE(b.available && b.supports && b.run) << b.name;
+    ASSERT_TRUE(b.available && b.supports && b.prepare) << b.name;
     auto f = find_moe_backend(b.name);
     ASSERT_TRUE(f.is_ok());
     EXPECT_EQ(f.value(), &b);
@@ -70,6 +70,85 @@ TEST(BackendRegistry, CpuAndReferenceAgreeAndThreadsDoNotChangeBits) {
     norm += y * y;
   }
   EXPECT_LT(std::sqrt(err / norm), 1e-5);
+}
+
+// A prepared layer computes what the one-shot call computes, call after call, for every M up to
+// its max_tokens, and says what runs.
+TEST(BackendRegistry, PreparedMoeLayersGiveTheOneShotBitsAndDescribeWhatRuns) {
+  const MoeCase c = small_case(11);
+  for (const char* name : {"cpu", "reference"}) {
+    const MoeBackend& b = *find_moe_backend(name).value();
+    BackendOptions o;
+    o.threads = 2;
+    o.max_tokens = 5;
+    auto layer = prepare_moe(b, c.problem, c.weights(), o);
+    ASSERT_TRUE(layer.is_ok()) << name << ": " << layer.status().to_string();
+    const PreparedMoe& l = **layer;
+    EXPECT_EQ(l.backend(), name);
+    EXPECT_EQ(l.max_tokens(), 5);
+    EXPECT_EQ(l.problem().shape.hidden, 64);
+    EXPECT_FALSE(l.describe().empty());
+    EXPECT_EQ(l.kernel(), std::string(name) == "cpu" ? std::string(cpu::plan(c.problem, {.threads = 2, .isa = {}}).value().blocking.kernel)
+                                                     : std::string("fp64 oracle"));
+    std::vector<uint8_t> ws(static_cast<size_t>(l.workspace_bytes()));
+    for (int64_t m : {5, 1, 3}) {  // several calls on one handle, M below max_tokens
+      const MoeInputsView in{m, std::span<const uint16_t>(c.x.data(), static_cast<size_t>(m * 64)),
+                             std::span<const int32_t>(c.topk_ids.data(), static_cast<size_t>(m * 2)),
+                             std::span<const float>(c.topk_weights.data(), static_cast<size_t>(m * 2))};
+      std::vector<uint8_t> want(static_cast<size_t>(m * 64 * 4)), got(want.size());
+      ASSERT_TRUE(run_moe(b, c.problem, c.weights(), in, want, o).is_ok());
+      ASSERT_TRUE(l.run(in, ws, got).is_ok()) << name << " m " << m;
+      EXPECT_EQ(want, got) << name << " m " << m;
+    }
+    // Errors name the argument, the limit and the value.
+    std::vector<uint8_t> out6(static_cast<size_t>(6 * 64 * 4));
+    std::vector<uint16_t> x6(6 * 64);
+    std::vector<int32_t> ids6(12, 0);
+    std::vector<float> w6(12, 0.5f);
+    Status st = l.run({6, x6, ids6, w6}, ws, out6);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << name;
+    EXPECT_NE(st.message().find("m = 6 "), std::string::npos) << name << ": " << st.message();
+    EXPECT_NE(st.message().find("max_tokens = 5"), std::string::npos) << name << ": " << st.message();
+    std::vector<uint8_t> short_out(10);
+    st = l.run(c.inputs(), ws, short_out);
+    EXPECT_NE(st.message().find("out has 10 bytes"), std::string::npos) << name << ": " << st.message();
+    ids6[3] = 8;  // E = 8
+    st = l.run({5, std::span<const uint16_t>(x6).first(5 * 64), std::span<const int32_t>(ids6).first(10),
+                std::span<const float>(w6).first(10)},
+               ws, std::span<uint8_t>(out6).first(5 * 64 * 4));
+    EXPECT_NE(st.message().find("topk_ids[1, 1] = 8"), std::string::npos) << name << ": " << st.message();
+  }
+  // A workspace below workspace_bytes() is refused (the cpu backend needs one).
+  auto cpu_layer = prepare_moe(*find_moe_backend("cpu").value(), c.problem, c.weights());
+  ASSERT_TRUE(cpu_layer.is_ok());
+  EXPECT_EQ((*cpu_layer)->max_tokens(), 8192);  // the default
+  ASSERT_GT((*cpu_layer)->workspace_bytes(), 0);
+  std::vector<uint8_t> ws(16), out(static_cast<size_t>(c.m * 64 * 4));
+  const Status st = (*cpu_layer)->run(c.inputs(), ws, out);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("workspace"), std::string::npos) << st.message();
+}
+
+TEST(BackendRegistry, PrepareMoeRefusesBadOptionsAndWeightsNamingThem) {
+  const MoeCase c = small_case(12);
+  const MoeBackend& cpu = *find_moe_backend("cpu").value();
+  BackendOptions o;
+  o.max_tokens = -1;
+  auto r = prepare_moe(cpu, c.problem, c.weights(), o);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("max_tokens = -1 must be in [1, 2^24]"), std::string::npos) << r.status().message();
+  o.max_tokens = 0;
+  o.path = "prefill";
+  r = prepare_moe(cpu, c.problem, c.weights(), o);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("path = 'prefill'"), std::string::npos) << r.status().message();
+  MoeWeightsView w = c.weights();
+  w.fc2_scale = w.fc2_scale.subspan(1);
+  for (const char* name : {"cpu", "reference"}) {
+    r = prepare_moe(*find_moe_backend(name).value(), c.problem, w);
+    ASSERT_FALSE(r.is_ok()) << name;
+    EXPECT_NE(r.status().message().find("fc2_scale [E_local, K, N/32] has"), std::string::npos) << r.status().message();
+  }
 }
 
 TEST(BackendRegistry, OptionsReachTheCpuBackend) {

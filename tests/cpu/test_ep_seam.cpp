@@ -68,12 +68,12 @@ TEST(EpSeam, SelfCommunicatorRunEqualsTheFusedRun) {
                                               EpTokens::kUneven, EpRouting::kFromCase, 5);
   auto want = k3test::run_full_layer(full.c, {.threads = 1, .isa = {}});
   ASSERT_TRUE(want.is_ok());
-  auto plan = k3::cpu::plan(full.c.problem, {.threads = 1, .isa = {}});
-  auto packed = k3::cpu::prepack(*plan, full.c.weights());
-  std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes)), got(want->size());
+  auto layer = k3test::prepare_cpu(full.c.problem, full.c.weights(), 1);
+  ASSERT_TRUE(layer.is_ok()) << layer.status().to_string();
+  std::vector<uint8_t> ws(static_cast<size_t>((*layer)->workspace_bytes())), got(want->size());
   auto self = k3::comm::make_self_communicator();
   k3::comm::EpRunStats st;
-  ASSERT_TRUE(k3::comm::ep_moe_run(*self, *plan, *packed, full.c.inputs(), ws, got, &st).is_ok());
+  ASSERT_TRUE(k3::comm::ep_moe_run(*self, **layer, full.c.inputs(), ws, got, &st).is_ok());
   EXPECT_EQ(*want, got);
   EXPECT_EQ(st.rows_received, 13);
   EXPECT_EQ(st.slots_computed, 13 * 4);
@@ -171,15 +171,35 @@ TEST(EpSeam, WrongSizesAreRefusedNamingTheArgument) {
   auto self = k3::comm::make_self_communicator();
   k3::MoeProblem wrong = full.c.problem;
   wrong.shape.ep_size = 2;
-  auto wrong_plan = k3::cpu::plan(wrong, {.threads = 1, .isa = {}});
-  ASSERT_TRUE(wrong_plan.is_ok());
-  auto d = k3::comm::ep_dispatch(*self, *wrong_plan, full.c.inputs());
+  auto d = k3::comm::ep_dispatch(*self, wrong, full.c.inputs());
   ASSERT_FALSE(d.is_ok());
   EXPECT_NE(d.status().message().find("rank 0 of 1: shape.ep_size = 2, ep_rank = 0 must be the communicator's size 1"),
             std::string::npos) << d.status().message();
   std::vector<uint8_t> small(10);
-  st = k3::comm::ep_moe_run(*self, *plan, *packed, full.c.inputs(), ws, small);
+  auto layer = k3test::prepare_cpu(full.c.problem, full.c.weights(), 1);
+  ASSERT_TRUE(layer.is_ok()) << layer.status().to_string();
+  st = k3::comm::ep_moe_run(*self, **layer, full.c.inputs(), ws, small);
   EXPECT_NE(st.message().find("ep_combine: out has 10 bytes"), std::string::npos) << st.message();
+}
+
+// The driver takes any backend's prepared layer; one without the seam is refused by name before
+// any data moves (the reference computes in FP64 and has no FP32 expert outputs).
+TEST(EpSeam, ABackendWithoutTheSeamIsRefusedByName) {
+  const auto full = k3test::make_ep_full_case(k3::Recipe::kW4A16, k3::OutDType::kBF16, k3::RoutingPattern::kUniform, 3, 1,
+                                              EpTokens::kUneven, EpRouting::kFromCase, 5);
+  auto ref = k3::find_moe_backend("reference");
+  ASSERT_TRUE(ref.is_ok());
+  auto layer = k3::prepare_moe(**ref, full.c.problem, full.c.weights());
+  ASSERT_TRUE(layer.is_ok()) << layer.status().to_string();
+  EXPECT_EQ((*layer)->expert_parallel().code(), k3::StatusCode::kUnsupported);
+  auto self = k3::comm::make_self_communicator();
+  std::vector<uint8_t> out(static_cast<size_t>(3 * full.c.problem.shape.hidden * 2));
+  const k3::Status st = k3::comm::ep_moe_run(*self, **layer, full.c.inputs(), {}, out);
+  EXPECT_EQ(st.code(), k3::StatusCode::kUnsupported);
+  EXPECT_NE(st.message().find("the moe backend 'reference' has no expert-parallel entry points"), std::string::npos)
+      << st.message();
+  std::vector<float> y(static_cast<size_t>(3 * 4 * full.c.problem.shape.hidden));
+  EXPECT_EQ((*layer)->run_experts(full.c.inputs(), {}, y).code(), k3::StatusCode::kUnsupported);
 }
 
 }  // namespace

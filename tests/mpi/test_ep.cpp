@@ -41,11 +41,9 @@ TEST_P(EpMpi, DistributedLayerIsBitIdenticalToTheSingleProcessLayer) {
   k3::MoeProblem prob = full.c.problem;
   prob.shape.ep_size = world;
   prob.shape.ep_rank = rank;
-  auto plan = k3::cpu::plan(prob, {.threads = 1, .isa = {}, .max_tokens = 8, .chunk_tokens = 8});  // several pieces
-  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
-  auto packed = k3::cpu::prepack(*plan, k3test::slice_experts(full.c, world, rank));
-  ASSERT_TRUE(packed.is_ok()) << packed.status().to_string();
-  std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));
+  auto layer = k3test::prepare_cpu(prob, k3test::slice_experts(full.c, world, rank), 1, {}, 8);  // several pieces
+  ASSERT_TRUE(layer.is_ok()) << layer.status().to_string();
+  std::vector<uint8_t> ws(static_cast<size_t>((*layer)->workspace_bytes()));
   const k3::MoeInputsView mine = k3test::rank_tokens(full, rank);
   const int64_t row_bytes = prob.shape.hidden * k3::out_dtype_size(p.out);
   std::vector<uint8_t> out(static_cast<size_t>(mine.m * row_bytes), 0xAB);
@@ -53,7 +51,7 @@ TEST_P(EpMpi, DistributedLayerIsBitIdenticalToTheSingleProcessLayer) {
   int64_t bytes[2] = {0, 0};
   for (const bool mxfp8 : {true, false}) {  // W4A8 rows as MXFP8 codes + scales, or as BF16
     std::fill(out.begin(), out.end(), 0xAB);
-    const k3::Status st = k3::comm::ep_moe_run(w, *plan, *packed, mine, ws, out, &stats, {.mxfp8_wire = mxfp8});
+    const k3::Status st = k3::comm::ep_moe_run(w, **layer, mine, ws, out, &stats, {.mxfp8_wire = mxfp8});
     ASSERT_TRUE(st.is_ok()) << st.to_string();
     bytes[mxfp8 ? 0 : 1] = stats.dispatch_bytes_sent;
     const int64_t t0 = full.token_off[static_cast<size_t>(rank)];
@@ -100,9 +98,7 @@ TEST(EpMpiErrors, ABadArgumentOnOneRankFailsEveryRankWithItsMessage) {
   mine.topk_ids = bad_ids;
   k3::MoeProblem prob = full.c.problem;
   prob.shape = shape;
-  auto plan = k3::cpu::plan(prob, {.threads = 1, .isa = {}});
-  ASSERT_TRUE(plan.is_ok());
-  auto d = k3::comm::ep_dispatch(w, *plan, mine);
+  auto d = k3::comm::ep_dispatch(w, prob, mine);
   ASSERT_FALSE(d.is_ok());
   EXPECT_NE(d.status().message().find("rank " + std::to_string(culprit) + " of " + std::to_string(world) + ": local.topk_ids[0, 0] = 99"),
             std::string::npos) << d.status().message();
@@ -116,10 +112,8 @@ TEST(EpMpiErrors, APartitionTheRanksDisagreeOnFailsEveryRank) {
   if (world < 2) GTEST_SKIP() << "needs two ranks";
   k3::MoeProblem prob;
   prob.shape = {64, 64, rank == world - 1 ? 31 : 32, 4, world, rank};
-  auto plan = k3::cpu::plan(prob, {.threads = 1, .isa = {}});
-  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
   const k3::MoeInputsView none{};
-  auto d = k3::comm::ep_dispatch(w, *plan, none);
+  auto d = k3::comm::ep_dispatch(w, prob, none);
   ASSERT_FALSE(d.is_ok());
   EXPECT_EQ(d.status().code(), k3::StatusCode::kInvalidArgument);
   EXPECT_NE(d.status().message().find("rank " + std::to_string(world - 1) + " of " + std::to_string(world) +
@@ -128,9 +122,7 @@ TEST(EpMpiErrors, APartitionTheRanksDisagreeOnFailsEveryRank) {
   // The recipe too.
   prob.shape.num_experts = 32;
   prob.recipe = rank == 0 ? k3::Recipe::kW4A8 : k3::Recipe::kW4A16;
-  auto plan2 = k3::cpu::plan(prob, {.threads = 1, .isa = {}});
-  ASSERT_TRUE(plan2.is_ok());
-  auto d2 = k3::comm::ep_dispatch(w, *plan2, none);
+  auto d2 = k3::comm::ep_dispatch(w, prob, none);
   ASSERT_FALSE(d2.is_ok());
   EXPECT_NE(d2.status().message().find("rank 1 of " + std::to_string(world) + ": recipe = w4a16 differs from rank 0's w4a8"),
             std::string::npos) << d2.status().message();
@@ -140,10 +132,8 @@ TEST(EpMpiErrors, ShapeThatDoesNotMatchTheCommunicatorIsRefused) {
   k3::comm::Communicator& w = k3test::world();
   k3::MoeProblem prob;
   prob.shape = {64, 64, 32, 4, w.size() == 1 ? 2 : 1, 0};
-  auto plan = k3::cpu::plan(prob, {.threads = 1, .isa = {}});
-  ASSERT_TRUE(plan.is_ok());
   const k3::MoeInputsView none{};
-  auto d = k3::comm::ep_dispatch(w, *plan, none);
+  auto d = k3::comm::ep_dispatch(w, prob, none);
   ASSERT_FALSE(d.is_ok());
   EXPECT_NE(d.status().message().find("must be the communicator's size " + std::to_string(w.size())), std::string::npos)
       << d.status().message();

@@ -62,12 +62,7 @@ Status run(const Args& a) {
   p.shape.ep_rank = rank;
   Result<std::vector<comm::EpBenchRecord>> ep = std::vector<comm::EpBenchRecord>{};
   if (!a.skip_ep) {  // --skip-ep: no expert partition is needed at all
-    cpu::MoeOptions opt;
-    opt.threads = 1;
-    opt.isa = backend_options().isa;
-    auto plan = cpu::plan(p, opt);
-    K3_RETURN_IF_ERROR(comm::agree_on_status(*c, plan.status()));
-    ep = comm::bench_ep(*c, plan.value(), a.m, a.iters, !a.bf16_wire);
+    ep = comm::bench_ep(*c, p, a.m, a.iters, !a.bf16_wire, 1);
   }
   K3_RETURN_IF_ERROR(ep.status());
 

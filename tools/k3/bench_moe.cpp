@@ -13,7 +13,7 @@
 #include "bench.hpp"
 #include "bench_moe_cuda.hpp"
 #include "k3/atomic_file.hpp"
-#include "k3/cpu_moe.hpp"
+#include "k3/backend.hpp"
 #include "k3/expert_map.hpp"
 #include "k3/formats.hpp"
 #include "k3/moe_workload.hpp"
@@ -156,10 +156,10 @@ struct Limits {
 };
 
 // Times one M of one recipe, prints its row and returns its JSON record.
-Result<nlohmann::json> measure_m(const MoeBenchArgs& a, const Sweep& s, const Limits& lim, const cpu::MoePlan& plan,
-                                 const cpu::PackedWeights& packed, std::vector<uint8_t>& ws, int64_t m) {
+Result<nlohmann::json> measure_m(const MoeBenchArgs& a, const Sweep& s, const Limits& lim, const PreparedMoe& layer,
+                                 std::vector<uint8_t>& ws, int64_t m) {
   K3_ASSIGN_OR_RETURN(const std::vector<InputSet> sets, make_input_sets(a, s, m));
-  K3_ASSIGN_OR_RETURN(const SetStats st, set_stats(s, sets, m, plan.chunk_tokens));
+  K3_ASSIGN_OR_RETURN(const SetStats st, set_stats(s, sets, m, layer.tokens_per_pass()));
   std::vector<uint8_t> out(static_cast<size_t>(m * a.k * 2));
   size_t next = 0;
   Status run_status;
@@ -167,7 +167,7 @@ Result<nlohmann::json> measure_m(const MoeBenchArgs& a, const Sweep& s, const Li
     const InputSet& c = sets[next];
     next = (next + 1) % sets.size();
     const MoeInputsView in{m, c.x, c.routing.ids, c.routing.weights};
-    Status r = cpu::run(plan, packed, in, ws, out);
+    Status r = layer.run(in, ws, out);
     if (!r.is_ok()) run_status = r;
   };
   const Timing t = time_runs(call, a.warmup, a.iters > 0 ? a.iters : default_iters(m));
@@ -175,7 +175,7 @@ Result<nlohmann::json> measure_m(const MoeBenchArgs& a, const Sweep& s, const Li
   const double gbps = st.bytes / t.median / 1e9, gflops = st.flops / t.median / 1e9;
   const double frac_bw = st.bytes / t.median / lim.bw.value, frac_peak = st.flops / t.median / lim.peak.value;
   const bool decode = m <= 64;
-  const Recipe recipe = plan.problem.recipe;
+  const Recipe recipe = layer.problem().recipe;
   std::printf("%-6s %6lld %-10s %7.0f %9.3f %9.3f %9.3f %9.2f %6.1f%% %9.1f %6.1f%% %-8s %s%s\n", recipe_name(recipe),
               static_cast<long long>(m), s.routing.name().c_str(), st.rows, t.median * 1e3, t.min * 1e3, t.max * 1e3,
               gbps, 100 * frac_bw, gflops, 100 * frac_peak, decode ? "memory" : "compute", st.load.to_string().c_str(),
@@ -184,9 +184,9 @@ Result<nlohmann::json> measure_m(const MoeBenchArgs& a, const Sweep& s, const Li
   const auto& sh = s.shape;
   return nlohmann::json{
       {"op", "moe"},
-      {"backend", "cpu"},
+      {"backend", layer.backend()},
       {"isa", isa_level_name(lim.isa)},
-      {"kernel", plan.blocking.kernel},
+      {"kernel", layer.kernel()},
       {"recipe", recipe_name(recipe)},
       {"activation", a.activation},
       {"m", m},
@@ -196,7 +196,7 @@ Result<nlohmann::json> measure_m(const MoeBenchArgs& a, const Sweep& s, const Li
       {"input_sets", sets.size()},
       {"histogram", {{"rows_per_call", st.rows}, {"mean", st.load.mean}, {"p50", st.load.p50}, {"p90", st.load.p90},
                      {"max", st.load.max}, {"empty_experts", st.load.empty}, {"padding_fraction_block8", st.padding}}},
-      {"plan", plan.describe()},
+      {"plan", layer.describe()},
       {"timing", to_json(t)},
       {"weight_bytes_per_call", st.bytes},
       {"flop_per_call", st.flops},
@@ -239,6 +239,7 @@ std::string verdict(const std::vector<Recipe>& recipes, const nlohmann::json& re
 }
 
 Status run_moe_bench_cpu(const MoeBenchArgs& a, const Sweep& s) {
+  K3_ASSIGN_OR_RETURN(const MoeBackend* backend, find_moe_backend("cpu"));
   Limits lim;
   lim.threads = a.threads > 0 ? a.threads : default_thread_count();
   const int64_t max_m = *std::max_element(s.ms.begin(), s.ms.end());
@@ -276,18 +277,17 @@ Status run_moe_bench_cpu(const MoeBenchArgs& a, const Sweep& s) {
     prob.recipe = recipe;
     prob.activation.kind = s.activation;
     prob.out_dtype = OutDType::kBF16;
-    cpu::MoeOptions opt;
+    BackendOptions opt;
     opt.threads = lim.threads;
     opt.max_tokens = max_m;
     opt.isa = lim.isa;
-    auto plan = cpu::plan(prob, opt);
-    if (!plan.is_ok()) return a.threads > 0 ? plan.status() : with_thread_source(plan.status(), lim.threads);
-    K3_ASSIGN_OR_RETURN(const cpu::PackedWeights packed, cpu::prepack(plan.value(), weights.view()));
-    std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));
-    std::fprintf(stderr, "%s\n", plan->describe().c_str());
+    auto layer = prepare_moe(*backend, prob, weights.view(), opt);
+    if (!layer.is_ok()) return a.threads > 0 ? layer.status() : with_thread_source(layer.status(), lim.threads);
+    std::vector<uint8_t> ws(static_cast<size_t>((*layer)->workspace_bytes()));
+    std::fprintf(stderr, "%s\n", (*layer)->describe().c_str());
     for (int64_t m : s.ms) {
       progress(done++, total, std::string("moe ") + recipe_name(recipe) + " M=" + std::to_string(m));
-      K3_ASSIGN_OR_RETURN(nlohmann::json record, measure_m(a, s, lim, plan.value(), packed, ws, m));
+      K3_ASSIGN_OR_RETURN(nlohmann::json record, measure_m(a, s, lim, **layer, ws, m));
       records.push_back(std::move(record));
     }
   }

@@ -190,10 +190,11 @@ Status run_moe_distributed(const MoeRunArgs& a) {
                           " disagree with the MPI job (" + std::to_string(world) + " ranks, this is rank " +
                           std::to_string(rank) + "); with --distributed leave them out: the launcher sets them");
   }
-  if (st.is_ok() && !a.backend.empty() && a.backend != "cpu") {
-    st = unsupported("--distributed runs the cpu backend's expert-parallel path; --backend " + a.backend +
-                     " has no multi-rank path yet");
-  }
+  // The backend by name (default cpu: the one with the expert-parallel seam); whether it has the
+  // seam is known once its layer is prepared.
+  const std::string backend_name = a.backend.empty() ? "cpu" : a.backend;
+  auto backend = find_moe_backend(backend_name);
+  if (st.is_ok() && !backend.is_ok()) st = Status(backend.status().code(), "--backend: " + backend.status().message());
   auto recipe = parse_recipe(a.recipe);
   auto dtype = parse_out_dtype(a.out_dtype);
   if (st.is_ok() && !recipe.is_ok()) st = recipe.status();
@@ -227,16 +228,16 @@ Status run_moe_distributed(const MoeRunArgs& a) {
   auto prob = moe_problem_from_layer(layer.value(), recipe.value(), dtype.value(), top_ks[0]);  // rank 0's file
   K3_RETURN_IF_ERROR(agree(prob.status()));
   const MoeProblem p = prob.value();
-  BackendOptions bo = backend_options();
-  cpu::MoeOptions co;
-  co.threads = threads_per_rank();
-  if (co.threads == 0) co.threads = bo.threads;
-  co.isa = bo.isa;
-  auto plan = cpu::plan(p, co);
-  K3_RETURN_IF_ERROR(agree(with_thread_source(plan.status(), co.threads)));
-  auto packed = cpu::prepack(plan.value(), layer->view());
-  K3_RETURN_IF_ERROR(agree(packed.status()));
-  std::vector<uint8_t> ws(static_cast<size_t>(plan->workspace_bytes));
+  BackendOptions bo = backend_options(backend_name);
+  if (const int per_rank = threads_per_rank(); per_rank > 0) bo.threads = per_rank;
+  auto prepared = prepare_moe(*backend.value(), p, layer->view(), bo);
+  K3_RETURN_IF_ERROR(agree(with_path_source(with_thread_source(prepared.status(), bo.threads))));
+  const PreparedMoe& moe = *prepared.value();
+  if (Status seam = moe.expert_parallel(); !seam.is_ok()) {
+    return agree(Status(seam.code(), "--backend " + backend_name + ": " + seam.message()));
+  }
+  K3_RETURN_IF_ERROR(agree(Status::ok()));  // every rank's backend has the seam
+  std::vector<uint8_t> ws(static_cast<size_t>(moe.workspace_bytes()));
   std::vector<uint8_t> out(static_cast<size_t>(in.m * p.shape.hidden * out_dtype_size(p.out_dtype)));
 
   phase = "run";
@@ -244,7 +245,7 @@ Status run_moe_distributed(const MoeRunArgs& a) {
   const MoeInputsView view = in.view();
   comm::EpRunStats stats;
   const auto t0 = std::chrono::steady_clock::now();
-  Status run_st = peer(comm::ep_moe_run(c, plan.value(), packed.value(), view, ws, out, &stats));
+  Status run_st = peer(comm::ep_moe_run(c, moe, view, ws, out, &stats, {.threads = bo.threads}));
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!run_st.is_ok()) return run_st;  // ep_moe_run agrees on its errors itself
 
@@ -258,14 +259,15 @@ Status run_moe_distributed(const MoeRunArgs& a) {
   K3_RETURN_IF_ERROR(peer(c.allgather(mine, sizeof mine, all.data())));
   Status write_st = Status::ok();
   if (rank == 0) {
-    write_st = write_moe_output(a.output, "--output", p, in, out, {"cpu (distributed, mpi)", a.checkpoint, a.layer, world, -1});
+    write_st = write_moe_output(a.output, "--output", p, in, out, {backend_name + " (distributed, mpi)", a.checkpoint, a.layer, world, -1});
   }
   K3_RETURN_IF_ERROR(agree(write_st));
   if (rank == 0) {
     std::printf("k3 moe run: layer %d, distributed over %d MPI ranks (EP%d, %d threads each), M %lld, top-%d, %s %s -> %s, "
-                "backend cpu, %.3f s (dispatch %.3f, experts %.3f, combine %.3f on rank 0)\n",
-                a.layer, world, world, plan->threads, static_cast<long long>(in.m), in.top_k, recipe_name(p.recipe),
-                activation_name(p.activation.kind), out_dtype_name(p.out_dtype), secs, stats.dispatch_s, stats.experts_s,
+                "backend %s, %.3f s (dispatch %.3f, experts %.3f, combine %.3f on rank 0)\n",
+                a.layer, world, world, bo.threads > 0 ? bo.threads : hardware_thread_count(), static_cast<long long>(in.m),
+                in.top_k, recipe_name(p.recipe), activation_name(p.activation.kind), out_dtype_name(p.out_dtype),
+                backend_name.c_str(), secs, stats.dispatch_s, stats.experts_s,
                 stats.combine_s);
     for (int q = 0; q < world; ++q) {
       const int64_t* v = all.data() + 4 * q;

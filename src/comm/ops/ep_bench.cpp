@@ -30,15 +30,16 @@ Status max_over_ranks(Communicator& comm, std::vector<double>& v) {
 
 }  // namespace
 
-Result<std::vector<EpBenchRecord>> bench_ep(Communicator& comm, const cpu::MoePlan& plan, std::span<const int64_t> ms,
-                                            int iters, bool mxfp8_wire) {
+Result<std::vector<EpBenchRecord>> bench_ep(Communicator& comm, const MoeProblem& problem, std::span<const int64_t> ms,
+                                            int iters, bool mxfp8_wire, int threads) {
   Status local = Status::ok();
   if (iters < 1 || iters > 100000) local = invalid_argument("iters = " + std::to_string(iters) + " must be in [1, 100000]");
   for (const int64_t m : ms) {
     if (m < 0 || m > (int64_t{1} << 20)) local = invalid_argument("m = " + std::to_string(m) + " must be in [0, 2^20]");
   }
   K3_RETURN_IF_ERROR(agree_on_status(comm, local));
-  const MoeShape& s = plan.problem.shape;
+  const MoeShape& s = problem.shape;
+  const EpOptions opt{.mxfp8_wire = mxfp8_wire, .threads = threads};
   const int64_t k = s.hidden, topk = s.top_k;
   std::vector<EpBenchRecord> out;
   EpBuffers buffers;  // kept across calls, as a serving loop would
@@ -60,15 +61,15 @@ Result<std::vector<EpBenchRecord>> bench_ep(Communicator& comm, const cpu::MoePl
       }
     }
     const MoeInputsView in{m, x, ids, w};
-    std::vector<uint8_t> result(static_cast<size_t>(m * k * out_dtype_size(plan.problem.out_dtype)));
+    std::vector<uint8_t> result(static_cast<size_t>(m * k * out_dtype_size(problem.out_dtype)));
     std::vector<double> td, tc, tnd, tnc;
     EpBenchRecord r;
     r.m = m;
-    r.mxfp8_wire = mxfp8_wire && plan.problem.recipe == Recipe::kW4A8;
+    r.mxfp8_wire = mxfp8_wire && problem.recipe == Recipe::kW4A8;
     for (int it = 0; it < iters + 1; ++it) {  // iteration 0 warms up
       K3_RETURN_IF_ERROR(comm.barrier());
       auto t0 = Clock::now();
-      K3_ASSIGN_OR_RETURN(EpDispatch d, ep_dispatch(comm, plan, in, {.mxfp8_wire = mxfp8_wire}, &buffers));
+      K3_ASSIGN_OR_RETURN(EpDispatch d, ep_dispatch(comm, problem, in, opt, &buffers));
       const double dispatch_s = std::chrono::duration<double>(Clock::now() - t0).count();
       int64_t slots = 0;
       for (const int64_t v : d.slots_from) slots += v;
@@ -77,7 +78,7 @@ Result<std::vector<EpBenchRecord>> bench_ep(Communicator& comm, const cpu::MoePl
       const std::span<const float> ys(y.data(), static_cast<size_t>(slots * k));
       K3_RETURN_IF_ERROR(comm.barrier());
       t0 = Clock::now();
-      K3_RETURN_IF_ERROR(ep_combine(comm, d, plan, ys, w, result, &buffers));
+      K3_RETURN_IF_ERROR(ep_combine(comm, d, problem, ys, w, result, &buffers, opt));
       const double combine_s = std::chrono::duration<double>(Clock::now() - t0).count();
 
       // The transport alone with the same byte counts (buffers prepared outside the timing).

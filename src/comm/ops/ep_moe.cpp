@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "k3/cpu_moe.hpp"
 #include "k3/ep.hpp"
 
 namespace k3::comm {
@@ -52,6 +53,14 @@ Status check_dispatch_args(const Communicator& comm, const MoeShape& shape, cons
     }
   }
   return Status::ok();
+}
+
+// The host plan of the contract's quantizer and finalize (threads only; no weights).
+Result<cpu::MoePlan> host_plan(const MoeProblem& problem, int threads) {
+  cpu::MoeOptions o;
+  o.threads = threads;
+  o.max_tokens = 1;
+  return cpu::plan(problem, o);
 }
 
 }  // namespace
@@ -98,13 +107,16 @@ std::string EpDispatch::to_string() const {
   return s;
 }
 
-Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, const MoeInputsView& local,
+Result<EpDispatch> ep_dispatch(Communicator& comm, const MoeProblem& problem, const MoeInputsView& local,
                                const EpOptions& options, EpBuffers* buffers) {
   EpBuffers own;
   EpBuffers& b = buffers != nullptr ? *buffers : own;
-  const MoeShape& shape = plan.problem.shape;
-  K3_RETURN_IF_ERROR(agree_on_status(comm, check_dispatch_args(comm, shape, local)));
-  K3_RETURN_IF_ERROR(agree_on_partition(comm, shape, plan.problem.recipe));
+  const MoeShape& shape = problem.shape;
+  Result<cpu::MoePlan> plan = host_plan(problem, options.threads);
+  Status args = check_dispatch_args(comm, shape, local);
+  if (args.is_ok() && !plan.is_ok()) args = plan.status();
+  K3_RETURN_IF_ERROR(agree_on_status(comm, args));
+  K3_RETURN_IF_ERROR(agree_on_partition(comm, shape, problem.recipe));
   const int w = comm.size();
   const int64_t k = shape.hidden, topk = shape.top_k, e_local = shape.local_experts();
   const size_t W = static_cast<size_t>(w);
@@ -112,14 +124,14 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, con
   d.shape = shape;
   d.source_tokens = local.m;
   d.source_ids.assign(local.topk_ids.begin(), local.topk_ids.end());
-  d.mxfp8 = options.mxfp8_wire && plan.problem.recipe == Recipe::kW4A8;
+  d.mxfp8 = options.mxfp8_wire && problem.recipe == Recipe::kW4A8;
   // W4A8: each token's row quantized once here (the experts' own quantizer), sent as codes + scales.
   std::vector<uint8_t>& codes = b.codes;
   std::vector<uint8_t>& scales = b.scales;
   if (d.mxfp8) {
     grow(codes, local.x.size());
     grow(scales, local.x.size() / 32);
-    K3_RETURN_IF_ERROR(cpu::quantize_x_mxfp8(plan, local.x, std::span<uint8_t>(codes.data(), local.x.size()),
+    K3_RETURN_IF_ERROR(cpu::quantize_x_mxfp8(plan.value(), local.x, std::span<uint8_t>(codes.data(), local.x.size()),
                                              std::span<uint8_t>(scales.data(), local.x.size() / 32)));
   }
   const int64_t row_bytes = d.mxfp8 ? k + k / 32 : 2 * k;
@@ -220,8 +232,9 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const cpu::MoePlan& plan, con
   return d;
 }
 
-Status ep_combine(Communicator& comm, const EpDispatch& d, const cpu::MoePlan& plan, std::span<const float> y,
-                  std::span<const float> topk_weights, std::span<uint8_t> out, EpBuffers* buffers) {
+Status ep_combine(Communicator& comm, const EpDispatch& d, const MoeProblem& problem, std::span<const float> y,
+                  std::span<const float> topk_weights, std::span<uint8_t> out, EpBuffers* buffers,
+                  const EpOptions& options) {
   EpBuffers own;
   EpBuffers& b = buffers != nullptr ? *buffers : own;
   const MoeShape& shape = d.shape;
@@ -230,12 +243,15 @@ Status ep_combine(Communicator& comm, const EpDispatch& d, const cpu::MoePlan& p
   int64_t slots = 0;
   for (const int64_t v : d.slots_from) slots += v;
   Status local = Status::ok();
-  const MoeShape& ps = plan.problem.shape;
-  if (d.rows_from.size() != W || d.sent_offsets.size() != W + 1) {
+  const MoeShape& ps = problem.shape;
+  Result<cpu::MoePlan> plan = host_plan(problem, options.threads);
+  if (!plan.is_ok()) {
+    local = plan.status();
+  } else if (d.rows_from.size() != W || d.sent_offsets.size() != W + 1) {
     local = invalid_argument("ep_combine: the dispatch was made on a communicator of " + num(static_cast<int64_t>(d.rows_from.size())) +
                              " ranks, this one has " + num(static_cast<int64_t>(W)));
   } else if (ps.hidden != k || ps.top_k != topk || ps.num_experts != shape.num_experts) {
-    local = invalid_argument("ep_combine: plan shape (K " + num(ps.hidden) + ", top_k " + num(ps.top_k) + ", E " +
+    local = invalid_argument("ep_combine: problem shape (K " + num(ps.hidden) + ", top_k " + num(ps.top_k) + ", E " +
                              num(ps.num_experts) + ") differs from the dispatch's (K " + num(k) + ", top_k " + num(topk) +
                              ", E " + num(shape.num_experts) + ")");
   } else if (y.size() != static_cast<size_t>(slots * k)) {
@@ -244,10 +260,10 @@ Status ep_combine(Communicator& comm, const EpDispatch& d, const cpu::MoePlan& p
   } else if (topk_weights.size() != static_cast<size_t>(d.source_tokens * topk)) {
     local = invalid_argument("ep_combine: topk_weights has " + num(static_cast<int64_t>(topk_weights.size())) +
                              " entries, expected M*top_k = " + num(d.source_tokens * topk));
-  } else if (out.size() != static_cast<size_t>(d.source_tokens * k * out_dtype_size(plan.problem.out_dtype))) {
+  } else if (out.size() != static_cast<size_t>(d.source_tokens * k * out_dtype_size(problem.out_dtype))) {
     local = invalid_argument("ep_combine: out has " + num(static_cast<int64_t>(out.size())) + " bytes, expected M*K*" +
-                             num(out_dtype_size(plan.problem.out_dtype)) + " = " +
-                             num(d.source_tokens * k * out_dtype_size(plan.problem.out_dtype)));
+                             num(out_dtype_size(problem.out_dtype)) + " = " +
+                             num(d.source_tokens * k * out_dtype_size(problem.out_dtype)));
   }
   K3_RETURN_IF_ERROR(agree_on_status(comm, local));
 
@@ -295,44 +311,47 @@ Status ep_combine(Communicator& comm, const EpDispatch& d, const cpu::MoePlan& p
     }
   }
   std::vector<float> scratch(static_cast<size_t>(k));
-  return cpu::finalize(plan, d.source_tokens, topk_weights, slot_y, scratch, out);
+  return cpu::finalize(plan.value(), d.source_tokens, topk_weights, slot_y, scratch, out);
 }
 
-Status ep_moe_run(Communicator& comm, const cpu::MoePlan& plan, const cpu::PackedWeights& weights,
-                  const MoeInputsView& local, std::span<uint8_t> workspace, std::span<uint8_t> out, EpRunStats* stats,
-                  const EpOptions& options, EpBuffers* buffers) {
+Status ep_moe_run(Communicator& comm, const PreparedMoe& layer, const MoeInputsView& local,
+                  std::span<uint8_t> workspace, std::span<uint8_t> out, EpRunStats* stats, const EpOptions& options,
+                  EpBuffers* buffers) {
   EpBuffers own;
   EpBuffers& b = buffers != nullptr ? *buffers : own;
+  const MoeProblem& problem = layer.problem();
+  // Every rank learns that a backend has no seam before any data moves.
+  K3_RETURN_IF_ERROR(agree_on_status(comm, layer.expert_parallel()));
   const auto t0 = Clock::now();
-  K3_ASSIGN_OR_RETURN(EpDispatch d, ep_dispatch(comm, plan, local, options, &b));
+  K3_ASSIGN_OR_RETURN(EpDispatch d, ep_dispatch(comm, problem, local, options, &b));
   const auto t1 = Clock::now();
-  const int64_t k = plan.problem.shape.hidden, topk = plan.problem.shape.top_k;
+  const int64_t k = problem.shape.hidden, topk = problem.shape.top_k, max_rows = layer.max_tokens();
   int64_t slots = 0;
   for (const int64_t v : d.slots_from) slots += v;
   grow(b.y, static_cast<size_t>(slots * k));
   const std::span<float> y(b.y.data(), static_cast<size_t>(slots * k));
   Status local_st = Status::ok();
   int64_t done_slots = 0;
-  for (int64_t r0 = 0; r0 < d.rows && local_st.is_ok(); r0 += plan.max_tokens) {
-    const int64_t n = std::min(plan.max_tokens, d.rows - r0);
+  for (int64_t r0 = 0; r0 < d.rows && local_st.is_ok(); r0 += max_rows) {
+    const int64_t n = std::min(max_rows, d.rows - r0);
     const std::span<const int32_t> ids(d.topk_ids.data() + r0 * topk, static_cast<size_t>(n * topk));
-    const int64_t piece = cpu::local_slot_count(plan.problem.shape, ids);
+    const int64_t piece = cpu::local_slot_count(problem.shape, ids);
     const std::span<float> y_piece(y.data() + done_slots * k, static_cast<size_t>(piece * k));
     if (d.mxfp8) {
       const MoeInputsView in{n, {}, ids, {}};
-      const cpu::Mxfp8Rows xq{std::span<const uint8_t>(d.x_codes.data() + r0 * k, static_cast<size_t>(n * k)),
-                              std::span<const uint8_t>(d.x_scales.data() + r0 * (k / 32), static_cast<size_t>(n * k / 32))};
-      local_st = cpu::run_experts(plan, weights, in, workspace, y_piece, xq);
+      const Mxfp8Rows xq{std::span<const uint8_t>(d.x_codes.data() + r0 * k, static_cast<size_t>(n * k)),
+                         std::span<const uint8_t>(d.x_scales.data() + r0 * (k / 32), static_cast<size_t>(n * k / 32))};
+      local_st = layer.run_experts(in, workspace, y_piece, xq);
     } else {
       const MoeInputsView in{n, std::span<const uint16_t>(d.x.data() + r0 * k, static_cast<size_t>(n * k)), ids, {}};
-      local_st = cpu::run_experts(plan, weights, in, workspace, y_piece);
+      local_st = layer.run_experts(in, workspace, y_piece);
     }
     done_slots += piece;
   }
   // A failure on one rank (e.g. kInexact data) must not leave the others waiting in combine.
   K3_RETURN_IF_ERROR(agree_on_status(comm, local_st));
   const auto t2 = Clock::now();
-  K3_RETURN_IF_ERROR(ep_combine(comm, d, plan, y, local.topk_weights, out, &b));
+  K3_RETURN_IF_ERROR(ep_combine(comm, d, problem, y, local.topk_weights, out, &b, options));
   if (stats != nullptr) {
     stats->rows_received = d.rows;
     stats->slots_computed = slots;

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -381,6 +383,98 @@ Status run(const MoePlan& plan, const DeviceWeights& w, const DeviceInputs& in, 
   return finalize(plan, in.m_device, rows, in.topk_weights, in.out, stream);
 }
 
+struct HostMoe::Impl {
+  int device = 0;
+  MoePlan plan;
+  DeviceWeights weights;
+  MoePath path = MoePath::kDecodeSplitK;
+  // Sized for plan.max_tokens once; run() copies into them.
+  detail::DeviceBuffer<uint8_t> ws, out;
+  detail::DeviceBuffer<uint16_t> x;
+  detail::DeviceBuffer<int32_t> ids, m;
+  detail::DeviceBuffer<float> weights_topk;
+  std::mutex lock;  // one call at a time: the buffers above are shared
+};
+
+HostMoe::HostMoe(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+HostMoe::~HostMoe() = default;
+const MoePlan& HostMoe::plan() const { return impl_->plan; }
+MoePath HostMoe::path() const { return impl_->path; }
+
+Result<std::unique_ptr<HostMoe>> HostMoe::create(const MoeProblem& p, const MoeWeightsView& w, int64_t max_tokens,
+                                                 const std::string& path, int device) {
+  K3_RETURN_IF_ERROR(validate_moe_weights(p, w));
+  MoeOptions options;
+  K3_RETURN_IF_ERROR(moe_detail::apply_path_option(path, options));  // a bad name is an error even without a device
+  auto caps = device_caps(device);
+  if (!caps.is_ok()) return caps.status();
+  // The current device is per host thread: every entry point selects it (allocations, copies, launches).
+  K3_CUDA_TRY(cudaSetDevice(device), "cudaSetDevice");
+  options.max_tokens = max_tokens;
+  options.device = caps.value();
+  auto impl = std::make_unique<Impl>();
+  impl->device = device;
+  K3_ASSIGN_OR_RETURN(impl->plan, cuda::plan(p, options));
+  K3_ASSIGN_OR_RETURN(impl->weights, prepack(impl->plan, w));
+  impl->path = effective_path(impl->plan, impl->weights);
+  const MoePlan& pl = impl->plan;
+  const int64_t k = p.shape.hidden, topk = p.shape.top_k;
+  K3_RETURN_IF_ERROR(impl->ws.allocate(static_cast<size_t>(pl.workspace_bytes)));
+  K3_CUDA_TRY(cudaMemset(impl->ws.get(), 0, static_cast<size_t>(pl.workspace_bytes)), "clear workspace");
+  K3_RETURN_IF_ERROR(impl->x.allocate(static_cast<size_t>(pl.max_tokens * k)));
+  K3_RETURN_IF_ERROR(impl->ids.allocate(static_cast<size_t>(pl.max_tokens * topk)));
+  K3_RETURN_IF_ERROR(impl->weights_topk.allocate(static_cast<size_t>(pl.max_tokens * topk)));
+  K3_RETURN_IF_ERROR(impl->m.allocate(1));
+  K3_RETURN_IF_ERROR(impl->out.allocate(static_cast<size_t>(pl.max_tokens * k * out_dtype_size(p.out_dtype))));
+  return std::make_unique<HostMoe>(std::move(impl));
+}
+
+Status HostMoe::run(const MoeInputsView& in, std::span<uint8_t> out) const {
+  Impl& im = *impl_;
+  const MoeProblem& p = im.plan.problem;
+  K3_RETURN_IF_ERROR(validate_moe_inputs(p, in));
+  if (in.m > im.plan.max_tokens) {
+    return invalid_argument("m = " + std::to_string(in.m) + " exceeds the layer's max_tokens = " +
+                            std::to_string(im.plan.max_tokens));
+  }
+  const int64_t want = in.m * p.shape.hidden * out_dtype_size(p.out_dtype);
+  if (static_cast<int64_t>(out.size()) != want) {
+    return invalid_argument("out has " + std::to_string(out.size()) + " bytes, expected M * K * " +
+                            std::to_string(out_dtype_size(p.out_dtype)) + " = " + std::to_string(want));
+  }
+  if (in.m == 0) return Status::ok();
+  std::lock_guard<std::mutex> hold(im.lock);
+  K3_CUDA_TRY(cudaSetDevice(im.device), "cudaSetDevice");
+  K3_CUDA_TRY(cudaMemcpy(im.x.get(), in.x.data(), in.x.size_bytes(), cudaMemcpyHostToDevice), "copy x");
+  K3_CUDA_TRY(cudaMemcpy(im.ids.get(), in.topk_ids.data(), in.topk_ids.size_bytes(), cudaMemcpyHostToDevice),
+              "copy topk_ids");
+  K3_CUDA_TRY(cudaMemcpy(im.weights_topk.get(), in.topk_weights.data(), in.topk_weights.size_bytes(),
+                         cudaMemcpyHostToDevice),
+              "copy topk_weights");
+  const int32_t m32 = static_cast<int32_t>(in.m);
+  K3_CUDA_TRY(cudaMemcpy(im.m.get(), &m32, sizeof m32, cudaMemcpyHostToDevice), "copy m");
+  const DeviceInputs din{im.m.get(), im.x.get(), im.ids.get(), im.weights_topk.get(), im.out.get()};
+  K3_RETURN_IF_ERROR(cuda::run(im.plan, im.weights, din, im.ws.get(), nullptr));
+  K3_CUDA_TRY(cudaDeviceSynchronize(), "moe run");
+  int status = 0;
+  K3_CUDA_TRY(cudaMemcpy(&status, at<int>(im.ws.get(), im.plan.ws_status), sizeof(int), cudaMemcpyDeviceToHost),
+              "status");
+  if (status != 0) {  // sticky bits: clear them so that the next call reports its own
+    K3_CUDA_TRY(cudaMemset(at<int>(im.ws.get(), im.plan.ws_status), 0, sizeof(int)), "clear status");
+  }
+  if (status & moe_detail::kStatusInexactX) {
+    return {StatusCode::kInexact, "x holds an MXFP8 block with values in or below BF16's subnormal range "
+                                  "(|value| < 2^-126 ~ 1.2e-38); the CUDA path would round them. Use --backend cpu"};
+  }
+  if (status & moe_detail::kStatusInexactAct) {
+    return {StatusCode::kInexact, "the W4A8 activation output holds an MXFP8 block with values in or below BF16's "
+                                  "subnormal range (|value| < 2^-126 ~ 1.2e-38); the CUDA path would round them. "
+                                  "Use --backend cpu"};
+  }
+  K3_CUDA_TRY(cudaMemcpy(out.data(), im.out.get(), out.size(), cudaMemcpyDeviceToHost), "copy out");
+  return Status::ok();
+}
+
 Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsView& in, std::span<uint8_t> out,
                 const std::string& path, int device) {
   K3_RETURN_IF_ERROR(validate_moe_buffers(p, w, in));
@@ -392,42 +486,8 @@ Status run_host(const MoeProblem& p, const MoeWeightsView& w, const MoeInputsVie
   MoeOptions options;
   K3_RETURN_IF_ERROR(moe_detail::apply_path_option(path, options));  // a bad name is an error even without a device
   if (in.m == 0) return Status::ok();
-  auto caps = device_caps(device);
-  if (!caps.is_ok()) return caps.status();
-  options.max_tokens = in.m;
-  options.device = caps.value();
-  auto plan = cuda::plan(p, options);
-  if (!plan.is_ok()) return plan.status();
-  auto weights = prepack(plan.value(), w);
-  if (!weights.is_ok()) return weights.status();
-  detail::DeviceBuffer<uint8_t> ws, dout;
-  detail::DeviceBuffer<uint16_t> dx;
-  detail::DeviceBuffer<int32_t> dids, dm;
-  detail::DeviceBuffer<float> dw;
-  K3_RETURN_IF_ERROR(ws.allocate(plan->workspace_bytes));
-  K3_CUDA_TRY(cudaMemset(ws.get(), 0, plan->workspace_bytes), "clear workspace");
-  K3_RETURN_IF_ERROR(upload(dx, in.x, "copy x"));
-  K3_RETURN_IF_ERROR(upload(dids, in.topk_ids, "copy topk_ids"));
-  K3_RETURN_IF_ERROR(upload(dw, in.topk_weights, "copy topk_weights"));
-  const int32_t m32 = static_cast<int32_t>(in.m);
-  K3_RETURN_IF_ERROR(upload(dm, std::span<const int32_t>(&m32, 1), "copy m"));
-  K3_RETURN_IF_ERROR(dout.allocate(out.size()));
-  DeviceInputs din{dm.get(), dx.get(), dids.get(), dw.get(), dout.get()};
-  K3_RETURN_IF_ERROR(run(plan.value(), weights.value(), din, ws.get(), nullptr));
-  K3_CUDA_TRY(cudaDeviceSynchronize(), "moe run");
-  int status = 0;
-  K3_CUDA_TRY(cudaMemcpy(&status, at<int>(ws.get(), plan->ws_status), sizeof(int), cudaMemcpyDeviceToHost), "status");
-  if (status & moe_detail::kStatusInexactX) {
-    return {StatusCode::kInexact, "x holds an MXFP8 block with values in or below BF16's subnormal range "
-                                  "(|value| < 2^-126 ~ 1.2e-38); the CUDA path would round them. Use --backend cpu"};
-  }
-  if (status & moe_detail::kStatusInexactAct) {
-    return {StatusCode::kInexact, "the W4A8 activation output holds an MXFP8 block with values in or below BF16's "
-                                  "subnormal range (|value| < 2^-126 ~ 1.2e-38); the CUDA path would round them. "
-                                  "Use --backend cpu"};
-  }
-  K3_CUDA_TRY(cudaMemcpy(out.data(), dout.get(), out.size(), cudaMemcpyDeviceToHost), "copy out");
-  return Status::ok();
+  K3_ASSIGN_OR_RETURN(const std::unique_ptr<HostMoe> layer, HostMoe::create(p, w, in.m, path, device));
+  return layer->run(in, out);
 }
 
 }  // namespace k3::cuda
