@@ -28,6 +28,7 @@
 #include <string_view>
 
 #include "k3/kda.hpp"
+#include "k3/kda_ops.hpp"
 #include "k3/linear.hpp"
 #include "k3/moe.hpp"
 #include "k3/status.hpp"
@@ -153,6 +154,10 @@ struct KdaBackend {
   // Speculative verify without snapshots (k3/kda.hpp): the cpu backend only so far.
   std::function<Status(const kda::KdaConfig&, const kda::ReplayVerifyArgs&, const BackendOptions&)> verify_replay;
   std::function<Status(const kda::KdaConfig&, const kda::CommitArgs&, const BackendOptions&)> commit;
+  // The layer's small ops (k3/kda_ops.hpp): the short causal convolution (+ SiLU) and the gated
+  // RMSNorm, FP32. The reference backend's are the FP64 references rounded once.
+  std::function<Status(const kda::ConvArgs&, const BackendOptions&)> conv;
+  std::function<Status(const kda::GatedRmsNormArgs&, const BackendOptions&)> rmsnorm;
 };
 
 std::span<const KdaBackend> kda_backends();
@@ -170,5 +175,8 @@ Status run_kda_verify_replay(const KdaBackend& b, const kda::KdaConfig& cfg, con
                              const BackendOptions& opt = {});
 Status run_kda_commit(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::CommitArgs& args,
                       const BackendOptions& opt = {});
+// The small ops: available() and the entry's presence, then the call (which checks its arguments).
+Status run_kda_conv(const KdaBackend& b, const kda::ConvArgs& args, const BackendOptions& opt = {});
+Status run_kda_rmsnorm(const KdaBackend& b, const kda::GatedRmsNormArgs& args, const BackendOptions& opt = {});
 
 }  // namespace k3

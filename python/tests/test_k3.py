@@ -128,6 +128,22 @@ def test_moe_cpu_matches_the_fp64_oracle_and_the_planned_form_is_identical():
     np.testing.assert_array_equal(out, got)
 
 
+def test_prepared_moe_goes_through_the_registry_for_any_backend():
+    p, w, x, ids, wts = random_moe()
+    for name in ("cpu", "reference"):
+        want = k3.moe.run(p, **w, x=x, topk_ids=ids, topk_weights=wts, backend=name)
+        layer = k3.moe.PreparedMoe(p, **w, max_tokens=8, backend=name)
+        assert layer.backend == name and layer.max_tokens == 8
+        assert layer.kernel == ("fp64 oracle" if name == "reference" else k3.moe.CpuMoe(p, **w).kernel)
+        np.testing.assert_array_equal(layer.run(x, ids, wts), want)
+        np.testing.assert_array_equal(layer.run(x[:2], ids[:2], wts[:2]), want[:2])  # rows are independent
+        with pytest.raises(ValueError, match="m = 9"):
+            layer.run(np.concatenate([x, x[:3]]), np.concatenate([ids, ids[:3]]), np.concatenate([wts, wts[:3]]))
+    with pytest.raises(ValueError, match="moe backend 'tpu' is not known"):
+        k3.moe.PreparedMoe(p, **w, backend="tpu")
+    assert k3.moe.PreparedMoe(p, **w).backend == "cpu"  # the registry's default
+
+
 def test_moe_errors_name_the_backend_and_shape():
     p, w, x, ids, wts = random_moe()
     with pytest.raises(ValueError, match="known: cpu, cuda, reference"):

@@ -10,6 +10,7 @@
 #include "k3/cpu_moe.hpp"
 #include "k3/cuda.hpp"
 #include "k3/cuda_kda.hpp"
+#include "k3/cuda_kda_ops.hpp"
 #include "k3/cuda_moe.hpp"
 #include "k3/moe_ref.hpp"
 
@@ -253,6 +254,8 @@ std::vector<KdaBackend> make_kda_backends() {
   cpu.commit = [](const kda::KdaConfig& c, const kda::CommitArgs& a, const BackendOptions& o) {
     return cpu::commit(c, a, kda_cpu_options(o));
   };
+  cpu.conv = [](const kda::ConvArgs& a, const BackendOptions& o) { return kda::causal_conv1d(a, o.threads); };
+  cpu.rmsnorm = [](const kda::GatedRmsNormArgs& a, const BackendOptions& o) { return kda::gated_rmsnorm(a, o.threads); };
   v.push_back(std::move(cpu));
   KdaBackend cuda;
   cuda.name = "cuda";
@@ -267,6 +270,8 @@ std::vector<KdaBackend> make_kda_backends() {
   cuda.verify = [](const kda::KdaConfig& c, const kda::VerifyArgs& a, const BackendOptions&) {
     return cuda::verify_host(c, a);
   };
+  cuda.conv = [](const kda::ConvArgs& a, const BackendOptions&) { return cuda::causal_conv1d_host(a); };
+  cuda.rmsnorm = [](const kda::GatedRmsNormArgs& a, const BackendOptions&) { return cuda::gated_rmsnorm_host(a); };
   v.push_back(std::move(cuda));
   KdaBackend ref;
   ref.name = "reference";  // the FP32 token recurrence, prefill only
@@ -280,6 +285,8 @@ std::vector<KdaBackend> make_kda_backends() {
     }
     return kda::reference_fp32(c, in, out, o.threads);
   };
+  ref.conv = [](const kda::ConvArgs& a, const BackendOptions&) { return kda::causal_conv1d_reference(a); };
+  ref.rmsnorm = [](const kda::GatedRmsNormArgs& a, const BackendOptions&) { return kda::gated_rmsnorm_reference(a); };
   v.push_back(std::move(ref));
   return v;
 }
@@ -417,8 +424,18 @@ Status kda_ready(const KdaBackend& b, const kda::KdaConfig& cfg, bool has_entry,
   if (b.verify) has += std::string(has.empty() ? "" : ", ") + "verify";
   if (b.verify_replay) has += std::string(has.empty() ? "" : ", ") + "verify_replay";
   if (b.commit) has += std::string(has.empty() ? "" : ", ") + "commit";
+  if (b.conv) has += std::string(has.empty() ? "" : ", ") + "conv";
+  if (b.rmsnorm) has += std::string(has.empty() ? "" : ", ") + "rmsnorm";
   return unsupported("kda backend '" + b.name + "' has no " + entry + " entry (it implements: " +
                      (has.empty() ? "nothing" : has) + ")");
+}
+
+// The small ops have no KdaConfig: the path option, available() and the entry's presence.
+Status kda_op_ready(const KdaBackend& b, bool has_entry, const char* entry, const BackendOptions& opt) {
+  K3_RETURN_IF_ERROR(no_paths(opt, "kda", b.name));
+  K3_RETURN_IF_ERROR(b.available());
+  if (has_entry) return Status::ok();
+  return unsupported("kda backend '" + b.name + "' has no " + entry + " entry");
 }
 
 }  // namespace
@@ -451,6 +468,16 @@ Status run_kda_commit(const KdaBackend& b, const kda::KdaConfig& cfg, const kda:
                       const BackendOptions& opt) {
   K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.commit), "commit", opt));
   return b.commit(cfg, args, opt);
+}
+
+Status run_kda_conv(const KdaBackend& b, const kda::ConvArgs& args, const BackendOptions& opt) {
+  K3_RETURN_IF_ERROR(kda_op_ready(b, static_cast<bool>(b.conv), "conv", opt));
+  return b.conv(args, opt);
+}
+
+Status run_kda_rmsnorm(const KdaBackend& b, const kda::GatedRmsNormArgs& args, const BackendOptions& opt) {
+  K3_RETURN_IF_ERROR(kda_op_ready(b, static_cast<bool>(b.rmsnorm), "rmsnorm", opt));
+  return b.rmsnorm(args, opt);
 }
 
 }  // namespace k3

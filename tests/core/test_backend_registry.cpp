@@ -9,6 +9,7 @@
 
 #include "k3/backend.hpp"
 #include "k3/cpu_kda.hpp"
+#include "k3/kda_ops.hpp"
 #include "k3/cpu_moe.hpp"
 #include "k3/linear.hpp"
 #include "k3/moe_case.hpp"
@@ -258,6 +259,46 @@ TEST(BackendRegistry, OnlyTheCudaMoeBackendTakesAKernelPath) {
   }
 }
 
+// KDA's small ops are registry entries: the cpu entry is the CPU op with the options' threads,
+// the reference entry the FP64 reference; a backend that cannot run says why.
+TEST(BackendRegistry, KdaSmallOpsGoThroughTheRegistry) {
+  const int64_t D = 64, W = 4, T = 9;
+  std::vector<float> x(T * D), w(D * W), b(D), state0(D * (W - 1));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * static_cast<float>(i));
+  for (size_t i = 0; i < w.size(); ++i) w[i] = std::cos(0.11f * static_cast<float>(i));
+  for (size_t i = 0; i < b.size(); ++i) b[i] = 0.01f * static_cast<float>(i);
+  for (size_t i = 0; i < state0.size(); ++i) state0[i] = std::sin(1.3f * static_cast<float>(i));
+  const std::vector<int64_t> cu = {0, T};
+  auto conv_with = [&](auto&& fn) {
+    std::vector<float> y(T * D), st = state0;
+    EXPECT_TRUE(fn(kda::ConvArgs{D, W, true, x, w, b, cu, st, y}).is_ok());
+    y.insert(y.end(), st.begin(), st.end());
+    return y;
+  };
+  BackendOptions two;
+  two.threads = 2;
+  const KdaBackend& cpu = *find_kda_backend("cpu").value();
+  const KdaBackend& ref = *find_kda_backend("reference").value();
+  EXPECT_EQ(conv_with([&](const kda::ConvArgs& a) { return run_kda_conv(cpu, a, two); }),
+            conv_with([&](const kda::ConvArgs& a) { return kda::causal_conv1d(a, 2); }));
+  EXPECT_EQ(conv_with([&](const kda::ConvArgs& a) { return run_kda_conv(ref, a); }),
+            conv_with([&](const kda::ConvArgs& a) { return kda::causal_conv1d_reference(a); }));
+  std::vector<float> g(T * D, 0.5f), nw(D, 1.5f), y1(T * D), y2(T * D);
+  ASSERT_TRUE(run_kda_rmsnorm(cpu, {D, 1e-5f, x, g, nw, y1}, two).is_ok());
+  ASSERT_TRUE(kda::gated_rmsnorm({D, 1e-5f, x, g, nw, y2}, 2).is_ok());
+  EXPECT_EQ(y1, y2);
+  // Errors: the op's own argument checks, a kernel path, an unusable backend.
+  std::vector<float> short_y(5);
+  EXPECT_EQ(run_kda_rmsnorm(cpu, {D, 1e-5f, x, g, nw, short_y}).code(), StatusCode::kInvalidArgument);
+  BackendOptions path;
+  path.path = "prefill";
+  EXPECT_NE(run_kda_rmsnorm(cpu, {D, 1e-5f, x, g, nw, y1}, path).message().find("path = 'prefill'"), std::string::npos);
+  const KdaBackend& cuda = *find_kda_backend("cuda").value();
+  if (!cuda.available().is_ok()) {
+    EXPECT_EQ(run_kda_rmsnorm(cuda, {D, 1e-5f, x, g, nw, y1}).message(), cuda.available().message());
+  }
+}
+
 TEST(BackendRegistry, KdaBackendsSayWhatTheyCanDo) {
   const auto list = kda_backends();
   ASSERT_EQ(list.size(), 3u);
@@ -356,16 +397,16 @@ TEST(BackendRegistry, RunKdaNamesAMissingEntryAndPassesTheOptions) {
       << st.message();
   st = run_kda_decode(ref, cfg, {step, pool, idx, o});
   EXPECT_EQ(st.code(), StatusCode::kUnsupported);
-  EXPECT_EQ(st.message(), "kda backend 'reference' has no decode entry (it implements: prefill)");
+  EXPECT_EQ(st.message(), "kda backend 'reference' has no decode entry (it implements: prefill, conv, rmsnorm)");
   const std::vector<int32_t> acc = {1};
   st = run_kda_verify(ref, cfg, {step, 3, pool, idx, acc, o});
   EXPECT_NE(st.message().find("has no verify entry"), std::string::npos) << st.message();
   std::vector<float> window(4 * kda::replay_window_floats(cfg, 1).value(), 0.0f);
   const std::vector<int32_t> one_each(idx.size(), 1);
   st = run_kda_commit(ref, cfg, {1, pool, window, idx, one_each});
-  EXPECT_EQ(st.message(), "kda backend 'reference' has no commit entry (it implements: prefill)");
+  EXPECT_EQ(st.message(), "kda backend 'reference' has no commit entry (it implements: prefill, conv, rmsnorm)");
   st = run_kda_verify_replay(ref, cfg, {step, 1, pool, idx, window, o});
-  EXPECT_EQ(st.message(), "kda backend 'reference' has no verify_replay entry (it implements: prefill)");
+  EXPECT_EQ(st.message(), "kda backend 'reference' has no verify_replay entry (it implements: prefill, conv, rmsnorm)");
   {  // cpu: verify_replay + commit of one token each through the registry = decode
     std::vector<float> p1 = pool, p2 = pool, o_dec(o.size()), o_rep(o.size());
     ASSERT_TRUE(run_kda_decode(cpu, cfg, {step, p1, idx, o_dec}).is_ok());

@@ -18,7 +18,6 @@
 #include "core/kda/kda_case.hpp"
 #include "k3/backend.hpp"
 #include "k3/formats.hpp"
-#include "k3/cuda_kda_ops.hpp"
 #include "k3/digest.hpp"
 #include "k3/kda.hpp"
 #include "k3/kda_ops.hpp"
@@ -572,18 +571,11 @@ void isa_rows(const Target& t, uint64_t seed, std::vector<ValidateRow>& rows) {
   }
 }
 
-// The small ops against their FP64 references (not registry entries): the CPU ops
-// (k3/kda_ops.hpp) with --backend cpu, the device ops (k3/cuda_kda_ops.hpp, host conveniences)
-// with --backend cuda.
+// The small ops (the registry's conv / rmsnorm entries of the backend under test) against their
+// FP64 references.
 void ops_rows(const Target& t, uint64_t seed, std::vector<ValidateRow>& rows) {
-  const int threads = t.opt.threads;
-  const bool on_cuda = t.b.name == "cuda";
-  auto conv = [&](const kda::ConvArgs& a) {
-    return on_cuda ? cuda::causal_conv1d_host(a) : kda::causal_conv1d(a, threads);
-  };
-  auto norm = [&](const kda::GatedRmsNormArgs& a) {
-    return on_cuda ? cuda::gated_rmsnorm_host(a) : kda::gated_rmsnorm(a, threads);
-  };
+  auto conv = [&](const kda::ConvArgs& a) { return run_kda_conv(t.b, a, t.opt); };
+  auto norm = [&](const kda::GatedRmsNormArgs& a) { return run_kda_rmsnorm(t.b, a, t.opt); };
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   auto randv = [&](size_t n) {
