@@ -51,6 +51,7 @@ struct MoeModelConfig {
   std::string quant_format;
   int quant_group_size = 0;
   std::string source;                // the config.json path the facts came from
+  std::string sha256;                // SHA-256 (hex) of the config.json bytes parsed: ranks compare it
   bool synthetic = false;            // written by `k3 checkpoint synth` (has a "k3_synthetic" object)
 };
 

@@ -12,6 +12,7 @@
 // duplicates); a CUDA backend can offer the same calls with device spans.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <initializer_list>
 #include <span>
@@ -77,6 +78,10 @@ struct KdaConfig {
   StateLayout layout = StateLayout::kKFirst;
   float effective_scale() const;
 };
+
+// The shape of n states in the config's layout: [n, H, K, V] (k_first) or [n, H, V, K] (v_first).
+// Every state tensor (initial, final, a pool of n slots) has it.
+std::array<int64_t, 4> state_shape(const KdaConfig& cfg, int64_t n);
 
 // Largest buffer (a state, an input, an output, in bytes) k3 allocates for KDA from sizes it is
 // given (a file's shapes, command-line flags); the machine's physical memory lowers it further.

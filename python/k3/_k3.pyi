@@ -96,6 +96,11 @@ class KdaConfig:
     @property
     def head_v(self) -> int: ...
 
+    def state_shape(self, n: int) -> tuple:
+        """
+        The shape of n states in the config's layout: (n, H, K, V) k_first, (n, H, V, K) v_first.
+        """
+
 def kda_config(heads: int, head_k: int, head_v: int, gate: str, gate_lower_bound: float, beta_logits: bool, l2norm_qk: bool, scale: float, layout: str) -> KdaConfig: ...
 
 def kda_conv_f32(channels: int, width: int, silu: bool, x: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)], weight: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)], bias: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None, cu_seqlens: Annotated[NDArray[numpy.int64], dict(order='C', device='cpu', writable=False)] | None, conv_state: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu')] | None, y: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu')], state_len: int, threads: int) -> None: ...

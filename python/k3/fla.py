@@ -33,6 +33,7 @@ given; ``isa=`` forces a lower SIMD level of k3's kernels ("avx2", ...).
 import torch
 
 from . import torch as _k3torch  # noqa: F401  (registers torch.ops.k3.*)
+from . import _k3
 
 __all__ = ["chunk_kda", "fused_recurrent_kda"]
 
@@ -134,7 +135,8 @@ def _common(fn, q, k, v, g, beta, scale, allow_neg_eigval, state_v_first):
 
 
 def _state_shape(layout, n, h, hk, hv):
-    return (n, h, hk, hv) if layout == "k_first" else (n, h, hv, hk)
+    """The library's state shape for the layout (k3::kda::state_shape)."""
+    return _k3.kda_config(h, hk, hv, "log_decay", -5.0, True, True, 0.0, layout).state_shape(n)
 
 
 def _cu(fn, cu_seqlens, b, t):

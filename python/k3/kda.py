@@ -31,7 +31,7 @@ def prefill(q, k, v, g, beta, a_log=None, dt_bias=None, cu_seqlens=None, initial
     cfg = _k3.kda_config(h, hk, hv, gate, gate_lower_bound, beta_logits, l2norm_qk, scale, layout)
     n = 1 if cu_seqlens is None else int(cu_seqlens.shape[0]) - 1
     o = out_or_new("o", host_view(o), (t, h, hv), np.float32)
-    state_shape = (n, h, hk, hv) if layout == "k_first" else (n, h, hv, hk)
+    state_shape = cfg.state_shape(n)
     if initial_state is not None:
         initial_state = need("initial_state", host_view(initial_state), state_shape, np.float32)
     given = final_state

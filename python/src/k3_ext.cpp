@@ -989,7 +989,11 @@ NB_MODULE(_k3, m) {
   nb::class_<k3::kda::KdaConfig>(m, "KdaConfig")
       .def_ro("num_heads", &k3::kda::KdaConfig::num_heads)
       .def_ro("head_k", &k3::kda::KdaConfig::head_k)
-      .def_ro("head_v", &k3::kda::KdaConfig::head_v);
+      .def_ro("head_v", &k3::kda::KdaConfig::head_v)
+      .def("state_shape", [](const k3::kda::KdaConfig& c, int64_t n) {
+        const auto d = k3::kda::state_shape(c, n);
+        return nb::make_tuple(d[0], d[1], d[2], d[3]);
+      }, "n"_a, "The shape of n states in the config's layout: (n, H, K, V) k_first, (n, H, V, K) v_first.");
   m.def("kda_config", &kda_config, "heads"_a, "head_k"_a, "head_v"_a, "gate"_a, "gate_lower_bound"_a,
         "beta_logits"_a, "l2norm_qk"_a, "scale"_a, "layout"_a);
   m.def("kda_conv_f32", &kda_conv<float>, "channels"_a, "width"_a, "silu"_a, "x"_a.noconvert(),

@@ -9,6 +9,7 @@
 
 #include "core/st_test_util.hpp"
 #include "k3/checkpoint.hpp"
+#include "k3/digest.hpp"
 
 namespace k3 {
 namespace {
@@ -79,6 +80,19 @@ TEST(ModelConfig, KimiSpellingUnderTextConfig) {
   auto bad = moe_shape_from_config(c, 897, 0);
   ASSERT_FALSE(bad);
   EXPECT_HAS(bad.status().message(), "kimi/config.json: ep_size = 897 must be in [1, num_experts = 896]");
+}
+
+// The digest of the bytes parsed: what the ranks of a distributed run compare (one read per rank).
+TEST(ModelConfig, CarriesTheSha256OfTheBytesItParsed) {
+  const std::string text = kimi_config().dump();
+  auto a = parse_model_config(text, "kimi/config.json");
+  ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+  EXPECT_EQ(a->sha256, sha256_hex({reinterpret_cast<const uint8_t*>(text.data()), text.size()}));
+  EXPECT_EQ(a->sha256.size(), 64u);
+  auto b = parse_model_config(kimi_config().dump(1), "kimi/config.json");  // same facts, other bytes
+  ASSERT_TRUE(b.is_ok());
+  EXPECT_EQ(b->num_experts, a->num_experts);
+  EXPECT_NE(b->sha256, a->sha256);
 }
 
 TEST(ModelConfig, DeepSeekSpellingAtTopLevel) {

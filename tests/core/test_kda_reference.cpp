@@ -144,6 +144,16 @@ TEST(KdaReference, VFirstLayoutIsTheTranspose) {
   }
 }
 
+// The state shape the library (and Python, through it) gives each layout: the one the transpose
+// above indexes.
+TEST(KdaReference, StateShapeFollowsTheLayout) {
+  KdaConfig c = small_cfg(2, 7, 3);
+  EXPECT_EQ(state_shape(c, 4), (std::array<int64_t, 4>{4, 2, 7, 3}));
+  c.layout = StateLayout::kVFirst;
+  EXPECT_EQ(state_shape(c, 4), (std::array<int64_t, 4>{4, 2, 3, 7}));
+  EXPECT_EQ(state_shape(c, 0)[0], 0);
+}
+
 TEST(KdaReference, VarlenEqualsSeparateSequences) {
   CaseSpec s;
   s.cfg = small_cfg(3, 8, 6, GateMode::kSafe);

@@ -133,12 +133,8 @@ void maybe_inject_fault(int rank, const char* phase) {
 
 // What every rank must agree on before loading anything: the checkpoint's config.json bytes,
 // the layer, the recipe, the output dtype and the expert-parallel size.
-std::string run_fingerprint(const MoeRunArgs& a, int world) {
-  std::ifstream f(a.checkpoint + "/config.json", std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const std::string cfg = ss.str();
-  return "config.json sha256 " + sha256_hex({reinterpret_cast<const uint8_t*>(cfg.data()), cfg.size()}).substr(0, 16) +
+std::string run_fingerprint(const MoeRunArgs& a, const MoeModelConfig& cfg, int world) {
+  return "config.json sha256 " + (cfg.sha256.empty() ? std::string("(not read)") : cfg.sha256.substr(0, 16)) +
          ", layer " + std::to_string(a.layer) + ", " + a.recipe + " -> " + a.out_dtype + ", EP" + std::to_string(world);
 }
 
@@ -199,18 +195,26 @@ Status run_moe_distributed(const MoeRunArgs& a) {
   auto dtype = parse_out_dtype(a.out_dtype);
   if (st.is_ok() && !recipe.is_ok()) st = recipe.status();
   if (st.is_ok() && !dtype.is_ok()) st = dtype.status();
+  // config.json is read once per rank: the EP check, the cross-rank fingerprint and the loader use it.
+  MoeModelConfig cfg;
   if (st.is_ok()) {
-    if (Status e = check_ep_flags(world, rank, a.checkpoint); !e.is_ok()) {
+    auto loaded = load_model_config(a.checkpoint);
+    if (!loaded.is_ok()) st = loaded.status();
+    else cfg = std::move(loaded).value();
+  }
+  if (st.is_ok()) {
+    if (Status e = check_ep_flags(world, rank, cfg); !e.is_ok()) {
       st = Status(e.code(), "the MPI job's " + std::to_string(world) + " ranks are the EP size (" + e.message() + ")");
     }
   }
   K3_RETURN_IF_ERROR(agree(st));
-  K3_RETURN_IF_ERROR(peer(comm::check_same_on_all_ranks(c, "checkpoint and run options", run_fingerprint(a, world))));
+  K3_RETURN_IF_ERROR(
+      peer(comm::check_same_on_all_ranks(c, "checkpoint and run options", run_fingerprint(a, cfg, world))));
 
   // Each rank loads its experts only; rank 0 reads (and routes) the tokens.
   phase = "loading";
   const auto t_load = std::chrono::steady_clock::now();
-  auto layer = load_moe_layer(a.checkpoint, a.layer, world, rank);
+  auto layer = load_moe_layer(cfg, a.checkpoint, a.layer, world, rank);
   maybe_inject_fault(rank, "load");
   K3_RETURN_IF_ERROR(agree(layer.status()));
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();

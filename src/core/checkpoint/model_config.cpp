@@ -14,6 +14,7 @@
 #include "core/io/json_guard.hpp"
 #include "k3/atomic_file.hpp"
 #include "k3/checkpoint.hpp"
+#include "k3/digest.hpp"
 #include "k3/safetensors.hpp"
 
 namespace k3 {
@@ -214,7 +215,11 @@ Result<MoeModelConfig> parse_impl(const std::string& json_text, const std::strin
 
 Result<MoeModelConfig> parse_model_config(const std::string& json_text, const std::string& source) {
   try {
-    return parse_impl(json_text, source);
+    auto cfg = parse_impl(json_text, source);
+    if (cfg.is_ok()) {
+      cfg.value().sha256 = sha256_hex({reinterpret_cast<const uint8_t*>(json_text.data()), json_text.size()});
+    }
+    return cfg;
   } catch (const std::exception& e) {  // std::bad_alloc; parsing itself reports errors as values
     return invalid_argument(source + ": cannot parse: " + e.what());
   }

@@ -72,6 +72,11 @@ Result<Algorithm> parse_algorithm(const std::string& s) {
   return invalid_argument("algorithm '" + s + "' is unknown (expected auto, recurrent or chunked)");
 }
 
+std::array<int64_t, 4> state_shape(const KdaConfig& cfg, int64_t n) {
+  if (cfg.layout == StateLayout::kVFirst) return {n, cfg.num_heads, cfg.head_v, cfg.head_k};
+  return {n, cfg.num_heads, cfg.head_k, cfg.head_v};
+}
+
 float KdaConfig::effective_scale() const {
   return scale > 0.0f ? scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_k)));
 }
