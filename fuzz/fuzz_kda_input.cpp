@@ -18,7 +18,7 @@
 #include "k3/formats.hpp"
 #include "k3/cpu_kda.hpp"
 #include "k3/kda.hpp"
-#include "k3/kda_io.hpp"
+#include "k3/harness/kda_io.hpp"
 #include "k3/safetensors.hpp"
 #include "k3/system.hpp"
 

@@ -14,7 +14,7 @@
 
 #include "k3/backend.hpp"
 #include "k3/cpu_moe.hpp"
-#include "k3/moe_case.hpp"
+#include "k3/harness/moe_case.hpp"
 
 namespace k3test {
 

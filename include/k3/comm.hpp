@@ -43,7 +43,7 @@ class Communicator {
   // The transport's own all-reduce: data[0..count) = the sum over ranks, in place (MPI:
   // MPI_Iallreduce(MPI_IN_PLACE, MPI_FLOAT, MPI_SUM) polled with the same deadline as the other
   // collectives; self: nothing to do). A baseline for benchmarks ("the engine's own all-reduce
-  // measured in the same run", k3/comm_bench.hpp): its bits depend on MPI's reduction order,
+  // measured in the same run", k3/harness/comm_bench.hpp): its bits depend on MPI's reduction order,
   // hence on the world size and the MPI library. k3's ops use k3/allreduce.hpp instead.
   // count in [0, 2^31 - 1].
   virtual Status native_allreduce_sum_f32(float* data, int64_t count) = 0;

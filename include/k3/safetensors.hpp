@@ -123,7 +123,7 @@ class Writer {
   // Defers the bytes to write(): `fill` is called once, in order, with a buffer of the tensor's size.
   Status add_deferred(const std::string& name, DType dtype, std::vector<int64_t> shape, Fill fill);
   void set_metadata(std::map<std::string, std::string> m) { metadata_ = std::move(m); }
-  // Header + data, written through k3::AtomicFile (k3/atomic_file.hpp): a uniquely named
+  // Header + data, written through k3::AtomicFile (k3/harness/atomic_file.hpp): a uniquely named
   // temporary file in the destination directory, fsync'ed and renamed onto `path`, so a failed or
   // interrupted write leaves no partial file and a concurrent reader sees the old or the new file.
   // `label` names the argument in messages ("--output"; may be empty).

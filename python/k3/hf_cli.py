@@ -226,6 +226,12 @@ def _limits(threads):
                 dot_peak_flops=r.get("dot_peak_flops", {}).get("value"), what=r["read_bandwidth_Bps"]["what"])
 
 
+def _probe(threads):
+    """The read bandwidth right now (bytes/s): the harness's probe, 512 MiB, best of its trials."""
+    from . import _k3
+    return _k3.read_bandwidth(threads, 512)["value"]
+
+
 def _common_args(ap):
     ap.add_argument("--checkpoint", help="a local Kimi-Linear checkpoint directory (config.json + safetensors); "
                     "default: a random model of the preset config")
@@ -354,8 +360,8 @@ def _cmd_bench(a):
         dec_prompts = {b: torch.randint(3, cfg.vocab_size, (b, 16), generator=gen) for b in a.batch}
         long_prompt = torch.randint(3, cfg.vocab_size, (1, a.long_prefix), generator=gen) if a.long_prefix else None
         names = [n for n in ("stock-fp32", "stock-bf16", "k3") if n not in a.skip]
-        raw = {n: {"prefill": {t: [] for t in a.prefill}, "decode": {b: [] for b in a.batch}, "decode_long": []}
-               for n in names}
+        raw = {n: {"prefill": {t: [] for t in a.prefill}, "decode": {b: [] for b in a.batch}, "decode_long": [],
+                   "paired": {b: [] for b in a.batch}} for n in names}
         distinct = {b: _distinct_experts(k3m, ids) for b, ids in dec_prompts.items()}
         bytes_of = {}
         record["limits"] = []
@@ -371,8 +377,14 @@ def _cmd_bench(a):
                     raw[n]["prefill"][t].append(pre)
                     print(f"  {n:>10} prefill T={t}: {t / pre:.1f} tokens/s", flush=True)
                 for b, ids in dec_prompts.items():
+                    # The read bandwidth right before and after: on a shared host it moves between
+                    # minutes, so each decode measurement is also rated against its own probes.
+                    before = _probe(threads)
                     _, steps = _generate_times(model, ids, a.new_tokens)
+                    after = _probe(threads)
                     raw[n]["decode"][b].extend(steps)
+                    raw[n]["paired"][b].append(dict(step_s=statistics.median(steps), probe_before_Bps=before,
+                                                    probe_after_Bps=after))
                     print(f"  {n:>10} decode batch {b}: {statistics.median(steps) * 1e3:.1f} ms/token", flush=True)
                     bytes_of[(n, b, 16)] = step_bytes(model, b, 16 + a.new_tokens // 2, distinct[b])
                 if long_prompt is not None and r == 0:
@@ -398,9 +410,15 @@ def _cmd_bench(a):
             for b in a.batch:
                 sec = statistics.median(raw[n]["decode"][b])
                 by = bytes_of[(n, b, 16)]
+                # Paired: each round's median step against the higher of the probes taken right
+                # before and after it (the limit is an upper bound: the higher probe is the stricter).
+                paired = [dict(p, ratio_to_bandwidth_time=p["step_s"] * max(p["probe_before_Bps"], p["probe_after_Bps"])
+                               / by["total"]) for p in raw[n]["paired"][b]]
                 rows.append(dict(variant=n, kind="decode", batch=b, prefix=16, median_s=sec, ms_per_token=sec * 1e3,
                                  bytes=by, bandwidth_time_s=by["total"] / bw,
                                  fraction_of_read_bandwidth=by["total"] / bw / sec, distinct_experts=distinct[b],
+                                 paired=paired,
+                                 paired_ratio_median=statistics.median(x["ratio_to_bandwidth_time"] for x in paired),
                                  samples=raw[n]["decode"][b]))
             if raw[n]["decode_long"]:
                 sec = statistics.median(raw[n]["decode_long"])
@@ -469,6 +487,13 @@ def _print_table(record):
     print(f"read bandwidth {record['read_bandwidth_Bps'] / 1e9:.1f} GB/s, FP32 FMA peak "
           f"{record['fp32_fma_peak_flops'] / 1e9:.0f} GFLOP/s (k3 bench limits, medians over the rounds); "
           f"speed-up: against the faster stock form")
+    paired = [r for r in record["rows"] if r.get("paired")]
+    if paired:
+        print("decode step / bandwidth time, each round against the higher of the probes right before and after it:")
+    for r in paired:
+        rounds = ", ".join(f"{x['ratio_to_bandwidth_time']:.2f}x ({x['step_s'] * 1e3:.1f} ms at "
+                           f"{max(x['probe_before_Bps'], x['probe_after_Bps']) / 1e9:.1f} GB/s)" for x in r["paired"])
+        print(f"{r['variant']:>10} decode batch {r['batch']}: median {r['paired_ratio_median']:.2f}x; rounds {rounds}")
 
 
 def plot(record, output):

@@ -28,6 +28,7 @@
 #include "k3/cuda_kda.hpp"
 #include "k3/cuda_moe.hpp"
 #include "k3/cuda_routing.hpp"
+#include "k3/harness/limits.hpp"
 #include "k3/kda.hpp"
 #include "k3/kda_ops.hpp"
 #include "k3/moe.hpp"
@@ -927,6 +928,23 @@ void cuda_route(DIn<float> logits, std::optional<DIn<float>> bias, DIn<int32_t> 
 
 NB_MODULE(_k3, m) {
   m.doc() = "k3: Kimi-K3 MoE and Kimi Delta Attention kernels (CPU backend; see the k3 package)";
+  m.def("read_bandwidth", [](int threads, int64_t mib) {
+        if (threads < 0 || threads > 4096) throw nb::value_error(("threads = " + std::to_string(threads) + " must be in [0, 4096]").c_str());
+        if (mib < 16 || mib > (int64_t{1} << 20)) throw nb::value_error(("mib = " + std::to_string(mib) + " must be in [16, 2^20]").c_str());
+        k3::MeasuredRate r;
+        {
+          nb::gil_scoped_release release;
+          r = k3::measure_read_bandwidth(threads > 0 ? threads : k3::hardware_thread_count(), mib << 20);
+        }
+        nb::dict d;
+        d["value"] = r.value;
+        d["median"] = r.median;
+        d["min"] = r.min;
+        d["max"] = r.max;
+        d["what"] = r.what;
+        return d;
+      }, "threads"_a, "mib"_a,
+      "The harness's read-bandwidth probe (k3 bench limits): bytes/s over a buffer of `mib` MiB, best of several trials.");
   m.def("info", &info, "Machine, ISA level and the backends of each op with their availability.");
 
   m.def("mx_quantize", &mx_quantize, "x"_a.noconvert(), "rows"_a, "cols"_a, "element"_a, "rule"_a, "q"_a.noconvert(), "scales"_a.noconvert());

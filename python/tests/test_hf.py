@@ -691,6 +691,13 @@ def test_hf_cli_generate_and_bench_on_a_saved_checkpoint(tmp_path, capsys):
         if r["kind"] == "decode":
             assert r["bytes"]["total"] == sum(v for k, v in r["bytes"].items() if k != "total")
             assert 0 < r["fraction_of_read_bandwidth"]
+            if r["prefix"] == 16:  # paired with probes right before and after, one pair per round
+                assert len(r["paired"]) == 1
+                p = r["paired"][0]
+                assert p["probe_before_Bps"] > 0 and p["probe_after_Bps"] > 0
+                want = p["step_s"] * max(p["probe_before_Bps"], p["probe_after_Bps"]) / r["bytes"]["total"]
+                assert p["ratio_to_bandwidth_time"] == pytest.approx(want) and r["paired_ratio_median"] == p[
+                    "ratio_to_bandwidth_time"]
         if r["variant"] == "k3":
             assert r["speedup_vs_best_stock"] > 0 and r["best_stock"] in ("stock-fp32", "stock-bf16")
     k3_dec = next(r for r in rec["rows"] if r["variant"] == "k3" and r["kind"] == "decode" and r["batch"] == 1)

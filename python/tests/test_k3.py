@@ -144,6 +144,16 @@ def test_prepared_moe_goes_through_the_registry_for_any_backend():
     assert k3.moe.PreparedMoe(p, **w).backend == "cpu"  # the registry's default
 
 
+def test_read_bandwidth_probe_is_the_harness_probe_and_checks_its_arguments():
+    r = k3._k3.read_bandwidth(1, 64)
+    assert r["value"] > 1e8 and r["min"] <= r["median"] <= r["max"] == r["value"]
+    assert "read bandwidth" in r["what"]
+    with pytest.raises(ValueError, match="mib = 8 must be in"):
+        k3._k3.read_bandwidth(1, 8)
+    with pytest.raises(ValueError, match="threads = -1 must be in"):
+        k3._k3.read_bandwidth(-1, 64)
+
+
 def test_moe_errors_name_the_backend_and_shape():
     p, w, x, ids, wts = random_moe()
     with pytest.raises(ValueError, match="known: cpu, cuda, reference"):

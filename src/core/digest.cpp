@@ -1,4 +1,4 @@
-#include "k3/digest.hpp"
+#include "k3/harness/digest.hpp"
 
 #include <openssl/evp.h>
 

@@ -1,4 +1,4 @@
-// CUDA-event timing of an enqueued operation (k3/cuda_bench.hpp's helpers). Internal.
+// CUDA-event timing of an enqueued operation (k3/harness/cuda_bench.hpp's helpers). Internal.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "cuda/common.cuh"
-#include "k3/cuda_bench.hpp"
+#include "k3/harness/cuda_bench.hpp"
 
 namespace k3::cuda::detail {
 

@@ -1,6 +1,6 @@
 // The CUDA entry points of a build without nvcc: each reports that CUDA is not compiled in.
 #include "k3/cuda.hpp"
-#include "k3/cuda_bench.hpp"
+#include "k3/harness/cuda_bench.hpp"
 #include "k3/cuda_kda.hpp"
 #include "k3/cuda_kda_ops.hpp"
 #include "k3/cuda_moe.hpp"

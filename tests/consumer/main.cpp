@@ -5,10 +5,8 @@
 #include <cstring>
 #include <vector>
 
-#include "k3/cpu_moe.hpp"
-#include "k3/formats.hpp"
-#include "k3/moe_case.hpp"
-#include "k3/moe_ref.hpp"
+#include "k3/harness/moe_case.hpp"  // the harness: seeded cases
+#include "k3/k3.hpp"                 // the whole user API
 
 int main() {
   k3::MoeCaseSpec spec;

@@ -1,7 +1,7 @@
 // The owning, seeded fused-MoE case of the backend and oracle unit tests: random MXFP4 codes
 // (every E2M1 code, scale codes jittered by one binade), x ~ N(0, 1) in BF16, distinct random ids
 // with about one masked slot in seven. The validation matrix's structured cases (routing patterns,
-// SiTU overrides) are k3::make_moe_case (k3/moe_case.hpp); these small ones stay here because unit
+// SiTU overrides) are k3::make_moe_case (k3/harness/moe_case.hpp); these small ones stay here because unit
 // tests poke at their fields (a NaN weight, hand-set ids) before running.
 #pragma once
 

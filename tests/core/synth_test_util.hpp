@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "k3/checkpoint_synth.hpp"
+#include "k3/harness/checkpoint_synth.hpp"
 
 namespace k3::test {
 

@@ -12,7 +12,7 @@
 
 #include "comm/ops/exact_sum.hpp"
 #include "k3/allreduce.hpp"
-#include "k3/comm_bench.hpp"
+#include "k3/harness/comm_bench.hpp"
 #include "k3/formats.hpp"
 
 namespace {

@@ -1,4 +1,4 @@
-// k3/atomic_file.hpp: unique temporary files in the destination directory, checked writes
+// k3/harness/atomic_file.hpp: unique temporary files in the destination directory, checked writes
 // (short writes continued, ENOSPC reported with the path), fsync + rename, cleanup on errors and
 // on signals; path checks for inputs and outputs; safetensors inputs that are FIFOs.
 #include <gtest/gtest.h>
@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "core/st_test_util.hpp"
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/checkpoint.hpp"
-#include "k3/checkpoint_synth.hpp"
+#include "k3/harness/checkpoint_synth.hpp"
 #include "k3/safetensors.hpp"
 
 namespace k3 {

@@ -12,7 +12,7 @@
 #include "k3/kda_ops.hpp"
 #include "k3/cpu_moe.hpp"
 #include "k3/linear.hpp"
-#include "k3/moe_case.hpp"
+#include "k3/harness/moe_case.hpp"
 
 namespace k3 {
 namespace {

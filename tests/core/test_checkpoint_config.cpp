@@ -9,7 +9,7 @@
 
 #include "core/st_test_util.hpp"
 #include "k3/checkpoint.hpp"
-#include "k3/digest.hpp"
+#include "k3/harness/digest.hpp"
 
 namespace k3 {
 namespace {

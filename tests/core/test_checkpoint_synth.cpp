@@ -9,7 +9,7 @@
 
 #include "core/st_test_util.hpp"
 #include "k3/checkpoint.hpp"
-#include "k3/checkpoint_synth.hpp"
+#include "k3/harness/checkpoint_synth.hpp"
 #include "k3/formats.hpp"
 #include "k3/mx.hpp"
 #include "k3/safetensors.hpp"

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "core/kda/kda_case.hpp"
+#include "k3/harness/kda_case.hpp"
 #include "core/kda/kda_chunk_math.hpp"
 #include "core/kda/kda_math.hpp"
 #include "k3/cpu_kda.hpp"

@@ -17,7 +17,7 @@
 #include "core/st_test_util.hpp"
 #include "k3/cpu_kda.hpp"
 #include "k3/kda.hpp"
-#include "k3/kda_io.hpp"
+#include "k3/harness/kda_io.hpp"
 #include "k3/safetensors.hpp"
 
 namespace k3::kda {

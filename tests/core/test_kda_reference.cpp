@@ -4,7 +4,7 @@
 #include <cmath>
 #include <vector>
 
-#include "core/kda/kda_case.hpp"
+#include "k3/harness/kda_case.hpp"
 #include "k3/kda.hpp"
 
 namespace k3::kda {

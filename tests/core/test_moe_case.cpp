@@ -1,4 +1,4 @@
-// Seeded MoE problems (k3/moe_case.hpp): the routing patterns do what they say, EP ranks slice the
+// Seeded MoE problems (k3/harness/moe_case.hpp): the routing patterns do what they say, EP ranks slice the
 // EP1 problem, and the generator is deterministic across thread counts.
 #include <gtest/gtest.h>
 #include <omp.h>
@@ -8,7 +8,7 @@
 #include <map>
 #include <vector>
 
-#include "k3/moe_case.hpp"
+#include "k3/harness/moe_case.hpp"
 
 namespace k3 {
 namespace {

@@ -1,11 +1,11 @@
-// The output comparison and tolerances of k3/moe_compare.hpp on hand-made outputs.
+// The output comparison and tolerances of k3/harness/moe_compare.hpp on hand-made outputs.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <vector>
 
 #include "k3/formats.hpp"
-#include "k3/moe_compare.hpp"
+#include "k3/harness/moe_compare.hpp"
 #include "k3/moe_ref.hpp"
 
 namespace k3 {

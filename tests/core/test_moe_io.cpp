@@ -1,4 +1,4 @@
-// k3::load_moe_inputs (k3/moe_io.hpp): the routed inputs of `k3 moe run` read by the library —
+// k3::load_moe_inputs (k3/harness/moe_io.hpp): the routed inputs of `k3 moe run` read by the library —
 // both routing sources, the dtype conversions, and the error of every malformed file.
 #include <gtest/gtest.h>
 
@@ -14,9 +14,9 @@
 #include "core/st_test_util.hpp"
 #include "core/synth_test_util.hpp"
 #include "k3/checkpoint.hpp"
-#include "k3/checkpoint_synth.hpp"
+#include "k3/harness/checkpoint_synth.hpp"
 #include "k3/formats.hpp"
-#include "k3/moe_io.hpp"
+#include "k3/harness/moe_io.hpp"
 #include "k3/routing.hpp"
 #include "k3/safetensors.hpp"
 

@@ -1,4 +1,4 @@
-// The benchmark workload (k3/moe_workload.hpp): routing distributions and their replay files,
+// The benchmark workload (k3/harness/moe_workload.hpp): routing distributions and their replay files,
 // synthetic weights, and the traffic count every backend's benchmark divides by.
 #include <gtest/gtest.h>
 
@@ -11,7 +11,7 @@
 
 #include "core/st_test_util.hpp"
 #include "k3/cpu_moe.hpp"
-#include "k3/moe_workload.hpp"
+#include "k3/harness/moe_workload.hpp"
 
 namespace k3 {
 namespace {

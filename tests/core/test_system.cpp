@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "k3/digest.hpp"
+#include "k3/harness/digest.hpp"
 #include "k3/status.hpp"
 #include "k3/system.hpp"
 

@@ -11,7 +11,7 @@
 
 #include "k3/cpu_moe.hpp"
 #include "k3/formats.hpp"
-#include "k3/moe_compare.hpp"
+#include "k3/harness/moe_compare.hpp"
 #include "k3/moe_ref.hpp"
 #include "core/moe_case_util.hpp"
 
@@ -55,7 +55,7 @@ inline std::vector<double> contract_oracle(const MoeCase& c, OracleKind kind = O
 }
 
 // Metrics of FP32 values (held as doubles) against an FP64 reference: the library's comparison
-// (k3/moe_compare.hpp), so that the unit tests and `k3 validate` measure alike.
+// (k3/harness/moe_compare.hpp), so that the unit tests and `k3 validate` measure alike.
 inline MoeMetrics diff(const std::vector<double>& got, const std::vector<double>& ref) {
   std::vector<uint8_t> bytes(got.size() * 4);
   for (size_t i = 0; i < got.size(); ++i) {

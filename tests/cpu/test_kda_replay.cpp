@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "core/kda/kda_case.hpp"
+#include "k3/harness/kda_case.hpp"
 #include "cpu/kda/kernels.hpp"
 #include "k3/cpu_kda.hpp"
 #include "k3/formats.hpp"

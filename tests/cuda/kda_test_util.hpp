@@ -7,7 +7,7 @@
 #include <cstring>
 #include <vector>
 
-#include "core/kda/kda_case.hpp"
+#include "k3/harness/kda_case.hpp"
 #include "k3/cuda.hpp"
 #include "k3/cuda_kda.hpp"
 #include "k3/kda.hpp"

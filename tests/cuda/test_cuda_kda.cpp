@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "core/kda/kda_case.hpp"
+#include "k3/harness/kda_case.hpp"
 #include "cuda/kda_test_util.hpp"
 #include "k3/backend.hpp"
 #include "k3/cpu_kda.hpp"

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "core/kda/kda_case.hpp"
+#include "k3/harness/kda_case.hpp"
 #include "core/kda/kda_chunk_math.hpp"
 #include "cuda/kda_test_util.hpp"
 #include "k3/cpu_kda.hpp"

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "core/kda/kda_case.hpp"
+#include "k3/harness/kda_case.hpp"
 #include "k3/cuda.hpp"
 #include "k3/cuda_kda_ops.hpp"
 #include "k3/kda_ops.hpp"

@@ -1,5 +1,5 @@
 // CUDA fused MoE against the FP64 contract oracle (k3/moe_ref.hpp), judged by the library's
-// comparison and named contract tolerances (k3/moe_compare.hpp), as `k3 validate` judges every
+// comparison and named contract tolerances (k3/harness/moe_compare.hpp), as `k3 validate` judges every
 // backend. Needs a device; without one every test skips with the reason.
 #include <gtest/gtest.h>
 
@@ -13,15 +13,15 @@
 #include "k3/cuda.hpp"
 #include "k3/cuda_moe.hpp"
 #include "k3/formats.hpp"
-#include "k3/moe_case.hpp"
-#include "k3/moe_compare.hpp"
+#include "k3/harness/moe_case.hpp"
+#include "k3/harness/moe_compare.hpp"
 #include "k3/moe_ref.hpp"
 #include "scoped_env.hpp"
 
 namespace k3 {
 namespace {
 
-// Seeded problems from the validation matrix's generator (k3/moe_case.hpp): uniform routing over
+// Seeded problems from the validation matrix's generator (k3/harness/moe_case.hpp): uniform routing over
 // the global experts, so remote slots occur whenever ep_size > 1, and ~1/4 of the slots masked.
 MoeCase make_case(int64_t k, int64_t n, int experts, int top_k, int ep_size, int ep_rank, int64_t m, uint64_t seed) {
   MoeCaseSpec spec;
@@ -50,7 +50,7 @@ class CudaMoe : public ::testing::TestWithParam<const char*> {
   }
 };
 
-// The library's comparison (k3/moe_compare.hpp), as `k3 validate --backend cuda` measures: NaN /
+// The library's comparison (k3/harness/moe_compare.hpp), as `k3 validate --backend cuda` measures: NaN /
 // Inf class against the rounded oracle, rows without a local slot exactly +0.0.
 MoeMetrics compare(const MoeCase& c, const std::vector<uint8_t>& out, const std::vector<double>& ref, OutDType dt) {
   auto m = compare_moe_output(out, dt, ref, rows_without_local_slot(c.problem.shape, c.inputs()));

@@ -11,7 +11,7 @@
 
 #include "k3/cuda.hpp"
 #include "k3/cuda_moe.hpp"
-#include "k3/moe_case.hpp"
+#include "k3/harness/moe_case.hpp"
 
 namespace k3 {
 namespace {

@@ -10,8 +10,8 @@
 #include "cuda/moe/moe_grouped.hpp"
 #include "k3/cuda.hpp"
 #include "k3/cuda_moe.hpp"
-#include "k3/moe_case.hpp"
-#include "k3/moe_compare.hpp"
+#include "k3/harness/moe_case.hpp"
+#include "k3/harness/moe_compare.hpp"
 #include "k3/moe_ref.hpp"
 
 namespace k3::cuda {

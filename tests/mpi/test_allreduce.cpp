@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "k3/allreduce.hpp"
-#include "k3/comm_bench.hpp"
+#include "k3/harness/comm_bench.hpp"
 #include "k3/formats.hpp"
 #include "mpi/mpi_world.hpp"
 
@@ -355,7 +355,7 @@ TEST(MpiAllreduce, BenchReturnsTheSameTableOnEveryRank) {
   EXPECT_EQ(bad.is_ok(), w.size() == 1) << bad.status().to_string();
 }
 
-// The benchmark table (k3/comm_bench.hpp), printed by rank 0. Not part of the suite (timings on
+// The benchmark table (k3/harness/comm_bench.hpp), printed by rank 0. Not part of the suite (timings on
 // an oversubscribed CI machine mean little); run with
 //   mpirun -np 2 tests/k3_mpi_tests --gtest_also_run_disabled_tests --gtest_filter='*BenchTable*'
 TEST(MpiAllreduce, DISABLED_BenchTable) {

@@ -12,7 +12,7 @@
 
 #include "core/st_test_util.hpp"
 #include "core/synth_test_util.hpp"
-#include "k3/checkpoint_synth.hpp"
+#include "k3/harness/checkpoint_synth.hpp"
 #include "k3/cuda.hpp"
 #include "k3/safetensors.hpp"
 #include "k3/system.hpp"

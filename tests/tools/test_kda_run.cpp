@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "core/kda/kda_case.hpp"
+#include "k3/harness/kda_case.hpp"
 #include "k3/backend.hpp"
 #include "k3/cpu_kda.hpp"
 #include "k3/kda.hpp"

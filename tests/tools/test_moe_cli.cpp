@@ -19,7 +19,7 @@
 #include "core/st_test_util.hpp"
 #include "core/synth_test_util.hpp"
 #include "k3/checkpoint.hpp"
-#include "k3/checkpoint_synth.hpp"
+#include "k3/harness/checkpoint_synth.hpp"
 #include "k3/formats.hpp"
 #include "k3/moe_ref.hpp"
 #include "k3/routing.hpp"

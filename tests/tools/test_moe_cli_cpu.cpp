@@ -15,7 +15,7 @@
 
 #include "core/st_test_util.hpp"
 #include "core/synth_test_util.hpp"
-#include "k3/checkpoint_synth.hpp"
+#include "k3/harness/checkpoint_synth.hpp"
 #include "k3/formats.hpp"
 #include "k3/safetensors.hpp"
 

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "core/st_test_util.hpp"
-#include "k3/checkpoint_synth.hpp"
+#include "k3/harness/checkpoint_synth.hpp"
 #include "k3/moe.hpp"
 #include "k3/safetensors.hpp"
 #include "tools/cli_run.hpp"

@@ -1,4 +1,4 @@
-// How the `k3` tool writes its outputs (k3/atomic_file.hpp, docs/checkpoints.md "Output files"):
+// How the `k3` tool writes its outputs (k3/harness/atomic_file.hpp, docs/checkpoints.md "Output files"):
 // an output that is an input or a checkpoint file is refused before anything is written, a
 // planted `P.tmp` symlink redirects nothing, non-regular outputs and inputs (device nodes, FIFOs,
 // directories) are refused promptly, concurrent writers never leave a mixed file, JSON outputs
@@ -25,7 +25,7 @@
 
 #include "core/st_test_util.hpp"
 #include "core/synth_test_util.hpp"
-#include "k3/checkpoint_synth.hpp"
+#include "k3/harness/checkpoint_synth.hpp"
 #include "k3/safetensors.hpp"
 
 namespace k3 {

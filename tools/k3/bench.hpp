@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "command.hpp"
-#include "k3/limits.hpp"
+#include "k3/harness/limits.hpp"
 
 namespace k3::tool {
 

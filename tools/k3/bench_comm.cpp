@@ -9,10 +9,10 @@
 
 #include "backend_options.hpp"
 #include "bench.hpp"
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/comm.hpp"
-#include "k3/comm_bench.hpp"
-#include "k3/ep_bench.hpp"
+#include "k3/harness/comm_bench.hpp"
+#include "k3/harness/ep_bench.hpp"
 #include "paths.hpp"
 
 namespace k3::tool {

@@ -9,11 +9,11 @@
 #include <vector>
 
 #include "bench.hpp"
-#include "core/kda/kda_case.hpp"
-#include "k3/atomic_file.hpp"
+#include "k3/harness/kda_case.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/cpu_kda.hpp"
 #include "k3/cuda.hpp"
-#include "k3/cuda_bench.hpp"
+#include "k3/harness/cuda_bench.hpp"
 #include "k3/kda.hpp"
 #include "k3/system.hpp"
 

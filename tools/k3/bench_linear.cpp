@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "bench.hpp"
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/cpu_linear.hpp"
 #include "k3/formats.hpp"
 #include "k3/system.hpp"

@@ -12,11 +12,11 @@
 #include "backend_options.hpp"
 #include "bench.hpp"
 #include "bench_moe_cuda.hpp"
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/backend.hpp"
 #include "k3/expert_map.hpp"
 #include "k3/formats.hpp"
-#include "k3/moe_workload.hpp"
+#include "k3/harness/moe_workload.hpp"
 #include "k3/system.hpp"
 
 namespace k3::tool {

@@ -8,12 +8,12 @@
 
 #include "backend_options.hpp"
 #include "bench.hpp"
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/cuda.hpp"
-#include "k3/cuda_bench.hpp"
+#include "k3/harness/cuda_bench.hpp"
 #include "k3/expert_map.hpp"
 #include "k3/formats.hpp"
-#include "k3/moe_workload.hpp"
+#include "k3/harness/moe_workload.hpp"
 
 namespace k3::tool {
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "k3/moe.hpp"
-#include "k3/moe_workload.hpp"
+#include "k3/harness/moe_workload.hpp"
 
 namespace k3::tool {
 

@@ -6,7 +6,7 @@
 
 #include "bench.hpp"
 #include "command.hpp"
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/build_info.hpp"
 #include "k3/system.hpp"
 

@@ -1,4 +1,4 @@
-// `k3 checkpoint synth|inspect`: write a seeded synthetic Kimi-K3 checkpoint (k3/checkpoint_synth.hpp)
+// `k3 checkpoint synth|inspect`: write a seeded synthetic Kimi-K3 checkpoint (k3/harness/checkpoint_synth.hpp)
 // and list the tensors of any safetensors checkpoint (checkpoint_inspect.cpp).
 #include <algorithm>
 #include <cctype>
@@ -8,7 +8,7 @@
 
 #include "checkpoint_cli.hpp"
 #include "command.hpp"
-#include "k3/checkpoint_synth.hpp"
+#include "k3/harness/checkpoint_synth.hpp"
 #include "k3/moe.hpp"
 
 namespace k3::tool {

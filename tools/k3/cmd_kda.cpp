@@ -2,7 +2,7 @@
 // brings in a safetensors file and writes `o` and `final_state`, so results can be compared with
 // another engine. The backend comes from the library's registry (k3/backend.hpp); the exact FP64
 // oracle is the one name outside it. The file is read and checked by kda::load_input_file
-// (k3/kda_io.hpp lists the tensor names and shapes).
+// (k3/harness/kda_io.hpp lists the tensor names and shapes).
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -11,11 +11,11 @@
 
 #include "backend_options.hpp"
 #include "command.hpp"
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/backend.hpp"
 #include "k3/build_info.hpp"
 #include "k3/kda.hpp"
-#include "k3/kda_io.hpp"
+#include "k3/harness/kda_io.hpp"
 #include "k3/safetensors.hpp"
 #include "k3/system.hpp"
 

@@ -23,15 +23,15 @@
 #include <vector>
 
 #include "command.hpp"
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/checkpoint.hpp"
 #include "k3/comm.hpp"
 #include "k3/cpu_moe.hpp"
-#include "k3/digest.hpp"
+#include "k3/harness/digest.hpp"
 #include "k3/ep.hpp"
 #include "k3/expert_map.hpp"
 #include "k3/formats.hpp"
-#include "k3/moe_io.hpp"
+#include "k3/harness/moe_io.hpp"
 #include "k3/routing.hpp"
 #include "backend_options.hpp"
 #include "moe_layer.hpp"

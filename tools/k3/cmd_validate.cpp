@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "command.hpp"
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/build_info.hpp"
 #include "k3/system.hpp"
 #include "paths.hpp"

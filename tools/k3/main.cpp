@@ -5,7 +5,7 @@
 #include <exception>
 #include <functional>
 
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/build_info.hpp"
 #include "k3/system.hpp"
 #include "command.hpp"
@@ -52,7 +52,7 @@ std::string command_path(const CLI::App& app) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // An interrupted run removes the temporary files of outputs being written (k3/atomic_file.hpp).
+  // An interrupted run removes the temporary files of outputs being written (k3/harness/atomic_file.hpp).
   k3::install_temp_file_cleanup_handlers();
   CLI::App app{"k3: MXFP4 / MXFP8 mixture-of-experts and Kimi Delta Attention kernels for Kimi-K3-class models"};
   app.set_version_flag("--version", std::string("k3 ") + k3::build::kVersion);

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <filesystem>
 
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/safetensors.hpp"
 
 namespace k3::tool {

@@ -1,5 +1,5 @@
 // Path checks shared by the sub-commands that read inputs and write outputs (see
-// k3/atomic_file.hpp for the write rules).
+// k3/harness/atomic_file.hpp for the write rules).
 #pragma once
 
 #include <string>

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "k3/cuda.hpp"
-#include "k3/digest.hpp"
+#include "k3/harness/digest.hpp"
 #include "k3/mx.hpp"
 #include "validate.hpp"
 

@@ -15,10 +15,10 @@
 #include <vector>
 
 #include "backend_options.hpp"
-#include "core/kda/kda_case.hpp"
+#include "k3/harness/kda_case.hpp"
 #include "k3/backend.hpp"
 #include "k3/formats.hpp"
-#include "k3/digest.hpp"
+#include "k3/harness/digest.hpp"
 #include "k3/kda.hpp"
 #include "k3/kda_ops.hpp"
 #include "validate.hpp"

@@ -15,10 +15,10 @@
 #include <vector>
 
 #include "k3/backend.hpp"
-#include "k3/digest.hpp"
+#include "k3/harness/digest.hpp"
 #include "k3/formats.hpp"
 #include "k3/linear.hpp"
-#include "k3/moe_compare.hpp"
+#include "k3/harness/moe_compare.hpp"
 #include "k3/system.hpp"
 #include "validate.hpp"
 

@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "k3/digest.hpp"
+#include "k3/harness/digest.hpp"
 #include "k3/formats.hpp"
-#include "k3/moe_case.hpp"
-#include "k3/moe_compare.hpp"
+#include "k3/harness/moe_case.hpp"
+#include "k3/harness/moe_compare.hpp"
 #include "k3/moe_ref.hpp"
 #include "backend_options.hpp"
 #include "validate.hpp"

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "k3/moe.hpp"
-#include "k3/moe_case.hpp"
+#include "k3/harness/moe_case.hpp"
 #include "validate.hpp"
 
 namespace k3::tool {

@@ -12,9 +12,9 @@
 #include <sstream>
 
 #include "core/io/json_guard.hpp"
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/checkpoint.hpp"
-#include "k3/digest.hpp"
+#include "k3/harness/digest.hpp"
 #include "k3/safetensors.hpp"
 
 namespace k3 {

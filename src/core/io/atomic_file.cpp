@@ -1,5 +1,5 @@
-// Atomic output files and path checks (k3/atomic_file.hpp).
-#include "k3/atomic_file.hpp"
+// Atomic output files and path checks (k3/harness/atomic_file.hpp).
+#include "k3/harness/atomic_file.hpp"
 
 #include <fcntl.h>
 #include <signal.h>

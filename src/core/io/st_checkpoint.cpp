@@ -10,7 +10,7 @@
 #include <sstream>
 
 #include "core/io/json_guard.hpp"
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/safetensors.hpp"
 
 namespace k3::st {

@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/safetensors.hpp"
 
 namespace k3::st {

@@ -4,7 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <string_view>
 
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/safetensors.hpp"
 
 namespace k3::st {

@@ -1,4 +1,4 @@
-// Device timing of the CUDA KDA backend (k3/cuda_bench.hpp). Ran on an H200 (2026-12-04).
+// Device timing of the CUDA KDA backend (k3/harness/cuda_bench.hpp). Ran on an H200 (2026-12-04).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -8,7 +8,7 @@
 #include "cuda/common.cuh"
 #include "cuda/kda/kda_device_copy.cuh"
 #include "cuda/timing.cuh"
-#include "k3/cuda_bench.hpp"
+#include "k3/harness/cuda_bench.hpp"
 #include "k3/cuda_kda.hpp"
 
 namespace k3::cuda {

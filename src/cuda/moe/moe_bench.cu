@@ -1,4 +1,4 @@
-// Device timing helpers (k3/cuda_bench.hpp). Ran on an H200 (2026-12-04).
+// Device timing helpers (k3/harness/cuda_bench.hpp). Ran on an H200 (2026-12-04).
 #include <cublas_v2.h>  // types and prototypes only: the library is opened at run time (below)
 #include <dlfcn.h>
 
@@ -10,7 +10,7 @@
 #include "cuda/common.cuh"
 #include "cuda/moe/moe_kernels.cuh"
 #include "cuda/timing.cuh"
-#include "k3/cuda_bench.hpp"
+#include "k3/harness/cuda_bench.hpp"
 #include "k3/cuda_moe.hpp"
 
 namespace k3::cuda {

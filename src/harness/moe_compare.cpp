@@ -1,4 +1,4 @@
-#include "k3/moe_compare.hpp"
+#include "k3/harness/moe_compare.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -1,5 +1,5 @@
-// The fused-MoE benchmark workload (k3/moe_workload.hpp).
-#include "k3/moe_workload.hpp"
+// The fused-MoE benchmark workload (k3/harness/moe_workload.hpp).
+#include "k3/harness/moe_workload.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -10,7 +10,7 @@
 #include <random>
 #include <string_view>
 
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/expert_map.hpp"
 
 namespace k3 {

@@ -1,4 +1,4 @@
-// k3/kda_io.hpp — KDA inputs from a safetensors file (what `k3 kda run --input` reads), with every
+// k3/harness/kda_io.hpp — KDA inputs from a safetensors file (what `k3 kda run --input` reads), with every
 // shape, dtype and size checked before anything is allocated (docs/kda.md, "`k3 kda run` input
 // checks"). The loaded tensors are owned; inputs() gives the views the KDA calls take.
 //

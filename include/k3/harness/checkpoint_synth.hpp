@@ -1,4 +1,4 @@
-// k3/checkpoint_synth.hpp — seeded synthetic Kimi-K3 checkpoints (what `k3 checkpoint synth`
+// k3/harness/checkpoint_synth.hpp — seeded synthetic Kimi-K3 checkpoints (what `k3 checkpoint synth`
 // writes): exactly the tensor names, dtypes and shapes of k3/checkpoint.hpp and a config.json in
 // the Kimi-K3 spelling, for any subset of layers and experts.
 //

@@ -1,4 +1,4 @@
-// k3/cuda_bench.hpp — device-side timing helpers for `k3 bench moe --backend cuda` and
+// k3/harness/cuda_bench.hpp — device-side timing helpers for `k3 bench moe --backend cuda` and
 // scripts/device-check.sh: the fused-MoE run, and the two baselines measured in the same run
 // (docs/moe.md): a large device-to-device copy (memory bandwidth limit) and cuBLAS BF16
 // GEMMs per expert on pre-dequantized weights. Ran on an H200 (2026-12-04).

@@ -1,6 +1,6 @@
-// bench_allreduce (k3/comm_bench.hpp): k3's exact all-reduce, its fused RMSNorm variant and the
+// bench_allreduce (k3/harness/comm_bench.hpp): k3's exact all-reduce, its fused RMSNorm variant and the
 // transport's own FP32 all-reduce on the same bytes, median per rank, max over ranks.
-#include "k3/comm_bench.hpp"
+#include "k3/harness/comm_bench.hpp"
 
 #include <algorithm>
 #include <chrono>

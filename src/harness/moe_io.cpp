@@ -1,5 +1,5 @@
-// The routed inputs of a fused-MoE call from a safetensors file (k3/moe_io.hpp).
-#include "k3/moe_io.hpp"
+// The routed inputs of a fused-MoE call from a safetensors file (k3/harness/moe_io.hpp).
+#include "k3/harness/moe_io.hpp"
 
 #include <cstring>
 #include <map>

@@ -1,4 +1,4 @@
-// k3/moe_case.hpp — seeded, self-contained fused-MoE problems (weights, x, routing) for the
+// k3/harness/moe_case.hpp — seeded, self-contained fused-MoE problems (weights, x, routing) for the
 // validation matrix, benchmarks and tests (docs/moe.md, "The correctness matrix").
 //
 // The weights are generated directly as MXFP4 codes and E8M0 scales (no pre-quantization floats

@@ -1,4 +1,4 @@
-// k3/moe_io.hpp — the routed inputs of one fused-MoE call from a safetensors file (what `k3 moe
+// k3/harness/moe_io.hpp — the routed inputs of one fused-MoE call from a safetensors file (what `k3 moe
 // run --input` reads), every shape, dtype and id checked before use (docs/moe.md, "`k3 moe run`").
 //
 // Tensor names:

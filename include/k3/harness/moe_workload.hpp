@@ -1,4 +1,4 @@
-// k3/moe_workload.hpp — the fused-MoE benchmark workload, in the library so that every backend's
+// k3/harness/moe_workload.hpp — the fused-MoE benchmark workload, in the library so that every backend's
 // benchmark (the `k3 bench moe` CPU and CUDA paths, the Python package, a user's own harness)
 // times the same thing and counts it the same way (docs/moe.md, "Benchmark protocol"):
 //

@@ -1,7 +1,7 @@
 // Machine-limit probes: streaming read bandwidth and instruction peaks. Each probe repeats a
 // fixed amount of work several times and reports the median. Compiled with per-function target
 // attributes so one binary runs on any x86-64 and uses the best instructions present.
-#include "k3/limits.hpp"
+#include "k3/harness/limits.hpp"
 
 // GCC 12 reports its own _mm512_undefined_* helpers (used by _mm512_reduce_add_ps) as
 // "used uninitialized": a false positive inside avx512fintrin.h.

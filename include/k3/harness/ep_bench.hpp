@@ -1,4 +1,4 @@
-// k3/ep_bench.hpp — the expert-parallel dispatch / combine benchmark behind `k3 bench comm`
+// k3/harness/ep_bench.hpp — the expert-parallel dispatch / combine benchmark behind `k3 bench comm`
 // (docs/distributed.md, "Benchmarks"). Every rank of the communicator calls it with the same
 // arguments and gets the same table.
 #pragma once

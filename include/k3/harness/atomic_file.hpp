@@ -1,4 +1,4 @@
-// k3/atomic_file.hpp — the one way k3 writes an output file, and the checks on the paths it
+// k3/harness/atomic_file.hpp — the one way k3 writes an output file, and the checks on the paths it
 // reads and writes.
 //
 // Write rules (docs/checkpoints.md, "Output files"):

@@ -1,4 +1,4 @@
-// k3/moe_compare.hpp — comparing a backend's fused-MoE output (bytes of the output dtype) with the
+// k3/harness/moe_compare.hpp — comparing a backend's fused-MoE output (bytes of the output dtype) with the
 // FP64 oracles of k3/moe_ref.hpp, and the named tolerances of `k3 validate --op moe` (docs/moe.md,
 // "Tolerances"). Backend tests use the same functions, so a unit test and the CLI judge alike.
 #pragma once

@@ -1,4 +1,4 @@
-// k3/digest.hpp — SHA-256 digests of output bytes, to compare results bit for bit across
+// k3/harness/digest.hpp — SHA-256 digests of output bytes, to compare results bit for bit across
 // processes, thread counts and backends without keeping tensors (OpenSSL's EVP).
 #pragma once
 

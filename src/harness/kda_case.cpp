@@ -1,6 +1,6 @@
 // Generated KDA problems: normal q, k, v; decays spread over [-5, -0.0025] so that both long and
 // short memories occur; optional hard resets (g = -1000).
-#include "core/kda/kda_case.hpp"
+#include "k3/harness/kda_case.hpp"
 
 #include <cmath>
 #include <random>

@@ -1,8 +1,8 @@
-// Seeded fused-MoE problems (k3/moe_case.hpp). Every row of every tensor and every token has its
+// Seeded fused-MoE problems (k3/harness/moe_case.hpp). Every row of every tensor and every token has its
 // own counter-based random stream (splitmix64 keyed by seed, tensor, global expert, row), so the
 // OpenMP split cannot change a bit and a rank's expert e equals global expert first_local + e of
 // the EP1 problem with the same seed.
-#include "k3/moe_case.hpp"
+#include "k3/harness/moe_case.hpp"
 
 #include <algorithm>
 #include <array>

@@ -1,4 +1,4 @@
-// k3/comm_bench.hpp — timing of the tensor-parallel all-reduce (k3/allreduce.hpp) against the
+// k3/harness/comm_bench.hpp — timing of the tensor-parallel all-reduce (k3/allreduce.hpp) against the
 // transport's own all-reduce measured in the same run (docs/distributed.md, "Benchmark").
 #pragma once
 

@@ -1,4 +1,4 @@
-// k3/limits.hpp — the machine's measured limits, taken in the same run as a benchmark so that
+// k3/harness/limits.hpp — the machine's measured limits, taken in the same run as a benchmark so that
 // results can be reported as fractions of them (docs/moe.md, benchmark protocol).
 #pragma once
 

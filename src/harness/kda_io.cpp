@@ -1,6 +1,6 @@
-// KDA inputs from a safetensors file (k3/kda_io.hpp): the input path of `k3 kda run`, in the
+// KDA inputs from a safetensors file (k3/harness/kda_io.hpp): the input path of `k3 kda run`, in the
 // library so that the fuzz target (fuzz/fuzz_kda_input.cpp) and tests run exactly this code.
-#include "k3/kda_io.hpp"
+#include "k3/harness/kda_io.hpp"
 
 #include <cstring>
 #include <string>

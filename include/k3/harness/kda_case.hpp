@@ -1,4 +1,4 @@
-// Generated KDA problems for tests, `k3 validate --op kda` and `k3 bench kda` (internal).
+// k3/harness/kda_case.hpp — seeded KDA problems for tests, `k3 validate --op kda` and `k3 bench kda`.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// Seeded synthetic Kimi-K3 checkpoints (k3/checkpoint_synth.hpp).
+// Seeded synthetic Kimi-K3 checkpoints (k3/harness/checkpoint_synth.hpp).
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -8,9 +8,9 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "k3/atomic_file.hpp"
+#include "k3/harness/atomic_file.hpp"
 #include "k3/checkpoint.hpp"
-#include "k3/checkpoint_synth.hpp"
+#include "k3/harness/checkpoint_synth.hpp"
 #include "k3/formats.hpp"
 #include "k3/mx.hpp"
 #include "k3/safetensors.hpp"

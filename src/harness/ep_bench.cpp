@@ -1,11 +1,11 @@
-// bench_ep (k3/ep_bench.hpp).
+// bench_ep (k3/harness/ep_bench.hpp).
 #include <algorithm>
 #include <chrono>
 #include <numeric>
 #include <random>
 #include <vector>
 
-#include "k3/ep_bench.hpp"
+#include "k3/harness/ep_bench.hpp"
 #include "k3/formats.hpp"
 
 namespace k3::comm {
