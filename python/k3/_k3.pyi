@@ -10,6 +10,11 @@ import numpy
 from numpy.typing import NDArray
 
 
+def read_bandwidth(threads: int, mib: int) -> dict:
+    """
+    The harness's read-bandwidth probe (k3 bench limits): bytes/s over a buffer of `mib` MiB, best of several trials.
+    """
+
 def info() -> dict:
     """
     Machine, ISA level and the backends of each op with their availability.
