@@ -87,6 +87,12 @@ struct KdaPlan {
 // chooses the kernel and its geometry; sizes the workspace.
 Result<KdaPlan> plan(const kda::KdaConfig& cfg, const KdaOptions& options);
 
+// The re-plan policy of a cache of plans keyed by configuration (k3.torch's CUDA KDA ops): the
+// max_seqs to rebuild a plan with for a call of `seqs` sequences, or 0 when the cached plan's
+// `planned` bound (0: none yet) already covers it. A new plan holds at least 1024 sequences, so
+// that growing batches re-plan rarely; `seqs` above kKdaMaxSeqs is refused naming it.
+Result<int64_t> kda_replan_max_seqs(int64_t planned, int64_t seqs);
+
 // ---- device calls ---------------------------------------------------------------------------------
 
 enum KdaStatusBit : uint32_t {

@@ -4,6 +4,7 @@
 k3: Kimi-K3 MoE and Kimi Delta Attention kernels (CPU backend; see the k3 package)
 """
 
+from collections.abc import Sequence
 from typing import Annotated, overload
 
 import numpy
@@ -13,6 +14,16 @@ from numpy.typing import NDArray
 def read_bandwidth(threads: int, mib: int) -> dict:
     """
     The harness's read-bandwidth probe (k3 bench limits): bytes/s over a buffer of `mib` MiB, best of several trials.
+    """
+
+def validate(op: str, suite: str, backend: str, require: Sequence[str], seed: int, recipe: str, activation: str, checkpoint: str, layer: int, ep_size: int, ep_rank: int, threads: int, isa: str, cuda_path: str) -> tuple[str, int]:
+    """
+    The harness's correctness matrix (k3.validate): (the records as JSON, the number of failed checks).
+    """
+
+def bench(target: str, options: dict) -> tuple[str, str]:
+    """
+    The harness's benchmarks (k3.bench): (the document as JSON, the error of a sweep that went on past a failed case or "").
     """
 
 def info() -> dict:
@@ -181,6 +192,11 @@ class CudaKdaPlan:
     def verify(self, q: Annotated[NDArray[numpy.uint16], dict(order='C', device='cuda', writable=False)], k: Annotated[NDArray[numpy.uint16], dict(order='C', device='cuda', writable=False)], v: Annotated[NDArray[numpy.uint16], dict(order='C', device='cuda', writable=False)], g: Annotated[NDArray[numpy.float32], dict(order='C', device='cuda', writable=False)], beta: Annotated[NDArray[numpy.float32], dict(order='C', device='cuda', writable=False)], a_log: Annotated[NDArray[numpy.float32], dict(order='C', device='cuda', writable=False)] | None, dt_bias: Annotated[NDArray[numpy.float32], dict(order='C', device='cuda', writable=False)] | None, draft_tokens: int, state_pool: Annotated[NDArray, dict(order='C', device='cuda')], state_indices: Annotated[NDArray[numpy.int32], dict(order='C', device='cuda', writable=False)], num_accepted: Annotated[NDArray[numpy.int32], dict(order='C', device='cuda', writable=False)], o: Annotated[NDArray[numpy.float32], dict(order='C', device='cuda')], workspace: Annotated[NDArray[numpy.uint8], dict(order='C', device='cuda')], stream: int) -> None: ...
 
     def status(self, workspace: Annotated[NDArray[numpy.uint8], dict(order='C', device='cuda')], stream: int) -> None: ...
+
+def cuda_kda_replan_max_seqs(planned: int, seqs: int) -> int:
+    """
+    The max_seqs to rebuild a cached CUDA KDA plan with for a call of `seqs` sequences, or 0 when `planned` covers it.
+    """
 
 def cuda_kda_plan(cfg: KdaConfig, device: int, max_seqs: int, algorithm: str, caps: dict | None) -> CudaKdaPlan: ...
 

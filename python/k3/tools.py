@@ -1,12 +1,14 @@
-"""``k3.validate`` / ``k3.bench``: the `k3` tool's correctness matrix and benchmarks from Python,
-returning the same records as the tool's ``--output`` JSON (the tool installed with the package
-runs them; nothing is re-implemented here)."""
+"""``k3.validate`` / ``k3.bench``: the correctness matrix and benchmarks from Python, returning the
+same records as ``k3 validate --output`` / ``k3 bench --output``. ``validate`` calls the library's
+harness in this process; ``bench`` runs the `k3` tool installed with the package."""
 
 import json
 import os
 import subprocess
 import sys
 import tempfile
+
+from . import _k3
 
 __all__ = ["validate", "bench", "run_tool"]
 
@@ -53,17 +55,71 @@ def _with_json(sub, options, env):
     return result
 
 
-def validate(env=None, **options):
-    """``k3 validate`` with the given options (``op="moe"``, ``suite="smoke"``, ``backend="cpu"``,
-    ...; underscores become dashes). Returns the tool's JSON as a dict — ``records`` holds one
-    entry per check with ``pass`` — plus ``exit_code`` (1 when a check failed) and ``log``.
-    ``env`` adds environment variables (``{"K3_ISA": "avx2"}``)."""
-    return _with_json(["validate"], options, env)
+def validate(op="all", *, suite="all", backend="all", require=(), seed=20261129, recipe=None, activation=None,
+             checkpoint=None, layer=1, ep_size=1, ep_rank=0, threads=None, isa=None, cuda_path=None):
+    """The correctness matrix of ``k3 validate``, run in this process by the library's harness.
+
+    ``op``: formats, kda, linear, moe or all; ``suite``: smoke, real, nonfinite, determinism or all;
+    ``backend``: all, reference, cpu or cuda; ``require``: capabilities that must be present (a
+    backend name, a recipe, an activation); ``recipe`` / ``activation`` / ``checkpoint`` (with
+    ``layer``, ``ep_size``, ``ep_rank``) narrow ``op="moe"``. ``threads`` (default: all logical
+    CPUs), ``isa`` ("avx2", ...; default: the best level) and ``cuda_path`` are the backends'
+    options. Returns the document ``k3 validate --output`` writes — ``records`` holds one entry per
+    check with ``pass`` and ``skipped`` — plus ``failed`` (the count of failed checks) and ``ok``.
+    An unknown op, suite, ISA level or a bad thread count raises ``ValueError`` naming it; a failed
+    check does not raise."""
+    if isinstance(require, str):
+        require = [require]
+    text, failed = _k3.validate(str(op), str(suite), str(backend), [str(r) for r in require], int(seed),
+                                recipe or "", activation or "", os.fspath(checkpoint) if checkpoint else "",
+                                int(layer), int(ep_size), int(ep_rank), 0 if threads is None else int(threads),
+                                isa or "", cuda_path or "")
+    result = json.loads(text)
+    result["failed"] = failed
+    result["ok"] = failed == 0
+    return result
+
+
+_HARNESS_BENCHES = ("moe", "kda", "linear", "limits")
+_LIST_OPTIONS = ("shapes", "recipes")  # also given as one comma-joined string, as on the command line
 
 
 def bench(target="moe", env=None, **options):
-    """``k3 bench TARGET`` (moe, kda, limits, ...) with the given options (``m=[1, 128]``,
-    ``recipe="w4a8"``, ...). Returns the tool's JSON as a dict, plus ``exit_code`` and ``log``."""
+    """A benchmark of ``k3 bench TARGET``; returns the document ``k3 bench TARGET --output`` writes
+    (``machine``, the limits measured in the same run, ``records``) as a dict.
+
+    ``moe``, ``kda``, ``linear`` and ``limits`` run in this process through the library's harness;
+    their options are the tool's flags with underscores (``m=[1, 128]``, ``recipe="w4a8"``,
+    ``ep_size=32``, ``prefill_t=[64, 1024]``, ``shapes=["1536x7168"]`` or ``"1536x7168,7168x3584"``,
+    ``torch_python=sys.executable``, ``threads=2``, ``isa="avx2"``; default threads: all logical
+    CPUs).
+    An unknown option, a wrong type or a refused value raises (``ValueError`` / ``TypeError``)
+    naming it. A device sweep that went on past a failed case returns its records with ``error``
+    set. ``env`` is refused for these two: pass ``threads`` / ``isa`` instead.
+
+    ``comm`` (a multi-rank benchmark, started under mpirun) runs the `k3` tool installed with the
+    package (lists are comma-joined, ``env`` adds environment variables) and the dict also holds
+    ``exit_code`` and ``log``."""
+    if target in _HARNESS_BENCHES:
+        if env:
+            raise ValueError(f"k3.bench({target!r}): env is not used in process; pass threads= / isa= instead")
+        opts = {}
+        for key, value in options.items():
+            if value is None:
+                continue
+            if key in _LIST_OPTIONS and isinstance(value, str):
+                value = value.split(",")
+            elif isinstance(value, os.PathLike):
+                value = os.fspath(value)
+            opts[key] = value
+        text, error = _k3.bench(target, opts)
+        result = json.loads(text)
+        result["ok"] = not error
+        if error:
+            result["error"] = error
+        return result
+    if target != "comm":
+        raise ValueError(f"k3.bench: target {target!r} is not one of moe, kda, linear, limits, comm")
     return _with_json(["bench", target], options, env)
 
 

@@ -385,8 +385,8 @@ def _cuda_kda_for(q, v, seqs, cfg):
     key = (q.device.index, q.shape[1], q.shape[2], v.shape[2], tuple(sorted(cfg.items())))
     with _lock:
         entry = _cuda_kda.get(key)
-        if entry is None or entry[0].max_seqs < seqs:
-            max_seqs = max(1024, seqs)
+        max_seqs = _k3.cuda_kda_replan_max_seqs(0 if entry is None else entry[0].max_seqs, seqs)
+        if max_seqs:  # the library's re-plan policy
             plan = _kda.CudaKda(q.shape[1], q.shape[2], v.shape[2], max_seqs=max_seqs, device=q.device.index, **cfg)
             plan.max_seqs = max_seqs
             entry = (plan, torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=q.device))

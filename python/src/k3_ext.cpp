@@ -10,6 +10,9 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <functional>
+#include <utility>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -28,7 +31,9 @@
 #include "k3/cuda_kda.hpp"
 #include "k3/cuda_moe.hpp"
 #include "k3/cuda_routing.hpp"
+#include "k3/harness/bench.hpp"
 #include "k3/harness/limits.hpp"
+#include "k3/harness/validate.hpp"
 #include "k3/kda.hpp"
 #include "k3/kda_ops.hpp"
 #include "k3/moe.hpp"
@@ -924,6 +929,121 @@ void cuda_route(DIn<float> logits, std::optional<DIn<float>> bias, DIn<int32_t> 
                                weights.data(), stream_of(stream)));
 }
 
+// k3.validate: the harness's correctness matrix (the records of `k3 validate --output`, as JSON).
+std::pair<std::string, int64_t> validate(const std::string& op, const std::string& suite, const std::string& backend,
+                                         const std::vector<std::string>& require, uint64_t seed,
+                                         const std::string& recipe, const std::string& activation,
+                                         const std::string& checkpoint, int layer, int ep_size, int ep_rank,
+                                         int threads, const std::string& isa, const std::string& cuda_path) {
+  k3::harness::ValidateOptions o;
+  o.suite = suite;
+  o.backend = backend;
+  o.require = require;
+  o.seed = seed;
+  o.recipe = recipe;
+  o.activation = activation;
+  o.checkpoint = checkpoint;
+  o.layer = layer;
+  o.ep_size = ep_size;
+  o.ep_rank = ep_rank;
+  o.backend_options = options(threads, isa);
+  o.backend_options.path = cuda_path;
+  k3::Result<std::vector<k3::harness::ValidateRow>> rows = k3::invalid_argument("not run");
+  {
+    nb::gil_scoped_release release;
+    rows = k3::harness::run_validation(op, o);
+  }
+  const auto& r = value(std::move(rows));
+  return {k3::harness::validation_json(r, o), static_cast<int64_t>(k3::harness::count_rows(r).failed)};
+}
+
+// k3.bench("moe" | "kda", **options): the harness's benchmarks in this process. Options are the
+// fields of the target's config (the flags of `k3 bench TARGET`, dashes as underscores); an
+// unknown one is refused naming the known ones.
+using Setter = std::function<void(nb::handle)>;
+
+void apply_options(const std::string& target, const nb::dict& options,
+                   const std::vector<std::pair<std::string, Setter>>& fields) {
+  for (auto [key, value] : options) {
+    const std::string name = nb::cast<std::string>(key);
+    auto it = std::find_if(fields.begin(), fields.end(), [&](const auto& f) { return f.first == name; });
+    if (it == fields.end()) {
+      std::string known;
+      for (const auto& f : fields) known += (known.empty() ? "" : ", ") + f.first;
+      throw nb::value_error(("k3.bench(\"" + target + "\"): unknown option '" + name + "' (known: " + known + ")").c_str());
+    }
+    try {
+      it->second(value);
+    } catch (const nb::cast_error&) {
+      throw nb::type_error(("k3.bench(\"" + target + "\"): option '" + name + "' has the wrong type (" +
+                            nb::cast<std::string>(nb::str(value.type())) + ")").c_str());
+    }
+  }
+}
+
+template <typename T>
+Setter to(T& field) {
+  return [&field](nb::handle v) { field = nb::cast<T>(v); };
+}
+Setter to_list(std::vector<int64_t>& field) {
+  return [&field](nb::handle v) {
+    if (nb::isinstance<nb::int_>(v)) {
+      field = {nb::cast<int64_t>(v)};
+    } else {
+      field = nb::cast<std::vector<int64_t>>(v);
+    }
+  };
+}
+Setter to_isa(k3::IsaLevel& field) {
+  return [&field](nb::handle v) { field = value(k3::parse_isa_level(nb::cast<std::string>(v))); };
+}
+
+// (the document as JSON, "" or the error of a sweep that went on past a failed case).
+std::pair<std::string, std::string> bench(const std::string& target, const nb::dict& options) {
+  k3::harness::BenchResult r;
+  if (target == "moe") {
+    k3::harness::MoeBenchConfig c;
+    apply_options(target, options,
+                  {{"backend", to(c.backend)}, {"m", to_list(c.ms)}, {"full", to(c.full)}, {"recipe", to(c.recipe)},
+                   {"routing", to(c.routing)}, {"activation", to(c.activation)}, {"hidden", to(c.hidden)},
+                   {"intermediate", to(c.intermediate)}, {"experts", to(c.experts)}, {"top_k", to(c.top_k)},
+                   {"ep_size", to(c.ep_size)}, {"ep_rank", to(c.ep_rank)}, {"iters", to(c.iters)},
+                   {"warmup", to(c.warmup)}, {"input_sets", to(c.input_sets)}, {"bandwidth_mib", to(c.bandwidth_mib)},
+                   {"seed", to(c.seed)}, {"threads", to(c.threads)}, {"isa", to_isa(c.isa)}, {"path", to(c.path)},
+                   {"save_routing", to(c.save_routing)}});
+    nb::gil_scoped_release release;
+    r = k3::harness::bench_moe(c);
+  } else if (target == "kda") {
+    k3::harness::KdaBenchConfig c;
+    apply_options(target, options,
+                  {{"backend", to(c.backend)}, {"heads", to(c.heads)}, {"head_dim", to(c.head_dim)},
+                   {"prefill_t", to_list(c.prefill_t)}, {"decode_n", to_list(c.decode_n)},
+                   {"verify_n", to_list(c.verify_n)}, {"draft_tokens", to(c.draft_tokens)}, {"iters", to(c.iters)},
+                   {"pool_mib", to(c.pool_mib)}, {"bw_mib", to(c.bw_mib)}, {"threads", to(c.threads)},
+                   {"isa", to_isa(c.isa)}});
+    nb::gil_scoped_release release;
+    r = k3::harness::bench_kda(c);
+  } else if (target == "linear") {
+    k3::harness::LinearBenchConfig c;
+    apply_options(target, options,
+                  {{"shapes", to(c.shapes)}, {"recipes", to(c.recipes)}, {"m", to_list(c.m)}, {"iters", to(c.iters)},
+                   {"rounds", to(c.rounds)}, {"pool_mib", to(c.pool_mib)}, {"bw_mib", to(c.bw_mib)},
+                   {"threads", to(c.threads)}, {"isa", to_isa(c.isa)}, {"torch_python", to(c.torch_python)}});
+    nb::gil_scoped_release release;
+    r = k3::harness::bench_linear(c);
+  } else if (target == "limits") {
+    int threads = 0;
+    int64_t buffer_mib = 1024;
+    apply_options(target, options, {{"threads", to(threads)}, {"buffer_mib", to(buffer_mib)}});
+    nb::gil_scoped_release release;
+    r = k3::harness::bench_limits(threads, buffer_mib);
+  } else {
+    throw nb::value_error(("k3.bench: target '" + target + "' is not one of the harness's (moe, kda, linear, limits)").c_str());
+  }
+  if (r.json.empty()) check(r.status.is_ok() ? k3::Status(k3::StatusCode::kInternal, "no document") : r.status);
+  return {r.json, r.status.is_ok() ? std::string() : r.status.to_string()};
+}
+
 }  // namespace
 
 NB_MODULE(_k3, m) {
@@ -945,6 +1065,11 @@ NB_MODULE(_k3, m) {
         return d;
       }, "threads"_a, "mib"_a,
       "The harness's read-bandwidth probe (k3 bench limits): bytes/s over a buffer of `mib` MiB, best of several trials.");
+  m.def("validate", &validate, "op"_a, "suite"_a, "backend"_a, "require"_a, "seed"_a, "recipe"_a, "activation"_a,
+        "checkpoint"_a, "layer"_a, "ep_size"_a, "ep_rank"_a, "threads"_a, "isa"_a, "cuda_path"_a,
+        "The harness's correctness matrix (k3.validate): (the records as JSON, the number of failed checks).");
+  m.def("bench", &bench, "target"_a, "options"_a,
+        "The harness's benchmarks (k3.bench): (the document as JSON, the error of a sweep that went on past a failed case or \"\").");
   m.def("info", &info, "Machine, ISA level and the backends of each op with their availability.");
 
   m.def("mx_quantize", &mx_quantize, "x"_a.noconvert(), "rows"_a, "cols"_a, "element"_a, "rule"_a, "q"_a.noconvert(), "scales"_a.noconvert());
@@ -1075,6 +1200,9 @@ NB_MODULE(_k3, m) {
            "dt_bias"_a.noconvert().none(), "draft_tokens"_a, "state_pool"_a.noconvert(), "state_indices"_a.noconvert(), "num_accepted"_a.noconvert(), "o"_a.noconvert(),
            "workspace"_a.noconvert(), "stream"_a)
       .def("status", &cuda_kda_status, "workspace"_a.noconvert(), "stream"_a);
+  m.def("cuda_kda_replan_max_seqs", [](int64_t planned, int64_t seqs) { return value(k3::cuda::kda_replan_max_seqs(planned, seqs)); },
+        "planned"_a, "seqs"_a,
+        "The max_seqs to rebuild a cached CUDA KDA plan with for a call of `seqs` sequences, or 0 when `planned` covers it.");
   m.def("cuda_kda_plan", &cuda_kda_plan, nb::rv_policy::take_ownership, "cfg"_a, "device"_a, "max_seqs"_a,
         "algorithm"_a, "caps"_a.none());
   nb::class_<CudaMoe>(m, "CudaMoe")

@@ -81,6 +81,15 @@ def test_without_a_device_the_cuda_entry_points_say_so():
         _k3.cuda_device_caps(0)
 
 
+def test_the_torch_kda_plan_cache_uses_the_library_replan_policy():
+    # k3.torch keeps one CUDA KDA plan per configuration and re-plans by this rule (host-only code).
+    assert _k3.cuda_kda_replan_max_seqs(0, 5) == 1024
+    assert _k3.cuda_kda_replan_max_seqs(1024, 900) == 0
+    assert _k3.cuda_kda_replan_max_seqs(1024, 2000) == 2000
+    with pytest.raises(ValueError, match="sequences = 70000 must be in"):
+        _k3.cuda_kda_replan_max_seqs(0, 70000)
+
+
 @needs_cuda_build
 def test_a_plan_for_a_described_device_sizes_the_workspace():
     kda = k3.kda.CudaKda(2, 16, 16, gate="log_decay", max_seqs=8, caps=H100)

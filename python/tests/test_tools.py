@@ -9,23 +9,92 @@ import pytest
 import k3
 
 
-def test_validate_returns_the_tools_records():
+def test_validate_runs_the_harness_in_process_with_the_tools_records(tmp_path):
     r = k3.validate(op="formats", suite="smoke")
-    assert r["exit_code"] == 0, r["log"]
+    assert r["ok"] and r["failed"] == 0
     assert r["records"] and all(rec["pass"] for rec in r["records"])
     assert {"case", "backend", "cosine", "nrmse", "digest"} <= set(r["records"][0])
-    # A bad option is the tool's error, raised with its message.
-    with pytest.raises(RuntimeError, match="--suite"):
+    # The same harness as `k3 validate`: the tool's --output records, digests included, are these.
+    out = tmp_path / "v.json"
+    code, log = k3.tools.run_tool("validate", "--op", "formats", "--suite", "smoke", "--output", out)
+    assert code == 0, log
+    tool = json.loads(out.read_text())
+    assert [(x["case"], x["backend"], x["digest"]) for x in tool["records"]] == \
+        [(x["case"], x["backend"], x["digest"]) for x in r["records"]]
+
+
+def test_validate_options_reach_the_backends_and_bad_ones_name_themselves():
+    # isa / threads are the backends' options: the linear determinism row names the levels it ran.
+    r = k3.validate(op="moe", suite="determinism", backend="cpu", recipe="w4a16", activation="silu", isa="scalar",
+                    threads=1)
+    assert r["ok"], [x for x in r["records"] if not x["pass"]]
+    assert any("1, 2, 3 threads" in x["note"] for x in r["records"])
+    with pytest.raises(ValueError, match="--suite 'nonsense'"):
         k3.validate(op="formats", suite="nonsense")
+    with pytest.raises(ValueError, match="--op nope is not known"):
+        k3.validate(op="nope")
+    with pytest.raises(ValueError, match="avx9"):
+        k3.validate(op="formats", suite="smoke", isa="avx9")
+    # A missing capability is a FAIL row, not an exception.
+    r = k3.validate(op="moe", suite="smoke", backend="cpu", recipe="w4a16", activation="silu", require="no-such-cap")
+    assert not r["ok"] and r["failed"] >= 1
+    assert any(x["case"] == "require no-such-cap" and not x["pass"] for x in r["records"])
 
 
-def test_bench_records_and_env():
-    r = k3.bench("moe", m=[1], recipe="w4a16", hidden=64, intermediate=64, experts=4, top_k=2, ep_size=1, ep_rank=0,
-                 routing="uniform", iters=2, bandwidth_mib=64, env={"K3_ISA": "scalar"})
-    assert r["exit_code"] == 0, r["log"]
+def test_bench_moe_runs_the_harness_in_process():
+    r = k3.bench("moe", m=[1, 3], recipe="w4a16", hidden=64, intermediate=64, experts=4, top_k=2, ep_size=1, ep_rank=0,
+                 routing="uniform", iters=2, bandwidth_mib=64, isa="scalar", threads=1)
+    assert r["ok"] and "error" not in r
+    assert r["machine"]["isa"] == "scalar" and r["machine"]["threads"] == 1
+    assert [rec["m"] for rec in r["records"]] == [1, 3]
     rec = r["records"][0]
-    assert rec["m"] == 1 and rec["isa"] == "scalar" and rec["recipe"] == "w4a16"
-    assert rec["timing"]["median_s"] > 0
+    assert rec["isa"] == "scalar" and rec["recipe"] == "w4a16" and rec["kernel"] == "portable"  # the scalar level's kernel
+    assert rec["timing"]["median_s"] > 0 and rec["timing"]["iterations"] == 2
+    # The traffic model: M = 1 with top-2 of 4 experts streams the 2 experts' MXFP4 bytes once.
+    expert_bytes = 3 * 64 * 64 // 2 + 3 * 64 * 64 // 32
+    assert rec["weight_bytes_per_call"] == 2 * expert_bytes
+    assert r["read_bandwidth_Bps"]["value"] > 0 and r["dot_peak_flops"]["value"] > 0
+
+
+def test_bench_kda_runs_the_harness_in_process():
+    r = k3.bench("kda", heads=2, head_dim=32, prefill_t=[16], decode_n=4, verify_n=[2], iters=2, pool_mib=1, bw_mib=16,
+                 threads=1)
+    assert r["ok"]
+    kinds = [rec["kind"] for rec in r["records"]]
+    assert kinds == ["prefill", "decode", "verify"]
+    pre = r["records"][0]
+    assert pre["recurrent_flop"] == 16 * 2 * 7 * 32 * 32  # T H 7 K V
+    assert pre["chunked"]["median_s"] > 0 and pre["recurrent_over_chunked_median_ratio"] > 0
+
+
+def test_bench_limits_in_process():
+    r = k3.bench("limits", threads=1, buffer_mib=64)
+    assert r["ok"] and r["machine"]["threads"] == 1
+    for key in ("read_bandwidth_Bps", "dot_peak_flops", "fp32_fma_peak_flops"):
+        assert r[key]["value"] > 0 and r[key]["min"] <= r[key]["median"] <= r[key]["value"]
+    with pytest.raises(ValueError, match="--buffer-mib 1 must be in"):
+        k3.bench("limits", buffer_mib=1)
+
+
+def test_bench_options_are_checked_naming_them():
+    with pytest.raises(ValueError, match="unknown option 'bogus'"):
+        k3.bench("moe", bogus=1)
+    with pytest.raises(TypeError, match="option 'hidden' has the wrong type"):
+        k3.bench("moe", hidden="big")
+    with pytest.raises(ValueError, match="--recipe"):
+        k3.bench("moe", m=[1], recipe="w2a2")
+    with pytest.raises(ValueError, match="--prefill-t 0 must be in"):
+        k3.bench("kda", prefill_t=[0])
+    with pytest.raises(ValueError, match="avx9"):
+        k3.bench("kda", isa="avx9")
+    with pytest.raises(ValueError, match="--shapes: '96y64' is not KxN"):
+        k3.bench("linear", shapes="96y64")
+    with pytest.raises(ValueError, match="target .nope. is not one of"):
+        k3.bench("nope")
+    with pytest.raises(ValueError, match="env is not used"):
+        k3.bench("moe", env={"K3_ISA": "scalar"})
+    with pytest.raises(RuntimeError, match="built without CUDA|cuda"):
+        k3.bench("kda", backend="cuda", prefill_t=[16], decode_n=[1], verify_n=[0])
 
 
 def fake_bench():

@@ -41,6 +41,18 @@ std::span<T> dev(int64_t n) {
   return n == 0 ? std::span<T>() : std::span<T>(reinterpret_cast<T*>(uintptr_t{0x1000}), static_cast<size_t>(n));
 }
 
+TEST(CudaKdaPlan, ReplanPolicyGrowsToAtLeast1024AndKeepsACoveringPlan) {
+  EXPECT_EQ(cuda::kda_replan_max_seqs(0, 1).value(), 1024);        // no plan yet
+  EXPECT_EQ(cuda::kda_replan_max_seqs(0, 3000).value(), 3000);
+  EXPECT_EQ(cuda::kda_replan_max_seqs(1024, 1024).value(), 0);     // covered: keep it
+  EXPECT_EQ(cuda::kda_replan_max_seqs(1024, 1025).value(), 1025);
+  EXPECT_EQ(cuda::kda_replan_max_seqs(4096, 7).value(), 0);
+  const auto bad = cuda::kda_replan_max_seqs(0, cuda::kKdaMaxSeqs + 1);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("sequences = 65536 must be in [1, 65535]"), std::string::npos);
+  EXPECT_FALSE(cuda::kda_replan_max_seqs(0, 0).is_ok());
+}
+
 TEST(CudaKdaPlan, GeometryFollowsTheHeadDims) {
   auto p = cuda::plan(kimi(), opts());
   ASSERT_TRUE(p.is_ok()) << p.status().to_string();

@@ -381,6 +381,13 @@ TEST_F(MoeOutputFiles, ThreadCountFromTheEnvironmentIsReportedAsGiven) {
   EXPECT_NE(bad.code, 0) << bad.out;
   EXPECT_HAS(bad.out, "threads = 1000 (from K3_NUM_THREADS=1000) must be in [0, 256]");
   EXPECT_FALSE(fs::exists(io_.file("o2.safetensors")));
+  // `k3 validate`: a refused count is one FAIL naming the variable, not a SKIP on every case.
+  const auto v = run_sh("K3_NUM_THREADS=1000 " + k3_cmd("validate --op moe --suite smoke --backend cpu --recipe w4a16 "
+                                                      "--activation silu"));
+  EXPECT_EQ(v.code, 1) << v.out;
+  EXPECT_HAS(v.out, "backend cpu options");
+  EXPECT_HAS(v.out, "threads = 1000 (from K3_NUM_THREADS=1000) must be in [0, 256]");
+  EXPECT_HAS(v.out, "1 checks, 1 failed");
 }
 
 }  // namespace

@@ -8,7 +8,10 @@
 #include <vector>
 
 #include "backend_options.hpp"
+#include <nlohmann/json.hpp>
+
 #include "bench.hpp"
+#include "k3/harness/bench.hpp"
 #include "k3/harness/atomic_file.hpp"
 #include "k3/comm.hpp"
 #include "k3/harness/comm_bench.hpp"
@@ -127,7 +130,7 @@ Status run(const Args& a) {
     }
   }
   if (rank == 0 && !a.output.empty()) {
-    j["machine"] = machine_json(1);
+    j["machine"] = nlohmann::json::parse(harness::machine_json(1, env_isa_level()));
     j["world_size"] = world;
     j["transport"] = c->transport();
     K3_RETURN_IF_ERROR(write_file_atomic(a.output, j.dump(2) + "\n", "--output"));

@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint_cli.hpp"
-#include "moe_layer.hpp"
+#include "k3/harness/ep_flags.hpp"
 #include "k3/checkpoint.hpp"
 #include "k3/safetensors.hpp"
 

@@ -1,13 +1,13 @@
 // `k3 bench <target>` and the `limits` target (the machine limits every benchmark reports against).
-#include <omp.h>
-
+#include <cstdio>
 #include <iostream>
 #include <memory>
 
 #include "bench.hpp"
 #include "command.hpp"
 #include "k3/harness/atomic_file.hpp"
-#include "k3/build_info.hpp"
+#include "k3/harness/bench.hpp"
+#include <nlohmann/json.hpp>
 #include "k3/system.hpp"
 
 namespace k3::tool {
@@ -15,16 +15,6 @@ namespace k3::tool {
 std::vector<BenchEntry>& bench_registry() {
   static std::vector<BenchEntry> registry;
   return registry;
-}
-
-nlohmann::json machine_json(int threads) {
-  const auto isa = active_isa_level();
-  return {{"cpu", cpu_info().model},
-          {"logical_cpus", cpu_info().logical_cpus},
-          {"threads", threads},
-          {"isa", isa.is_ok() ? isa_level_name(isa.value()) : isa.status().message()},
-          {"k3_version", build::kVersion},
-          {"build_type", build::kBuildType}};
 }
 
 namespace {
@@ -35,28 +25,28 @@ struct LimitsArgs {
   std::string output;
 };
 
-Status run_limits(const LimitsArgs& a) {
+Status run_limits(LimitsArgs& a) {
   if (!a.output.empty()) {
     K3_RETURN_IF_ERROR(check_output_path("--output", a.output));
   }
-  const int threads = a.threads > 0 ? a.threads : default_thread_count();
-  const auto bw = measure_read_bandwidth(threads, a.mib << 20);
-  const auto dot = measure_dot_peak(threads);
-  const auto fma = measure_fp32_fma_peak(threads);
+  const harness::BenchResult r = harness::bench_limits(a.threads > 0 ? a.threads : default_thread_count(), a.mib);
+  K3_RETURN_IF_ERROR(r.status);
+  const auto doc = nlohmann::json::parse(r.json);
+  auto row = [](const nlohmann::json& x, double unit, const char* fmt) {
+    std::printf(fmt, x["what"].get<std::string>().c_str(), x["value"].get<double>() / unit, x["median"].get<double>() / unit,
+                x["min"].get<double>() / unit);
+  };
   std::printf("%-68s %12s %12s %12s\n", "limit", "best", "median", "min");
-  std::printf("%-68s %9.2f GB/s %9.2f    %9.2f\n", bw.what.c_str(), bw.value / 1e9, bw.median / 1e9, bw.min / 1e9);
-  std::printf("%-68s %6.1f GFLOP/s %9.1f    %9.1f\n", dot.what.c_str(), dot.value / 1e9, dot.median / 1e9, dot.min / 1e9);
-  print_probe_note(dot);
-  std::printf("%-68s %6.1f GFLOP/s %9.1f    %9.1f\n", fma.what.c_str(), fma.value / 1e9, fma.median / 1e9, fma.min / 1e9);
-  if (fma.arithmetic > 0) std::printf("  clock x width (2 FMA pipes): %.1f GFLOP/s\n", fma.arithmetic / 1e9);
-  print_probe_note(fma);
-  if (!a.output.empty()) {
-    nlohmann::json j = {{"machine", machine_json(threads)},
-                        {"read_bandwidth_Bps", to_json(bw)},
-                        {"dot_peak_flops", to_json(dot)},
-                        {"fp32_fma_peak_flops", to_json(fma)}};
-    K3_RETURN_IF_ERROR(write_file_atomic(a.output, j.dump(2) + "\n", "--output"));
+  row(doc["read_bandwidth_Bps"], 1e9, "%-68s %9.2f GB/s %9.2f    %9.2f\n");
+  for (const char* key : {"dot_peak_flops", "fp32_fma_peak_flops"}) {
+    const auto& x = doc[key];
+    row(x, 1e9, "%-68s %6.1f GFLOP/s %9.1f    %9.1f\n");
+    if (std::string(key) == "fp32_fma_peak_flops" && x.contains("clock_x_width")) {
+      std::printf("  clock x width (2 FMA pipes): %.1f GFLOP/s\n", x["clock_x_width"].get<double>() / 1e9);
+    }
+    if (x.contains("note")) std::printf("  note: %s\n", x["note"].get<std::string>().c_str());
   }
+  if (!a.output.empty()) K3_RETURN_IF_ERROR(write_file_atomic(a.output, r.json, "--output"));
   return Status::ok();
 }
 

@@ -34,7 +34,7 @@
 #include "k3/harness/moe_io.hpp"
 #include "k3/routing.hpp"
 #include "backend_options.hpp"
-#include "moe_layer.hpp"
+#include "k3/harness/ep_flags.hpp"
 #include "paths.hpp"
 
 namespace k3::tool {

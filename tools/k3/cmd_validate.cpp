@@ -1,24 +1,19 @@
-// `k3 validate [--op NAME|all] [--suite S] [--backend B] [--require CAP] [--output FILE]`
-#include <algorithm>
+// `k3 validate [--op NAME|all] [--suite S] [--backend B] [--require CAP] [--output FILE]`: parses
+// the flags, runs the correctness matrix of the harness (k3/harness/validate.hpp), prints it.
 #include <cstdio>
 #include <memory>
-#include <nlohmann/json.hpp>
 
+#include "backend_options.hpp"
 #include "command.hpp"
 #include "k3/harness/atomic_file.hpp"
-#include "k3/build_info.hpp"
-#include "k3/system.hpp"
+#include "k3/harness/validate.hpp"
 #include "paths.hpp"
-#include "validate.hpp"
 
 namespace k3::tool {
-
-std::vector<ValidateOp>& validate_registry() {
-  static std::vector<ValidateOp> registry;
-  return registry;
-}
-
 namespace {
+
+using harness::ValidateOptions;
+using harness::ValidateRow;
 
 struct Args {
   std::string op = "all";
@@ -36,63 +31,39 @@ void print_table(const std::vector<ValidateRow>& rows) {
   }
 }
 
-Status run_validate(const Args& a) {
+Status run_validate(Args& a) {
   // The output path is checked before the (long) run; the write itself reports its errors.
   if (!a.output.empty()) {
     Status s = check_output_path("--output", a.output);
     if (s.is_ok() && !a.opts.checkpoint.empty()) s = check_output_not_checkpoint("--output", a.output, a.opts.checkpoint);
     K3_RETURN_IF_ERROR(s);
   }
-  // Every op reads the suite: an unknown name is a usage error for all of them, before any work.
-  static constexpr const char* kSuites[] = {"smoke", "real", "nonfinite", "determinism", "all"};
-  if (std::find(std::begin(kSuites), std::end(kSuites), a.opts.suite) == std::end(kSuites)) {
-    return invalid_argument("--suite '" + a.opts.suite +
-                            "' is an unknown suite (known: smoke, real, nonfinite, determinism, all)");
-  }
-  std::vector<ValidateRow> rows;
-  bool matched = false;
-  for (const auto& op : validate_registry()) {
-    if (a.op != "all" && a.op != op.name) continue;
-    matched = true;
-    auto r = op.run(a.opts);
-    rows.insert(rows.end(), r.begin(), r.end());
-  }
-  if (!matched) {
-    std::string names;
-    for (const auto& op : validate_registry()) names += " " + op.name;
-    return invalid_argument("--op " + a.op + " is not known (known:" + names + ", all)");
-  }
-  print_table(rows);
-  const auto failed = std::count_if(rows.begin(), rows.end(), [](const ValidateRow& r) { return !r.pass; });
-  const auto skipped = std::count_if(rows.begin(), rows.end(), [](const ValidateRow& r) { return r.skipped; });
-  if (skipped == 0) {
-    std::printf("\n%zu checks, %td failed\n", rows.size(), failed);
+  // The environment becomes options here (K3_NUM_THREADS, K3_ISA, K3_CUDA_MOE_PATH), and a refusal
+  // of a value that came from it names the variable.
+  a.opts.backend_options = backend_options("cuda");
+  a.opts.explain = [](Status st, const BackendOptions& bo) { return with_path_source(with_thread_source(std::move(st), bo.threads)); };
+  a.opts.progress = [](const std::string& what) { std::fprintf(stderr, "k3 validate %s\n", what.c_str()); };
+  auto rows = harness::run_validation(a.op, a.opts);
+  K3_RETURN_IF_ERROR(rows.status());
+  print_table(rows.value());
+  const auto n = harness::count_rows(rows.value());
+  if (n.skipped == 0) {
+    std::printf("\n%zu checks, %zu failed\n", n.checks, n.failed);
   } else {
-    std::printf("\n%zu checks, %td failed, %td skipped\n", rows.size(), failed, skipped);
+    std::printf("\n%zu checks, %zu failed, %zu skipped\n", n.checks, n.failed, n.skipped);
   }
   if (!a.output.empty()) {
-    nlohmann::json j;
-    j["k3_version"] = build::kVersion;
-    j["build_type"] = build::kBuildType;
-    j["cpu"] = cpu_info().model;
-    j["seed"] = a.opts.seed;
-    j["suite"] = a.opts.suite;
-    for (const auto& r : rows) {
-      j["records"].push_back({{"op", r.op}, {"case", r.case_name}, {"backend", r.backend}, {"cosine", r.cosine},
-                              {"nrmse", r.nrmse}, {"max_abs", r.max_abs}, {"digest", r.digest},
-                              {"pass", r.pass}, {"skipped", r.skipped}, {"note", r.note}});
-    }
-    K3_RETURN_IF_ERROR(write_file_atomic(a.output, j.dump(2) + "\n", "--output"));
+    K3_RETURN_IF_ERROR(write_file_atomic(a.output, harness::validation_json(rows.value(), a.opts), "--output"));
   }
-  if (failed == 0) return Status::ok();
-  return check_failed(std::to_string(failed) + " of " + std::to_string(rows.size()) + " checks failed (FAIL rows above)");
+  if (n.failed == 0) return Status::ok();
+  return check_failed(std::to_string(n.failed) + " of " + std::to_string(n.checks) + " checks failed (FAIL rows above)");
 }
 
 const CommandRegistration kRegistration("validate", 10, [](CLI::App& app) -> CommandRun {
   auto* cmd = app.add_subcommand("validate", "Run the correctness matrix against the FP64/FP32 oracles");
   auto a = std::make_shared<Args>();
   std::string ops_help = "Op to validate: all";
-  for (const auto& op : validate_registry()) ops_help += ", " + op.name + " (" + op.help + ")";
+  for (const auto& op : harness::validate_ops()) ops_help += ", " + std::string(op.name) + " (" + std::string(op.help) + ")";
   cmd->add_option("--op", a->op, ops_help)->capture_default_str();
   cmd->add_option("--suite", a->opts.suite, "Suite within the op (smoke, real, nonfinite, determinism, all)")
       ->capture_default_str();

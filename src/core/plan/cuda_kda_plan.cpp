@@ -183,4 +183,12 @@ Status check_verify_sizes(const KdaPlan& p, const kda::VerifyArgs& a) {
   return check_seqs(p, n, "verify: the batch");
 }
 
+Result<int64_t> kda_replan_max_seqs(int64_t planned, int64_t seqs) {
+  if (seqs < 1 || seqs > kKdaMaxSeqs) {
+    return invalid_argument("sequences = " + num(seqs) + " must be in [1, " + num(kKdaMaxSeqs) + "] (a plan's max_seqs)");
+  }
+  if (planned >= seqs) return int64_t{0};
+  return std::max<int64_t>(1024, seqs);
+}
+
 }  // namespace k3::cuda

@@ -20,9 +20,9 @@
 #include "k3/linear.hpp"
 #include "k3/harness/moe_compare.hpp"
 #include "k3/system.hpp"
-#include "validate.hpp"
+#include "k3/harness/validate.hpp"
 
-namespace k3::tool {
+namespace k3::harness {
 namespace {
 
 struct LinCase {
@@ -180,7 +180,7 @@ std::vector<ValidateRow> run_linear_validation(const ValidateOptions& o) {
     for (const auto* b : backends) {
       // The reference backend is slow: it runs the small cases only.
       if (b->name == "reference" && c.m * c.p.n * c.p.k > (int64_t{1} << 24)) continue;
-      rows.push_back(check(c, *b, {}));
+      rows.push_back(check(c, *b, o.options_for(b->name)));
     }
   if (all || o.suite == "determinism") {
     const LinCase c = make("determinism", 288, 129, 40, LinearRecipe::kW8A8, OutDType::kBF16, true, seed + 30);
@@ -221,8 +221,8 @@ std::vector<ValidateRow> run_linear_validation(const ValidateOptions& o) {
   return rows;
 }
 
-const ValidateRegistration kRegistration("linear", "dense MXFP8 linear vs its FP64 oracle and contract",
-                                         run_linear_validation);
-
 }  // namespace
-}  // namespace k3::tool
+
+std::vector<ValidateRow> validate_linear(const ValidateOptions& o) { return run_linear_validation(o); }
+
+}  // namespace k3::harness

@@ -2,8 +2,6 @@
 // backend, against the FP64 contract oracle (tight tolerances) and, at Kimi shapes, the seeds'
 // BF16 reference (recipe noise, reported as the seed metrics). Suites: smoke, real, nonfinite,
 // determinism, all. See docs/moe.md.
-#include <omp.h>
-
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -14,11 +12,10 @@
 #include "k3/harness/moe_case.hpp"
 #include "k3/harness/moe_compare.hpp"
 #include "k3/moe_ref.hpp"
-#include "backend_options.hpp"
-#include "validate.hpp"
+#include "k3/harness/validate.hpp"
 #include "validate_moe_checkpoint.hpp"
 
-namespace k3::tool {
+namespace k3::harness {
 namespace {
 
 ValidateRow make_row(const std::string& case_name, const std::string& backend, bool pass, std::string note) {
@@ -96,13 +93,14 @@ void check_requirements(const ValidateOptions& o, const Selection& sel, std::vec
       p.shape = smoke_spec(1, RoutingPattern::kUniform, 0).problem.shape;  // a problem every backend should take
       if (recipe.is_ok()) p.recipe = recipe.value();
       if (act.is_ok()) p.activation.kind = act.value();
-      const Status st = b->supports ? b->supports(p, backend_options(b->name)) : Status::ok();
+      const Status st = b->supports ? b->supports(p, o.options_for(b->name)) : Status::ok();
       rows.push_back(make_row("require " + cap, b->name, st.is_ok(), st.is_ok() ? "supported" : st.message()));
     }
   }
 }
 
 struct Runner {
+  const ValidateOptions& opts;
   const Selection& sel;
   std::vector<ValidateRow>& rows;
 
@@ -111,12 +109,14 @@ struct Runner {
            out_dtype_name(p.out_dtype);
   }
 
-  // Runs one backend; on error adds a FAIL row and returns false.
-  bool run_backend(const MoeBackend& b, const MoeCase& c, const std::string& name, std::vector<uint8_t>& out) {
+  // Runs one backend (`threads` > 0 overrides the options' count); on error adds a FAIL row and
+  // returns false.
+  bool run_backend(const MoeBackend& b, const MoeCase& c, const std::string& name, std::vector<uint8_t>& out,
+                   int threads = 0) {
     out.assign(c.m * c.problem.shape.hidden * out_dtype_size(c.problem.out_dtype), 0xA5);  // poison
-    const BackendOptions bo = backend_options(b.name);
-    const Status st = with_path_source(
-        with_thread_source(k3::run_moe(b, c.problem, c.weights(), c.inputs(), out, bo), bo.threads));
+    BackendOptions bo = opts.options_for(b.name);
+    if (threads > 0) bo.threads = threads;
+    const Status st = opts.explained(k3::run_moe(b, c.problem, c.weights(), c.inputs(), out, bo), bo);
     if (st.code() == StatusCode::kInexact) {
       // The backend cannot hold these operands exactly and says so instead of rounding them (the
       // CUDA path's BF16 weight registers, docs/cuda_moe.md): a documented refusal, not a wrong
@@ -132,7 +132,8 @@ struct Runner {
 
   bool supported(const MoeBackend& b, const MoeCase& c, const std::string& name) {
     if (!b.supports) return true;
-    const Status st = with_path_source(b.supports(c.problem, backend_options(b.name)));
+    const BackendOptions bo = opts.options_for(b.name);
+    const Status st = opts.explained(b.supports(c.problem, bo), bo);
     if (!st.is_ok()) {
       ValidateRow r = make_row(label(name, c.problem), b.name, true,
                                "skipped, not supported: " + st.message() + " (--require makes this fail)");
@@ -186,7 +187,7 @@ struct Runner {
       for (ActivationKind a : sel.acts) {
         c.problem.recipe = r;
         c.problem.activation.kind = a;
-        std::fprintf(stderr, "k3 validate moe: %s %s %s\n", name.c_str(), recipe_name(r), activation_name(a));
+        opts.report("moe: " + name + " " + recipe_name(r) + " " + activation_name(a));
         check(name, c, seed);
       }
     }
@@ -320,7 +321,7 @@ void nonfinite(const ValidateOptions& o, Runner& run) {
   run.check_all("nonfinite w-overflow inf*0", w.value(), false);
 }
 
-// Three runs (1, 2 and 3 OpenMP threads) must give the same bytes.
+// Three runs (1, 2 and 3 threads, BackendOptions::threads) must give the same bytes.
 void determinism(const ValidateOptions& o, Runner& run) {
   MoeCaseSpec s;
   s.problem.shape = {512, 256, 16, 4, 1, 0};
@@ -332,7 +333,6 @@ void determinism(const ValidateOptions& o, Runner& run) {
     run.rows.push_back(make_row("determinism", "-", false, c.status().to_string()));
     return;
   }
-  const int saved = omp_get_max_threads();
   for (Recipe r : run.sel.recipes) {
     for (ActivationKind a : run.sel.acts) {
       c->problem.recipe = r;
@@ -344,12 +344,10 @@ void determinism(const ValidateOptions& o, Runner& run) {
         bool ok = true;
         const int threads[3] = {1, 2, 3};
         for (int i = 0; i < 3 && ok; ++i) {
-          omp_set_num_threads(threads[i]);
           std::vector<uint8_t> out;
-          ok = run.run_backend(*b, c.value(), name, out);
+          ok = run.run_backend(*b, c.value(), name, out, threads[i]);
           digests[i] = ok ? sha256_hex(out) : "";
         }
-        omp_set_num_threads(saved);
         if (!ok) continue;
         const bool same = digests[0] == digests[1] && digests[1] == digests[2];
         ValidateRow row = make_row(Runner::label(name, c->problem), b->name, same,
@@ -365,14 +363,27 @@ void determinism(const ValidateOptions& o, Runner& run) {
 
 std::vector<ValidateRow> run_moe(const ValidateOptions& o) {
   std::vector<ValidateRow> rows;
-  const Selection sel = select(o, rows);
+  Selection sel = select(o, rows);
   check_requirements(o, sel, rows);
   if (sel.recipes.empty() || sel.acts.empty()) return rows;
   if (sel.backends.empty()) {  // a named backend that is unknown or unusable already has its FAIL row
     if (o.backend == "all") rows.push_back(make_row("backends", "-", false, "no usable fused-MoE backend"));
     return rows;
   }
-  Runner run{sel, rows};
+  // The options themselves (threads, SIMD level, kernel path) are checked once per backend on a
+  // problem every backend takes: a bad one is a FAIL, not a SKIP on every case.
+  std::erase_if(sel.backends, [&](const MoeBackend* b) {
+    if (!b->supports) return false;
+    MoeProblem p;
+    p.shape = smoke_spec(1, RoutingPattern::kUniform, 0).problem.shape;
+    const BackendOptions bo = o.options_for(b->name);
+    const Status st = o.explained(b->supports(p, bo), bo);
+    if (st.is_ok() || st.code() == StatusCode::kUnsupported) return false;
+    rows.push_back(make_row("backend " + b->name + " options", b->name, false, st.message()));
+    return true;
+  });
+  if (sel.backends.empty()) return rows;
+  Runner run{o, sel, rows};
   const std::string& s = o.suite;
   if (s != "all" && s != "smoke" && s != "real" && s != "nonfinite" && s != "determinism") {
     rows.push_back(make_row("suite " + s, "-", false, "unknown suite (smoke, real, nonfinite, determinism, all)"));
@@ -390,8 +401,8 @@ std::vector<ValidateRow> run_moe(const ValidateOptions& o) {
   return rows;
 }
 
-const ValidateRegistration kRegistration("moe", "fused MoE vs the FP64 contract oracle and the BF16 reference",
-                                         run_moe);
-
 }  // namespace
-}  // namespace k3::tool
+
+std::vector<ValidateRow> validate_moe(const ValidateOptions& o) { return run_moe(o); }
+
+}  // namespace k3::harness

@@ -7,9 +7,9 @@
 #include "k3/expert_map.hpp"
 #include "k3/formats.hpp"
 #include "k3/routing.hpp"
-#include "moe_layer.hpp"
+#include "k3/harness/ep_flags.hpp"
 
-namespace k3::tool {
+namespace k3::harness {
 namespace {
 
 ValidateRow fail_row(const std::string& name, const std::string& why) {
@@ -90,10 +90,10 @@ void validate_on_checkpoint(const ValidateOptions& o, const std::vector<Recipe>&
                              " loc" + std::to_string(map.is_ok() ? map->local_slots : -1);
     for (Recipe r : recipes) {
       c.problem.recipe = r;
-      std::fprintf(stderr, "k3 validate moe: %s %s\n", name.c_str(), recipe_name(r));
+      o.report("moe: " + name + " " + recipe_name(r));
       check(name, c, true);
     }
   }
 }
 
-}  // namespace k3::tool
+}  // namespace k3::harness

@@ -8,9 +8,9 @@
 #include "k3/cuda.hpp"
 #include "k3/harness/digest.hpp"
 #include "k3/mx.hpp"
-#include "validate.hpp"
+#include "k3/harness/validate.hpp"
 
-namespace k3::tool {
+namespace k3::harness {
 namespace {
 
 // Independent decode of a sign/exponent/mantissa code, in double.
@@ -169,7 +169,8 @@ std::vector<ValidateRow> run_formats(const ValidateOptions& opt) {
   return rows;
 }
 
-const ValidateRegistration kRegistration("formats", "MX codecs, scale rules, layouts", run_formats);
-
 }  // namespace
-}  // namespace k3::tool
+
+std::vector<ValidateRow> validate_formats(const ValidateOptions& o) { return run_formats(o); }
+
+}  // namespace k3::harness

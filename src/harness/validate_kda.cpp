@@ -14,16 +14,15 @@
 #include <string>
 #include <vector>
 
-#include "backend_options.hpp"
 #include "k3/harness/kda_case.hpp"
 #include "k3/backend.hpp"
 #include "k3/formats.hpp"
 #include "k3/harness/digest.hpp"
 #include "k3/kda.hpp"
 #include "k3/kda_ops.hpp"
-#include "validate.hpp"
+#include "k3/harness/validate.hpp"
 
-namespace k3::tool {
+namespace k3::harness {
 namespace {
 
 using kda::Algorithm;
@@ -630,7 +629,7 @@ std::vector<ValidateRow> run_kda(const ValidateOptions& opt) {
     rows.push_back(flag_row("backend " + name, name, false, found.status().message()));
     return rows;
   }
-  const Target t{*found.value(), backend_options()};
+  const Target t{*found.value(), opt.backend_options};
   if (const Status st = t.b.available(); !st.is_ok()) {
     rows.push_back(flag_row("backend " + name + " usable", name, false, st.message()));
     return rows;
@@ -663,8 +662,8 @@ std::vector<ValidateRow> run_kda(const ValidateOptions& opt) {
   return rows;
 }
 
-const ValidateRegistration kRegistration("kda", "Kimi Delta Attention: a backend's prefill/decode/verify, CPU variants, ops",
-                                         run_kda);
-
 }  // namespace
-}  // namespace k3::tool
+
+std::vector<ValidateRow> validate_kda(const ValidateOptions& o) { return run_kda(o); }
+
+}  // namespace k3::harness

@@ -7,7 +7,7 @@
 #include "k3/checkpoint.hpp"
 #include "k3/status.hpp"
 
-namespace k3::tool {
+namespace k3 {
 
 // The --ep-size / --ep-rank flags of a command that loads `checkpoint`: ep_size >= 1, ep_rank in
 // [0, ep_size), and ep_size divides the checkpoint's num_experts (read from its config.json; if
@@ -19,4 +19,4 @@ Status check_ep_flags(int ep_size, int ep_rank, const MoeModelConfig& config);
 // The part that needs no config: ep_size >= 1 and ep_rank in [0, ep_size).
 Status check_ep_ranges(int ep_size, int ep_rank);
 
-}  // namespace k3::tool
+}  // namespace k3

@@ -1,10 +1,10 @@
-#include "moe_layer.hpp"
+#include "k3/harness/ep_flags.hpp"
 
 #include <string>
 
 #include "k3/checkpoint.hpp"
 
-namespace k3::tool {
+namespace k3 {
 
 namespace {
 
@@ -41,4 +41,4 @@ Status check_ep_flags(int ep_size, int ep_rank, const std::string& checkpoint) {
   return check_ep_flags(ep_size, ep_rank, cfg.value());
 }
 
-}  // namespace k3::tool
+}  // namespace k3

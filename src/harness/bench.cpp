@@ -1,0 +1,59 @@
+#include "k3/harness/bench.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <nlohmann/json.hpp>
+
+#include "bench_json.hpp"
+#include "k3/build_info.hpp"
+
+namespace k3::harness {
+
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+Timing summarize(std::vector<double> t) {
+  if (t.empty()) return {};
+  std::sort(t.begin(), t.end());
+  return {t[t.size() / 2], t.front(), t.back(), static_cast<int>(t.size())};
+}
+
+Timing time_runs(const std::function<void()>& fn, int warmup, int iters) {
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<double> t;
+  t.reserve(static_cast<size_t>(std::max(iters, 0)));
+  for (int i = 0; i < iters; ++i) {
+    const double t0 = now_s();
+    fn();
+    t.push_back(now_s() - t0);
+  }
+  return summarize(std::move(t));
+}
+
+std::string machine_json(int threads, IsaLevel isa) {
+  const nlohmann::json j = {{"cpu", cpu_info().model},
+                            {"logical_cpus", cpu_info().logical_cpus},
+                            {"threads", threads},
+                            {"isa", isa_level_name(isa)},
+                            {"k3_version", build::kVersion},
+                            {"build_type", build::kBuildType}};
+  return j.dump();
+}
+
+BenchResult bench_limits(int threads, int64_t buffer_mib) {
+  if (threads < 0 || threads > 4096) return {"", invalid_argument("--threads " + std::to_string(threads) + " must be in [0, 4096]")};
+  if (buffer_mib < 64 || buffer_mib > 65536) {
+    return {"", invalid_argument("--buffer-mib " + std::to_string(buffer_mib) + " must be in [64, 65536]")};
+  }
+  if (threads == 0) threads = hardware_thread_count();
+  const IsaLevel isa = best_isa_level();
+  const MeasuredRate bw = measure_read_bandwidth(threads, buffer_mib << 20);
+  const MeasuredRate dot = measure_dot_peak(threads);
+  const MeasuredRate fma = measure_fp32_fma_peak(threads);
+  const nlohmann::json j = {{"machine", machine(threads, isa)},
+                            {"read_bandwidth_Bps", to_json(bw)},
+                            {"dot_peak_flops", to_json(dot)},
+                            {"fp32_fma_peak_flops", to_json(fma)}};
+  return {j.dump(2) + "\n", Status::ok()};
+}
+
+}  // namespace k3::harness
