@@ -56,4 +56,34 @@ BenchResult bench_limits(int threads, int64_t buffer_mib) {
   return {j.dump(2) + "\n", Status::ok()};
 }
 
+std::string comm_bench_json(const std::vector<comm::EpBenchRecord>& ep,
+                            const std::vector<comm::AllreduceBenchRecord>& allreduce, int world,
+                            const std::string& transport, IsaLevel isa) {
+  nlohmann::json j;
+  for (const auto& r : ep) {
+    j["ep"].push_back({{"m_per_rank", r.m},
+                       {"mxfp8_wire", r.mxfp8_wire},
+                       {"dispatch_bytes_per_rank", r.dispatch_bytes},
+                       {"combine_bytes_per_rank", r.combine_bytes},
+                       {"k3_dispatch_us", r.dispatch_us},
+                       {"k3_combine_us", r.combine_us},
+                       {"native_alltoallv_dispatch_us", r.native_dispatch_us},
+                       {"native_alltoallv_combine_us", r.native_combine_us}});
+  }
+  for (const auto& r : allreduce) {
+    j["allreduce"].push_back({{"bytes", r.bytes},
+                              {"rows", r.rows},
+                              {"cols", r.cols},
+                              {"k3_us", r.k3_us},
+                              {"k3_rmsnorm_us", r.k3_rmsnorm_us},
+                              {"native_allreduce_f32_us", r.native_us},
+                              {"k3_busbw_gbs", r.k3_busbw_gbs},
+                              {"native_busbw_gbs", r.native_busbw_gbs}});
+  }
+  j["machine"] = machine(1, isa);
+  j["world_size"] = world;
+  j["transport"] = transport;
+  return j.dump(2) + "\n";
+}
+
 }  // namespace k3::harness

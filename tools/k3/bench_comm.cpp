@@ -8,8 +8,6 @@
 #include <vector>
 
 #include "backend_options.hpp"
-#include <nlohmann/json.hpp>
-
 #include "bench.hpp"
 #include "k3/harness/bench.hpp"
 #include "k3/harness/atomic_file.hpp"
@@ -69,7 +67,7 @@ Status run(const Args& a) {
   }
   K3_RETURN_IF_ERROR(ep.status());
 
-  nlohmann::json j;
+  std::vector<comm::AllreduceBenchRecord> ar_records;
   if (rank == 0 && !a.skip_ep) {
     const bool mx = !ep->empty() && ep->front().mxfp8_wire;
     std::printf("EP dispatch / combine: %d %s rank%s (EP%d), K %lld, E %d, top-%d, %s, rows as %s; median of %d, max over ranks\n",
@@ -81,14 +79,6 @@ Status run(const Args& a) {
       std::printf("%8lld %12s %12.1f %14.1f %12s %12.1f %14.1f\n", static_cast<long long>(r.m),
                   fmt_bytes(static_cast<double>(r.dispatch_bytes)).c_str(), r.dispatch_us, r.native_dispatch_us,
                   fmt_bytes(static_cast<double>(r.combine_bytes)).c_str(), r.combine_us, r.native_combine_us);
-      j["ep"].push_back({{"m_per_rank", r.m},
-                         {"mxfp8_wire", r.mxfp8_wire},
-                         {"dispatch_bytes_per_rank", r.dispatch_bytes},
-                         {"combine_bytes_per_rank", r.combine_bytes},
-                         {"k3_dispatch_us", r.dispatch_us},
-                         {"k3_combine_us", r.combine_us},
-                         {"native_alltoallv_dispatch_us", r.native_dispatch_us},
-                         {"native_alltoallv_combine_us", r.native_combine_us}});
     }
     std::fflush(stdout);
   }
@@ -106,6 +96,7 @@ Status run(const Args& a) {
       ar = comm::bench_allreduce_shapes(*c, shapes, a.iters, 1);
     }
     K3_RETURN_IF_ERROR(ar.status());
+    ar_records = ar.value();
     if (rank == 0) {
       std::printf("\nTP all-reduce (BF16 in/out, exact sum rounded once to FP32; same bits for every world size): %d %s rank%s, "
                   "median of %d, max over ranks; bus bandwidth 2(W-1)/W x bytes / time\n",
@@ -116,24 +107,15 @@ Status run(const Args& a) {
         std::printf("%10s %6lld %6lld %12.1f %14.2f %16.1f %12.1f %14.2f\n", fmt_bytes(static_cast<double>(r.bytes)).c_str(),
                     static_cast<long long>(r.rows), static_cast<long long>(r.cols), r.k3_us, r.k3_busbw_gbs,
                     r.k3_rmsnorm_us, r.native_us, r.native_busbw_gbs);
-        j["allreduce"].push_back({{"bytes", r.bytes},
-                                  {"rows", r.rows},
-                                  {"cols", r.cols},
-                                  {"k3_us", r.k3_us},
-                                  {"k3_rmsnorm_us", r.k3_rmsnorm_us},
-                                  {"native_allreduce_f32_us", r.native_us},
-                                  {"k3_busbw_gbs", r.k3_busbw_gbs},
-                                  {"native_busbw_gbs", r.native_busbw_gbs}});
       }
       std::printf("(native: %s's own all-reduce of bytes/4 FP32 values, MPI_Allreduce; its bits depend on the reduction order)\n",
                   c->transport());
     }
   }
   if (rank == 0 && !a.output.empty()) {
-    j["machine"] = nlohmann::json::parse(harness::machine_json(1, env_isa_level()));
-    j["world_size"] = world;
-    j["transport"] = c->transport();
-    K3_RETURN_IF_ERROR(write_file_atomic(a.output, j.dump(2) + "\n", "--output"));
+    const std::string doc = harness::comm_bench_json(a.skip_ep ? std::vector<comm::EpBenchRecord>{} : ep.value(),
+                                                     ar_records, world, c->transport(), env_isa_level());
+    K3_RETURN_IF_ERROR(write_file_atomic(a.output, doc, "--output"));
     std::printf("wrote %s\n", a.output.c_str());
   }
   return Status::ok();

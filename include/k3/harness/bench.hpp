@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "k3/harness/comm_bench.hpp"
+#include "k3/harness/ep_bench.hpp"
 #include "k3/harness/limits.hpp"
 #include "k3/status.hpp"
 #include "k3/system.hpp"
@@ -151,5 +153,14 @@ struct LinearBenchConfig {
 Result<std::pair<int64_t, int64_t>> parse_linear_shape(const std::string& s);
 Status check_linear_bench(const LinearBenchConfig& c);
 BenchResult bench_linear(const LinearBenchConfig& c, const BenchHooks& hooks = {});
+
+// ---- many ranks ----------------------------------------------------------------------------
+
+// `k3 bench comm` (under mpirun): the JSON document of the EP dispatch / combine and TP
+// all-reduce records (comm::bench_ep, comm::bench_allreduce*), measured on `world` ranks over
+// `transport`.
+std::string comm_bench_json(const std::vector<comm::EpBenchRecord>& ep,
+                            const std::vector<comm::AllreduceBenchRecord>& allreduce, int world,
+                            const std::string& transport, IsaLevel isa);
 
 }  // namespace k3::harness
