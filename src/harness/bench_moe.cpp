@@ -70,8 +70,12 @@ Result<Sweep> resolve(const MoeBenchConfig& c) {
   if (c.bandwidth_mib < 16 || c.bandwidth_mib > 65536) {
     return invalid_argument("--bandwidth-mib " + std::to_string(c.bandwidth_mib) + " must be in [16, 65536]");
   }
-  if (c.backend != "cpu" && c.backend != "cuda") {
-    return invalid_argument("--backend " + c.backend + " is not known (cpu or cuda)");
+  // Any backend of the registry: cuda is timed on the device with CUDA events, the others on the
+  // host through their prepared layer (PreparedMoe::run).
+  if (!find_moe_backend(c.backend).is_ok()) {
+    std::string known;
+    for (const auto& b : moe_backends()) known += (known.empty() ? "" : ", ") + b.name;
+    return invalid_argument("--backend " + c.backend + " is not known (known: " + known + ")");
   }
   K3_RETURN_IF_ERROR(make_bench_routing(s.routing, s.shape, 1, c.seed).status());  // a bad replay fails now
   return s;
@@ -172,9 +176,10 @@ Result<nlohmann::json> measure_m(const MoeBenchConfig& c, const Sweep& s, const 
       {"bound", decode ? "memory" : "compute"}};
 }
 
-BenchResult bench_cpu(const MoeBenchConfig& c, const Sweep& s, const BenchHooks& hooks) {
-  auto backend = find_moe_backend("cpu");
+BenchResult bench_host(const MoeBenchConfig& c, const Sweep& s, const BenchHooks& hooks) {
+  auto backend = find_moe_backend(c.backend);
   if (!backend.is_ok()) return {"", backend.status()};
+  if (Status av = backend.value()->available(); !av.is_ok()) return {"", av};
   Limits lim;
   lim.threads = c.threads > 0 ? c.threads : hardware_thread_count();
   lim.isa = c.isa;
@@ -310,7 +315,7 @@ Status check_moe_bench(const MoeBenchConfig& c) { return resolve(c).status(); }
 BenchResult bench_moe(const MoeBenchConfig& c, const BenchHooks& hooks) {
   auto s = resolve(c);
   if (!s.is_ok()) return {"", s.status()};
-  if (c.backend == "cpu") return bench_cpu(c, s.value(), hooks);
+  if (c.backend != "cuda") return bench_host(c, s.value(), hooks);
   BenchResult r = bench_cuda(c, s.value(), hooks);
   if (!r.status.is_ok()) r.status = Status(r.status.code(), "--backend cuda: " + r.status.message());
   return r;

@@ -20,6 +20,29 @@ const std::string kBase =
     "bench moe --hidden 64 --intermediate 96 --experts 16 --iters 1 --warmup 0 --bandwidth-mib 64 --threads 2 ";
 const std::string kTiny = kBase + "--ep-size 2 --ep-rank 1 --top-k 4 ";
 
+// Any host backend of the registry is benchmarked through its prepared layer: the FP64 oracle
+// (reference) too, with the same traffic model, so its record differs from cpu's only in the
+// backend, kernel and time.
+TEST(CliBenchMoe, AnyHostBackendOfTheRegistryIsBenchmarkedThroughItsPreparedLayer) {
+  const std::string json = testing::TempDir() + "k3_bench_moe_ref.json";
+  const std::string cpu_json = testing::TempDir() + "k3_bench_moe_cpu.json";
+  const auto r = run_cli(kTiny + "--m 3 --recipe w4a16 --backend reference --output " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  ASSERT_EQ(run_cli(kTiny + "--m 3 --recipe w4a16 --backend cpu --output " + cpu_json).code, 0);
+  std::ifstream f(json), g(cpu_json);
+  const auto j = nlohmann::json::parse(f), jc = nlohmann::json::parse(g);
+  ASSERT_EQ(j["records"].size(), 1u);
+  const auto& rec = j["records"][0];
+  EXPECT_EQ(rec["backend"], "reference");
+  EXPECT_EQ(jc["records"][0]["backend"], "cpu");
+  EXPECT_GT(rec["timing"]["median_s"].get<double>(), 0);
+  EXPECT_EQ(rec["weight_bytes_per_call"], jc["records"][0]["weight_bytes_per_call"]);
+  EXPECT_EQ(rec["histogram"], jc["records"][0]["histogram"]);
+  const auto bad = run_cli(kTiny + "--m 3 --backend tpu");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.out.find("--backend tpu is not known (known: cpu, "), std::string::npos) << bad.out;
+}
+
 TEST(CliBenchMoe, PrintsTheTableAndWritesRecordsWithLimitsAndHistogram) {
   const std::string json = testing::TempDir() + "k3_bench_moe.json";
   const std::string ids = testing::TempDir() + "k3_bench_moe.ids";

@@ -232,7 +232,9 @@ const BenchRegistration kMoe("moe", [](CLI::App& bench) -> CommandRun {
   cmd->add_option("--m", a->m_list, "Comma-separated token counts (default 1,2,4,...,2048; 8192 with --full)");
   cmd->add_flag("--full", c.full, "Add M = 8192 to the default sweep (about 10 minutes more on 2 cores)");
   cmd->add_option("--recipe", c.recipe, "w4a8 | w4a16 | both")->capture_default_str();
-  cmd->add_option("--backend", c.backend, "cpu | cuda (cuda: vs device copy bandwidth and cuBLAS BF16)")
+  cmd->add_option("--backend", c.backend,
+                  "A fused-MoE backend: cpu or reference (host: vs read bandwidth and dot peak), cuda (vs device copy "
+                  "bandwidth and cuBLAS BF16)")
       ->capture_default_str();
   cmd->add_option("--routing", c.routing, "uniform | zipf:S | ep_mixed | replay:FILE")->capture_default_str();
   cmd->add_option("--activation", c.activation, "situ | swiglu | silu")->capture_default_str();

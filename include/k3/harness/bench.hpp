@@ -74,11 +74,13 @@ BenchResult bench_limits(int threads, int64_t buffer_mib);
 
 // ---- fused MoE ---------------------------------------------------------------------------
 
-// `k3 bench moe`: the fused-MoE backend over an M sweep. cpu: against the read bandwidth (decode,
-// M <= 64) and the level's dot peak (prefill); cuda: against the device copy bandwidth and cuBLAS
-// BF16 GEMMs on pre-dequantized weights. Every input is generated from `seed`.
+// `k3 bench moe`: the fused-MoE backend over an M sweep. A host backend (cpu, reference, ...):
+// against the read bandwidth (decode, M <= 64) and the level's dot peak (prefill); cuda: against
+// the device copy bandwidth and cuBLAS BF16 GEMMs on pre-dequantized weights. Every input is
+// generated from `seed`.
 struct MoeBenchConfig {
-  std::string backend = "cpu";              // cpu | cuda (a name of k3::moe_backends())
+  std::string backend = "cpu";              // a name of k3::moe_backends(): cuda on the device, any other
+                                            // on the host through its PreparedMoe
   std::vector<int64_t> ms;                  // empty: the default sweep (1 .. 2048; 8192 with full)
   bool full = false;
   std::string recipe = "w4a8";              // w4a8 | w4a16 | both
