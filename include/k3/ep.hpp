@@ -25,6 +25,7 @@
 
 #include "k3/backend.hpp"
 #include "k3/comm.hpp"
+#include "k3/ep_route.hpp"
 #include "k3/moe.hpp"
 #include "k3/status.hpp"
 
@@ -44,10 +45,10 @@ struct EpDispatch {
   std::vector<int32_t> topk_ids;
   std::vector<int64_t> rows_from;    // [W] rows received from each rank
   std::vector<int64_t> slots_from;   // [W] local slots among them (the y rows combine returns)
-  // This rank's tokens as sent: for destination q, tokens sent_tokens[sent_offsets[q] .. [q+1]).
-  std::vector<int32_t> sent_tokens;
-  std::vector<int64_t> sent_offsets;  // [W + 1]
-  std::vector<int32_t> source_ids;    // [source_tokens, top_k] the global ids (for combine)
+  // This rank's tokens as sent and where each slot's y comes back (k3/ep_route.hpp, the
+  // bookkeeping the device path shares): for destination q, tokens
+  // route.sent_tokens[route.sent_offsets[q] .. [q+1]); route.slot_row for combine.
+  EpRoute route;
   int64_t bytes_sent = 0, bytes_received = 0;
   std::string to_string() const;     // "rows 12 from [3 4 0 5], slots 40, sent 10 rows 143 KB"
 };

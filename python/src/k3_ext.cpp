@@ -460,22 +460,31 @@ const k3::KdaBackend* kda_backend(const std::string& name) {
   return name.empty() ? &k3::default_kda_backend() : value(k3::find_kda_backend(name));
 }
 
+// Runs one KDA entry of the registry (run_kda_*) on the backend `name` ("" = the default one) with
+// the GIL released.
+template <typename Entry, typename Args>
+void run_kda(Entry entry, const std::string& backend, int threads, const std::string& isa,
+             const k3::kda::KdaConfig& cfg, const Args& args) {
+  const k3::KdaBackend* b = kda_backend(backend);
+  const k3::BackendOptions opt = options(threads, isa);
+  nb::gil_scoped_release release;
+  check(entry(*b, cfg, args, opt));
+}
+
 // q, k, v as FP32 or BF16 bits (uint16); the Python layer picks the overload.
 template <typename A>
 void kda_prefill(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v, In<float> g, In<float> beta,
                  std::optional<In<float>> a_log, std::optional<In<float>> dt_bias, std::optional<In<int64_t>> cu,
                  std::optional<In<float>> initial_state, const std::string& backend, int threads,
                  const std::string& isa, Out<float> o, std::optional<Out<float>> final_state) {
-  const k3::KdaBackend* b = kda_backend(backend);
-  check(b->available());
-  check(b->supports(cfg));
   k3::kda::KdaInputs in = step_inputs(q, k, v, g, beta, a_log, dt_bias);
   in.cu_seqlens = span(cu);
   in.initial_state = span(initial_state);
-  k3::kda::KdaOutputs out{span(o), final_state ? span(*final_state) : std::span<float>()};
+  const k3::kda::KdaOutputs out{span(o), final_state ? span(*final_state) : std::span<float>()};
   const k3::BackendOptions opt = options(threads, isa);
+  const k3::KdaBackend* b = kda_backend(backend);
   nb::gil_scoped_release release;
-  check(b->prefill(cfg, in, out, opt));
+  check(k3::run_kda_prefill(*b, cfg, in, out, opt));
 }
 
 // The causal depthwise conv + SiLU of the KDA layer (k3/kda_ops.hpp), FP32 or BF16 storage (T =
@@ -509,15 +518,12 @@ void kda_decode(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v, In<flo
                 std::optional<In<float>> a_log, std::optional<In<float>> dt_bias, Out<float> state_pool,
                 In<int32_t> state_indices, const std::string& backend, int threads, const std::string& isa,
                 Out<float> o) {
-  const k3::KdaBackend* b = kda_backend(backend);
   k3::kda::DecodeArgs args;
   args.in = step_inputs(q, k, v, g, beta, a_log, dt_bias);
   args.state_pool = span(state_pool);
   args.state_indices = span(state_indices);
   args.o = span(o);
-  const k3::BackendOptions opt = options(threads, isa);
-  nb::gil_scoped_release release;
-  check(k3::run_kda_decode(*b, cfg, args, opt));
+  run_kda(k3::run_kda_decode, backend, threads, isa, cfg, args);
 }
 
 template <typename A>
@@ -525,7 +531,6 @@ void kda_verify(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v, In<flo
                 std::optional<In<float>> a_log, std::optional<In<float>> dt_bias, int64_t draft_tokens,
                 Out<float> state_pool, In<int32_t> state_indices, In<int32_t> num_accepted, const std::string& backend,
                 int threads, const std::string& isa, Out<float> o) {
-  const k3::KdaBackend* b = kda_backend(backend);
   k3::kda::VerifyArgs args;
   args.in = step_inputs(q, k, v, g, beta, a_log, dt_bias);
   args.draft_tokens = draft_tokens;
@@ -533,9 +538,7 @@ void kda_verify(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v, In<flo
   args.state_indices = span(state_indices);
   args.num_accepted = span(num_accepted);
   args.o = span(o);
-  const k3::BackendOptions opt = options(threads, isa);
-  nb::gil_scoped_release release;
-  check(k3::run_kda_verify(*b, cfg, args, opt));
+  run_kda(k3::run_kda_verify, backend, threads, isa, cfg, args);
 }
 
 // Speculative verify without snapshots (k3/kda.hpp): verify_replay reads the pool and fills the
@@ -546,7 +549,6 @@ void kda_verify_replay(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v,
                        std::optional<In<int64_t>> cu_seqlens, int64_t window_tokens, In<float> state_pool,
                        In<int32_t> state_indices, Out<float> window_pool, const std::string& backend, int threads,
                        const std::string& isa, Out<float> o) {
-  const k3::KdaBackend* b = kda_backend(backend);
   k3::kda::ReplayVerifyArgs args;
   args.in = step_inputs(q, k, v, g, beta, a_log, dt_bias);
   args.in.cu_seqlens = span(cu_seqlens);
@@ -555,24 +557,19 @@ void kda_verify_replay(const k3::kda::KdaConfig& cfg, In<A> q, In<A> k, In<A> v,
   args.state_indices = span(state_indices);
   args.window_pool = span(window_pool);
   args.o = span(o);
-  const k3::BackendOptions opt = options(threads, isa);
-  nb::gil_scoped_release release;
-  check(k3::run_kda_verify_replay(*b, cfg, args, opt));
+  run_kda(k3::run_kda_verify_replay, backend, threads, isa, cfg, args);
 }
 
 void kda_commit(const k3::kda::KdaConfig& cfg, int64_t window_tokens, Out<float> state_pool, Out<float> window_pool,
                 In<int32_t> state_indices, In<int32_t> num_accepted, const std::string& backend, int threads,
                 const std::string& isa) {
-  const k3::KdaBackend* b = kda_backend(backend);
   k3::kda::CommitArgs args;
   args.window_tokens = window_tokens;
   args.state_pool = span(state_pool);
   args.window_pool = span(window_pool);
   args.state_indices = span(state_indices);
   args.num_accepted = span(num_accepted);
-  const k3::BackendOptions opt = options(threads, isa);
-  nb::gil_scoped_release release;
-  check(k3::run_kda_commit(*b, cfg, args, opt));
+  run_kda(k3::run_kda_commit, backend, threads, isa, cfg, args);
 }
 
 int64_t kda_replay_window_floats(const k3::kda::KdaConfig& cfg, int64_t window_tokens) {

@@ -85,9 +85,9 @@ Result<std::vector<EpBenchRecord>> bench_ep(Communicator& comm, const MoeProblem
       const size_t W = static_cast<size_t>(comm.size());
       const int64_t record = d.rows > 0 ? d.bytes_received / d.rows : 0;
       std::vector<int64_t> sb(W), rb(W), csb(W), crb(W);
-      const int64_t send_record = d.sent_tokens.empty() ? 0 : d.bytes_sent / static_cast<int64_t>(d.sent_tokens.size());
+      const int64_t send_record = d.route.sent_tokens.empty() ? 0 : d.bytes_sent / static_cast<int64_t>(d.route.sent_tokens.size());
       for (size_t q = 0; q < W; ++q) {
-        sb[q] = (d.sent_offsets[q + 1] - d.sent_offsets[q]) * send_record;
+        sb[q] = (d.route.sent_offsets[q + 1] - d.route.sent_offsets[q]) * send_record;
         rb[q] = d.rows_from[q] * record;
         csb[q] = d.slots_from[q] * k * 4;
       }

@@ -102,7 +102,7 @@ std::string EpDispatch::to_string() const {
   }
   int64_t slots = 0;
   for (const int64_t v : slots_from) slots += v;
-  s += "], slots " + num(slots) + ", sent " + num(static_cast<int64_t>(sent_tokens.size())) + " rows " +
+  s += "], slots " + num(slots) + ", sent " + num(static_cast<int64_t>(route.sent_tokens.size())) + " rows " +
        num((bytes_sent + 999) / 1000) + " KB";
   return s;
 }
@@ -115,6 +115,9 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const MoeProblem& problem, co
   Result<cpu::MoePlan> plan = host_plan(problem, options.threads);
   Status args = check_dispatch_args(comm, shape, local);
   if (args.is_ok() && !plan.is_ok()) args = plan.status();
+  // Which tokens go where with the ids each destination owns, and where each slot's y comes back.
+  Result<EpRoute> route = args.is_ok() ? ep_route(shape, local.m, local.topk_ids) : Result<EpRoute>(args);
+  if (args.is_ok() && !route.is_ok()) args = route.status();
   K3_RETURN_IF_ERROR(agree_on_status(comm, args));
   K3_RETURN_IF_ERROR(agree_on_partition(comm, shape, problem.recipe));
   const int w = comm.size();
@@ -123,7 +126,8 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const MoeProblem& problem, co
   EpDispatch d;
   d.shape = shape;
   d.source_tokens = local.m;
-  d.source_ids.assign(local.topk_ids.begin(), local.topk_ids.end());
+  d.route = std::move(route.value());
+  const EpRoute& sent = d.route;
   d.mxfp8 = options.mxfp8_wire && problem.recipe == Recipe::kW4A8;
   // W4A8: each token's row quantized once here (the experts' own quantizer), sent as codes + scales.
   std::vector<uint8_t>& codes = b.codes;
@@ -136,48 +140,20 @@ Result<EpDispatch> ep_dispatch(Communicator& comm, const MoeProblem& problem, co
   }
   const int64_t row_bytes = d.mxfp8 ? k + k / 32 : 2 * k;
 
-  // Which tokens go where (token order per destination).
-  std::vector<std::vector<int32_t>> to(W);
-  for (int64_t t = 0; t < local.m; ++t) {
-    std::vector<char> any(W, 0);
-    for (int64_t s = 0; s < topk; ++s) {
-      const int32_t id = local.topk_ids[static_cast<size_t>(t * topk + s)];
-      if (id < 0) continue;
-      const int64_t q = shape.owner_of(id);
-      if (!any[q]) {
-        any[q] = true;
-        to[static_cast<size_t>(q)].push_back(static_cast<int32_t>(t));
-      }
-    }
-  }
   const int64_t record = 4 * topk + row_bytes;
   std::vector<int64_t> send_bytes(W), recv_bytes(W);
-  d.sent_offsets.assign(W + 1, 0);
-  for (size_t q = 0; q < W; ++q) {
-    send_bytes[q] = static_cast<int64_t>(to[q].size()) * record;
-    d.sent_offsets[q + 1] = d.sent_offsets[q] + static_cast<int64_t>(to[q].size());
-    d.sent_tokens.insert(d.sent_tokens.end(), to[q].begin(), to[q].end());
-  }
-  const size_t send_total = static_cast<size_t>(d.sent_offsets[W] * record);
+  for (size_t q = 0; q < W; ++q) send_bytes[q] = (sent.sent_offsets[q + 1] - sent.sent_offsets[q]) * record;
+  const size_t send_total = static_cast<size_t>(sent.sent_offsets[W] * record);
   grow(b.send, send_total);
   uint8_t* p = b.send.data();
-  for (size_t q = 0; q < W; ++q) {
-    const ExpertRange held = expert_range(shape.num_experts, shape.ep_size, static_cast<int>(q));
-    const int64_t lo = held.first, hi = lo + held.count;
-    for (const int32_t t : to[q]) {
-      int32_t ids[32];
-      for (int64_t s = 0; s < topk; ++s) {
-        const int32_t id = local.topk_ids[static_cast<size_t>(t * topk + s)];
-        ids[s] = id >= lo && id < hi ? id : -1;
-      }
-      std::memcpy(p, ids, static_cast<size_t>(4 * topk));
-      if (d.mxfp8) {
-        std::memcpy(p + 4 * topk, codes.data() + t * k, static_cast<size_t>(k));
-        std::memcpy(p + 4 * topk + k, scales.data() + t * (k / 32), static_cast<size_t>(k / 32));
-      } else {
-        std::memcpy(p + 4 * topk, local.x.data() + t * k, static_cast<size_t>(2 * k));
-      }
-      p += record;
+  for (int64_t i = 0; i < sent.sent_offsets[W]; ++i, p += record) {
+    const int64_t t = sent.sent_tokens[static_cast<size_t>(i)];
+    std::memcpy(p, sent.sent_ids.data() + i * topk, static_cast<size_t>(4 * topk));
+    if (d.mxfp8) {
+      std::memcpy(p + 4 * topk, codes.data() + t * k, static_cast<size_t>(k));
+      std::memcpy(p + 4 * topk + k, scales.data() + t * (k / 32), static_cast<size_t>(k / 32));
+    } else {
+      std::memcpy(p + 4 * topk, local.x.data() + t * k, static_cast<size_t>(2 * k));
     }
   }
   K3_RETURN_IF_ERROR(comm.alltoall_counts(send_bytes, recv_bytes));
@@ -247,7 +223,7 @@ Status ep_combine(Communicator& comm, const EpDispatch& d, const MoeProblem& pro
   Result<cpu::MoePlan> plan = host_plan(problem, options.threads);
   if (!plan.is_ok()) {
     local = plan.status();
-  } else if (d.rows_from.size() != W || d.sent_offsets.size() != W + 1) {
+  } else if (d.rows_from.size() != W || d.route.sent_offsets.size() != W + 1) {
     local = invalid_argument("ep_combine: the dispatch was made on a communicator of " + num(static_cast<int64_t>(d.rows_from.size())) +
                              " ranks, this one has " + num(static_cast<int64_t>(W)));
   } else if (ps.hidden != k || ps.top_k != topk || ps.num_experts != shape.num_experts) {
@@ -271,21 +247,11 @@ Status ep_combine(Communicator& comm, const EpDispatch& d, const MoeProblem& pro
   std::vector<int64_t> send_bytes(W), recv_bytes(W);
   for (size_t q = 0; q < W; ++q) send_bytes[q] = d.slots_from[q] * k * 4;
   K3_RETURN_IF_ERROR(comm.alltoall_counts(send_bytes, recv_bytes));
-  // What this rank expects back from q: its tokens sent to q, their slots owned by q.
-  std::vector<int64_t> expect(W, 0);
+  // What this rank expects back from q: the slots q computes for it.
   for (size_t q = 0; q < W; ++q) {
-    const ExpertRange held = expert_range(shape.num_experts, shape.ep_size, static_cast<int>(q));
-    const int64_t lo = held.first, hi = lo + held.count;
-    for (int64_t i = d.sent_offsets[q]; i < d.sent_offsets[q + 1]; ++i) {
-      const int64_t t = d.sent_tokens[static_cast<size_t>(i)];
-      for (int64_t s = 0; s < topk; ++s) {
-        const int32_t id = d.source_ids[static_cast<size_t>(t * topk + s)];
-        expect[q] += id >= lo && id < hi ? 1 : 0;
-      }
-    }
-    if (recv_bytes[q] != expect[q] * k * 4) {
+    if (recv_bytes[q] != d.route.slots_to[q] * k * 4) {
       return Status(StatusCode::kInternal, "ep_combine: rank " + num(static_cast<int64_t>(q)) + " returns " +
-                                               num(recv_bytes[q]) + " bytes, expected " + num(expect[q] * k * 4));
+                                               num(recv_bytes[q]) + " bytes, expected " + num(d.route.slots_to[q] * k * 4));
     }
   }
   int64_t total = 0;
@@ -295,20 +261,9 @@ Status ep_combine(Communicator& comm, const EpDispatch& d, const MoeProblem& pro
 
   // Each slot's y row, then the finalize of the single-process run.
   std::vector<const float*> slot_y(static_cast<size_t>(d.source_tokens * topk), nullptr);
-  const float* at = b.back.data();
-  for (size_t q = 0; q < W; ++q) {
-    const ExpertRange held = expert_range(shape.num_experts, shape.ep_size, static_cast<int>(q));
-    const int64_t lo = held.first, hi = lo + held.count;
-    for (int64_t i = d.sent_offsets[q]; i < d.sent_offsets[q + 1]; ++i) {
-      const int64_t t = d.sent_tokens[static_cast<size_t>(i)];
-      for (int64_t s = 0; s < topk; ++s) {
-        const int32_t id = d.source_ids[static_cast<size_t>(t * topk + s)];
-        if (id >= lo && id < hi) {
-          slot_y[static_cast<size_t>(t * topk + s)] = at;
-          at += k;
-        }
-      }
-    }
+  for (size_t i = 0; i < slot_y.size(); ++i) {
+    const int32_t row = d.route.slot_row[i];
+    if (row >= 0) slot_y[i] = b.back.data() + static_cast<int64_t>(row) * k;
   }
   std::vector<float> scratch(static_cast<size_t>(k));
   return cpu::finalize(plan.value(), d.source_tokens, topk_weights, slot_y, scratch, out);
