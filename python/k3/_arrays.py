@@ -234,3 +234,21 @@ def cuda_empty(shape, dtype, device):
         raise RuntimeError("allocating CUDA arrays needs torch or CuPy; pass your own device arrays instead") from None
     with cupy.cuda.Device(device):
         return cupy.empty(shape, dtype=dtype)
+class DevicePlan:
+    """What a planned CUDA layer shows (k3.kda.CudaKda, k3.moe.CudaMoe): its plan in one line and
+    its workspace, on ``self.device``; ``self._native`` is the extension's plan."""
+
+    @property
+    def plan(self):
+        """The plan in one line: kernel or path, geometry, workspace."""
+        return self._native.describe
+
+    @property
+    def workspace_bytes(self):
+        return self._native.workspace_bytes
+
+    def new_workspace(self):
+        """A uint8 device buffer of workspace_bytes (torch, else CuPy): allocate once, reuse per call."""
+        return cuda_empty((self.workspace_bytes,), np.uint8, self.device)
+
+

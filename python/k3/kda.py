@@ -10,7 +10,7 @@ Returns (o [T, H, V] float32, final_state or None)."""
 import numpy as np
 
 from . import _k3
-from ._arrays import (bf16_bits, cuda_empty, host_view, need, need_cuda, no_overlap, out_or_new, seqlens_arg,
+from ._arrays import (DevicePlan, bf16_bits, host_view, need, need_cuda, no_overlap, out_or_new, seqlens_arg,
                       shape_of, stream_int)
 
 
@@ -204,7 +204,7 @@ def commit(state_pool, window_pool, state_indices, num_accepted, window_tokens, 
                    threads, isa)
 
 
-class CudaKda:
+class CudaKda(DevicePlan):
     """The CUDA backend's serving form (this binding has never run on a GPU; the C++ backend ran on an H200).
 
     The plan is made once for one configuration and CUDA device; ``prefill`` / ``decode`` /
@@ -231,19 +231,6 @@ class CudaKda:
         self._cfg = _k3.kda_config(heads, head_k, head_v, gate, gate_lower_bound, beta_logits, l2norm_qk, scale,
                                    layout)
         self._native = _k3.cuda_kda_plan(self._cfg, self.device, max_seqs, algorithm, caps)
-
-    @property
-    def plan(self):
-        """The plan in one line: kernel, geometry, workspace."""
-        return self._native.describe
-
-    @property
-    def workspace_bytes(self):
-        return self._native.workspace_bytes
-
-    def new_workspace(self):
-        """A uint8 device buffer of workspace_bytes (torch, else CuPy): allocate once, reuse per call."""
-        return cuda_empty((self.workspace_bytes,), np.uint8, self.device)
 
     def _common(self, q, k, v, g, beta, a_log, dt_bias, rows):
         dev = self.device

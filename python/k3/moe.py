@@ -11,7 +11,7 @@ patterns, "fp32" as float32.
 import numpy as np
 
 from . import _k3
-from ._arrays import (bf16_bits, cuda_empty, host_view, int_arg, need, need_cuda, no_overlap, out16, out_or_new,
+from ._arrays import (DevicePlan, bf16_bits, host_view, int_arg, need, need_cuda, no_overlap, out16, out_or_new,
                       stream_int)
 
 _OUT = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.float32}
@@ -160,7 +160,7 @@ class CpuMoe(PreparedMoe):
                          backend="cpu")
 
 
-class CudaMoe:
+class CudaMoe(DevicePlan):
     """The CUDA backend's serving form (this binding has never run on a GPU; the C++ backend ran on an H200).
 
     The plan is made for ``device`` (at most ``max_tokens`` rows per call) and the host weights
@@ -188,21 +188,8 @@ class CudaMoe:
             p.native, max_tokens, self.device, path, caps, *w))
 
     @property
-    def plan(self):
-        """The plan in one line: path, tiles, workspace."""
-        return self._native.describe
-
-    @property
-    def workspace_bytes(self):
-        return self._native.workspace_bytes
-
-    @property
     def max_tokens(self):
         return self._native.max_tokens
-
-    def new_workspace(self):
-        """A uint8 device buffer of workspace_bytes (torch, else CuPy): allocate once, reuse per call."""
-        return cuda_empty((self.workspace_bytes,), np.uint8, self.device)
 
     def run(self, x, topk_ids, topk_weights, out, m_device, workspace, stream=0):
         p, dev = self.problem, self.device
