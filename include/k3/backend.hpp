@@ -140,6 +140,8 @@ const LinearBackend& default_linear_backend();
 Status run_linear(const LinearBackend& b, const LinearProblem& p, const LinearWeightsView& w, int64_t m,
                   std::span<const uint16_t> x, std::span<uint8_t> out, const BackendOptions& opt = {});
 
+class PreparedKda;  // below
+
 // ---- Kimi Delta Attention --------------------------------------------------------------------
 struct KdaBackend {
   std::string name;  // "reference" (FP32 recurrence), "cpu", "cuda"
@@ -158,6 +160,28 @@ struct KdaBackend {
   // RMSNorm, FP32. The reference backend's are the FP64 references rounded once.
   std::function<Status(const kda::ConvArgs&, const BackendOptions&)> conv;
   std::function<Status(const kda::GatedRmsNormArgs&, const BackendOptions&)> rmsnorm;
+  // The backend's own prepared layer (a plan kept across calls); empty: prepare_kda wraps the
+  // one-shot entries above.
+  std::function<Result<std::unique_ptr<PreparedKda>>(const kda::KdaConfig&, const BackendOptions&)> prepare;
+};
+
+// A KDA layer prepared on one backend (prepare_kda): the configuration and options checked once
+// and the plan kept for every call (the cpu backend's cpu::KdaPlan: ISA level, threads, prefill
+// algorithm, workspace size); the caller owns the workspace. A backend without a plan of its own
+// (reference, cuda's host conveniences) runs its one-shot entries, with workspace_bytes() 0. A
+// missing entry (decode on reference, ...) is kUnsupported, as run_kda_*.
+class PreparedKda {
+ public:
+  virtual ~PreparedKda() = default;
+  virtual const std::string& backend() const = 0;
+  virtual const kda::KdaConfig& config() const = 0;
+  virtual std::string describe() const = 0;       // one line: what runs
+  virtual int64_t workspace_bytes() const = 0;    // host workspace every call needs (may be 0)
+  virtual Status prefill(const kda::KdaInputs& in, const kda::KdaOutputs& out, std::span<uint8_t> workspace) const = 0;
+  virtual Status decode(const kda::DecodeArgs& args, std::span<uint8_t> workspace) const = 0;
+  virtual Status verify(const kda::VerifyArgs& args, std::span<uint8_t> workspace) const = 0;
+  virtual Status verify_replay(const kda::ReplayVerifyArgs& args, std::span<uint8_t> workspace) const = 0;
+  virtual Status commit(const kda::CommitArgs& args, std::span<uint8_t> workspace) const = 0;
 };
 
 std::span<const KdaBackend> kda_backends();
@@ -175,6 +199,10 @@ Status run_kda_verify_replay(const KdaBackend& b, const kda::KdaConfig& cfg, con
                              const BackendOptions& opt = {});
 Status run_kda_commit(const KdaBackend& b, const kda::KdaConfig& cfg, const kda::CommitArgs& args,
                       const BackendOptions& opt = {});
+// available(), supports(cfg) and the options (the cpu backend plans: threads, SIMD level,
+// algorithm), then the handle.
+Result<std::unique_ptr<PreparedKda>> prepare_kda(const KdaBackend& b, const kda::KdaConfig& cfg,
+                                                 const BackendOptions& opt = {});
 // The small ops: available() and the entry's presence, then the call (which checks its arguments).
 Status run_kda_conv(const KdaBackend& b, const kda::ConvArgs& args, const BackendOptions& opt = {});
 Status run_kda_rmsnorm(const KdaBackend& b, const kda::GatedRmsNormArgs& args, const BackendOptions& opt = {});

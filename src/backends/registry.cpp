@@ -233,6 +233,29 @@ cpu::KdaOptions kda_cpu_options(const BackendOptions& opt) {
   return o;
 }
 
+// The cpu backend's prepared KDA layer: its plan (ISA level, threads, prefill algorithm, workspace).
+class CpuKda final : public PreparedKda {
+ public:
+  explicit CpuKda(cpu::KdaPlan plan) : plan_(std::move(plan)) {}
+  const std::string& backend() const override { return name_; }
+  const kda::KdaConfig& config() const override { return plan_.cfg; }
+  std::string describe() const override { return plan_.describe(); }
+  int64_t workspace_bytes() const override { return plan_.workspace_bytes; }
+  Status prefill(const kda::KdaInputs& in, const kda::KdaOutputs& out, std::span<uint8_t> ws) const override {
+    return cpu::prefill(plan_, in, out, ws);
+  }
+  Status decode(const kda::DecodeArgs& a, std::span<uint8_t> ws) const override { return cpu::decode(plan_, a, ws); }
+  Status verify(const kda::VerifyArgs& a, std::span<uint8_t> ws) const override { return cpu::verify(plan_, a, ws); }
+  Status verify_replay(const kda::ReplayVerifyArgs& a, std::span<uint8_t> ws) const override {
+    return cpu::verify_replay(plan_, a, ws);
+  }
+  Status commit(const kda::CommitArgs& a, std::span<uint8_t> ws) const override { return cpu::commit(plan_, a, ws); }
+
+ private:
+  cpu::KdaPlan plan_;
+  std::string name_ = "cpu";
+};
+
 std::vector<KdaBackend> make_kda_backends() {
   std::vector<KdaBackend> v;
   KdaBackend cpu;
@@ -256,6 +279,10 @@ std::vector<KdaBackend> make_kda_backends() {
   };
   cpu.conv = [](const kda::ConvArgs& a, const BackendOptions& o) { return kda::causal_conv1d(a, o.threads); };
   cpu.rmsnorm = [](const kda::GatedRmsNormArgs& a, const BackendOptions& o) { return kda::gated_rmsnorm(a, o.threads); };
+  cpu.prepare = [](const kda::KdaConfig& c, const BackendOptions& o) -> Result<std::unique_ptr<PreparedKda>> {
+    K3_ASSIGN_OR_RETURN(cpu::KdaPlan plan, cpu::plan(c, kda_cpu_options(o)));
+    return std::unique_ptr<PreparedKda>(std::make_unique<CpuKda>(std::move(plan)));
+  };
   v.push_back(std::move(cpu));
   KdaBackend cuda;
   cuda.name = "cuda";
@@ -468,6 +495,44 @@ Status run_kda_commit(const KdaBackend& b, const kda::KdaConfig& cfg, const kda:
                       const BackendOptions& opt) {
   K3_RETURN_IF_ERROR(kda_ready(b, cfg, static_cast<bool>(b.commit), "commit", opt));
   return b.commit(cfg, args, opt);
+}
+
+namespace {
+
+// A backend without a plan of its own: its one-shot entries behind the handle (workspace 0).
+class OneShotKda final : public PreparedKda {
+ public:
+  OneShotKda(const KdaBackend& b, const kda::KdaConfig& cfg, const BackendOptions& opt) : b_(b), cfg_(cfg), opt_(opt) {}
+  const std::string& backend() const override { return b_.name; }
+  const kda::KdaConfig& config() const override { return cfg_; }
+  std::string describe() const override {
+    return "kda backend '" + b_.name + "': its one-shot entries (no plan kept), threads " + std::to_string(opt_.threads) +
+           ", algorithm " + kda::algorithm_name(opt_.kda_algorithm);
+  }
+  int64_t workspace_bytes() const override { return 0; }
+  Status prefill(const kda::KdaInputs& in, const kda::KdaOutputs& out, std::span<uint8_t>) const override {
+    return run_kda_prefill(b_, cfg_, in, out, opt_);
+  }
+  Status decode(const kda::DecodeArgs& a, std::span<uint8_t>) const override { return run_kda_decode(b_, cfg_, a, opt_); }
+  Status verify(const kda::VerifyArgs& a, std::span<uint8_t>) const override { return run_kda_verify(b_, cfg_, a, opt_); }
+  Status verify_replay(const kda::ReplayVerifyArgs& a, std::span<uint8_t>) const override {
+    return run_kda_verify_replay(b_, cfg_, a, opt_);
+  }
+  Status commit(const kda::CommitArgs& a, std::span<uint8_t>) const override { return run_kda_commit(b_, cfg_, a, opt_); }
+
+ private:
+  const KdaBackend& b_;
+  kda::KdaConfig cfg_;
+  BackendOptions opt_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<PreparedKda>> prepare_kda(const KdaBackend& b, const kda::KdaConfig& cfg,
+                                                 const BackendOptions& opt) {
+  K3_RETURN_IF_ERROR(kda_ready(b, cfg, true, "", opt));
+  if (b.prepare) return b.prepare(cfg, opt);
+  return std::unique_ptr<PreparedKda>(std::make_unique<OneShotKda>(b, cfg, opt));
 }
 
 Status run_kda_conv(const KdaBackend& b, const kda::ConvArgs& args, const BackendOptions& opt) {

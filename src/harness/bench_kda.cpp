@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "bench_json.hpp"
-#include "k3/cpu_kda.hpp"
+#include "k3/backend.hpp"
 #include "k3/cuda.hpp"
 #include "k3/harness/bench.hpp"
 #include "k3/harness/cuda_bench.hpp"
@@ -46,13 +46,15 @@ kda::KdaCase sequence_case(const kda::KdaConfig& cfg, int64_t tokens, bool initi
   return kda::make_case(spec);
 }
 
-Result<cpu::KdaPlan> cpu_plan(const KdaBenchConfig& c, const kda::KdaConfig& cfg,
-                              kda::Algorithm algorithm = kda::Algorithm::kAuto) {
-  cpu::KdaOptions o;
+// The layer prepared through the registry on the bench's backend (the cpu one: its plan).
+Result<std::unique_ptr<PreparedKda>> prepared(const KdaBenchConfig& c, const kda::KdaConfig& cfg,
+                                              kda::Algorithm algorithm = kda::Algorithm::kAuto) {
+  K3_ASSIGN_OR_RETURN(const KdaBackend* b, find_kda_backend(c.backend));
+  BackendOptions o;
   o.threads = c.threads;
   o.isa = c.isa;
-  o.algorithm = algorithm;
-  return cpu::plan(cfg, o);
+  o.kda_algorithm = algorithm;
+  return prepare_kda(*b, cfg, o);
 }
 
 bool has_verify(const KdaBenchConfig& c) { return !(c.verify_n.size() == 1 && c.verify_n[0] == 0); }
@@ -129,15 +131,17 @@ BenchResult bench_cuda(const KdaBenchConfig& c, const BenchHooks& hooks) {
 
 Result<nlohmann::json> prefill_record(const KdaBenchConfig& c, const kda::KdaConfig& cfg, int64_t T) {
   const kda::KdaCase kc = sequence_case(cfg, T, true);
-  K3_ASSIGN_OR_RETURN(const cpu::KdaPlan rec_plan, cpu_plan(c, cfg, kda::Algorithm::kRecurrent));
-  K3_ASSIGN_OR_RETURN(const cpu::KdaPlan chk_plan, cpu_plan(c, cfg, kda::Algorithm::kChunked));
-  std::vector<uint8_t> ws(static_cast<size_t>(std::max(rec_plan.workspace_bytes, chk_plan.workspace_bytes)));
+  K3_ASSIGN_OR_RETURN(const auto rec_layer, prepared(c, cfg, kda::Algorithm::kRecurrent));
+  K3_ASSIGN_OR_RETURN(const auto chk_layer, prepared(c, cfg, kda::Algorithm::kChunked));
+  const PreparedKda& rec_plan = *rec_layer;
+  const PreparedKda& chk_plan = *chk_layer;
+  std::vector<uint8_t> ws(static_cast<size_t>(std::max(rec_plan.workspace_bytes(), chk_plan.workspace_bytes())));
   std::vector<float> out(kc.o_size()), fin(kc.state_size());
   const kda::KdaInputs in = kc.inputs();
   Status failed;  // the first failing prefill, if any
-  auto once = [&](const cpu::KdaPlan& p) {
+  auto once = [&](const PreparedKda& p) {
     const double t0 = now_s();
-    const Status st = cpu::prefill(p, in, {out, fin}, ws);
+    const Status st = p.prefill(in, {out, fin}, ws);
     const double dt = now_s() - t0;
     if (!st.is_ok() && failed.is_ok()) failed = st;
     return dt;
@@ -173,8 +177,8 @@ Result<nlohmann::json> decode_record(const KdaBenchConfig& c, const kda::KdaConf
   const int64_t slots = pool_slots(c, cfg, N), groups = slots / N;
   std::vector<float> pool(static_cast<size_t>(slots * cfg.num_heads * cfg.head_k * cfg.head_v), 0.01f);
   const kda::KdaCase kc = sequence_case(cfg, N, false);
-  K3_ASSIGN_OR_RETURN(const cpu::KdaPlan plan, cpu_plan(c, cfg));
-  std::vector<uint8_t> ws(static_cast<size_t>(plan.workspace_bytes));
+  K3_ASSIGN_OR_RETURN(const auto layer, prepared(c, cfg));
+  std::vector<uint8_t> ws(static_cast<size_t>(layer->workspace_bytes()));
   std::vector<float> out(kc.o_size());
   std::vector<int32_t> idx(static_cast<size_t>(N));
   std::vector<double> times;
@@ -183,7 +187,7 @@ Result<nlohmann::json> decode_record(const KdaBenchConfig& c, const kda::KdaConf
     const int64_t grp = (i + 1) % groups;
     for (int64_t n = 0; n < N; ++n) idx[n] = static_cast<int32_t>(grp * N + n);
     const double t0 = now_s();
-    const Status st = cpu::decode(plan, {kc.inputs(), pool, idx, out}, ws);
+    const Status st = layer->decode({kc.inputs(), pool, idx, out}, ws);
     const double dt = now_s() - t0;
     K3_RETURN_IF_ERROR(st);
     if (i >= 0) times.push_back(dt);
@@ -202,8 +206,8 @@ Result<nlohmann::json> verify_record(const KdaBenchConfig& c, const kda::KdaConf
   const int64_t Td = c.draft_tokens;
   K3_ASSIGN_OR_RETURN(const int64_t window_floats, kda::replay_window_floats(cfg, Td));
   const kda::KdaCase kc = sequence_case(cfg, N * Td, false);
-  K3_ASSIGN_OR_RETURN(const cpu::KdaPlan plan, cpu_plan(c, cfg));
-  std::vector<uint8_t> ws(static_cast<size_t>(plan.workspace_bytes));
+  K3_ASSIGN_OR_RETURN(const auto layer, prepared(c, cfg));
+  std::vector<uint8_t> ws(static_cast<size_t>(layer->workspace_bytes()));
   const int64_t block = cfg.num_heads * cfg.head_k * cfg.head_v;
   std::vector<float> snap_pool(static_cast<size_t>(N * Td * block), 0.01f), pool(static_cast<size_t>(N * block), 0.01f);
   std::vector<float> window(static_cast<size_t>(N * window_floats), 0.0f), out(kc.o_size());
@@ -216,15 +220,15 @@ Result<nlohmann::json> verify_record(const KdaBenchConfig& c, const kda::KdaConf
   Status failed;
   auto snap_once = [&]() {
     const double t0 = now_s();
-    const Status st = cpu::verify(plan, {in, Td, snap_pool, snap_idx, snap_acc, out}, ws);
+    const Status st = layer->verify({in, Td, snap_pool, snap_idx, snap_acc, out}, ws);
     if (!st.is_ok() && failed.is_ok()) failed = st;
     return now_s() - t0;
   };
   auto replay_once = [&](double& tv, double& tc) {
     const double t0 = now_s();
-    Status st = cpu::verify_replay(plan, {in, Td, pool, idx, window, out}, ws);
+    Status st = layer->verify_replay({in, Td, pool, idx, window, out}, ws);
     const double t1 = now_s();
-    if (st.is_ok()) st = cpu::commit(plan, {Td, pool, window, idx, acc}, ws);
+    if (st.is_ok()) st = layer->commit({Td, pool, window, idx, acc}, ws);
     tc = now_s() - t1;
     tv = t1 - t0;
     if (!st.is_ok() && failed.is_ok()) failed = st;

@@ -12,6 +12,7 @@
 #include "k3/kda_ops.hpp"
 #include "k3/cpu_moe.hpp"
 #include "k3/linear.hpp"
+#include "k3/harness/kda_case.hpp"
 #include "k3/harness/moe_case.hpp"
 
 namespace k3 {
@@ -352,6 +353,70 @@ TEST(BackendRegistry, KdaBackendsSayWhatTheyCanDo) {
   kda::KdaConfig bad_cfg = cfg;
   bad_cfg.num_heads = 0;
   EXPECT_FALSE(cpu.supports(bad_cfg).is_ok());
+}
+
+// prepare_kda: a handle per layer that keeps the plan (cpu) or the one-shot entries (reference);
+// its calls give the bits of the one-shot run_kda_* calls with the same options.
+TEST(BackendRegistry, PreparedKdaLayersGiveTheOneShotBitsAndKeepThePlan) {
+  kda::CaseSpec spec;
+  spec.cfg.num_heads = 3;
+  spec.cfg.head_k = 32;
+  spec.cfg.head_v = 48;
+  spec.seqlens = {9, 40, 1};
+  spec.seed = 11;
+  const kda::KdaCase c = kda::make_case(spec);
+  const KdaBackend& cpu = *find_kda_backend("cpu").value();
+  const KdaBackend& ref = *find_kda_backend("reference").value();
+  for (const kda::Algorithm algo : {kda::Algorithm::kChunked, kda::Algorithm::kRecurrent}) {
+    BackendOptions o;
+    o.threads = 2;
+    o.kda_algorithm = algo;
+    auto layer = prepare_kda(cpu, spec.cfg, o);
+    ASSERT_TRUE(layer.is_ok()) << layer.status().to_string();
+    EXPECT_EQ((*layer)->backend(), "cpu");
+    EXPECT_EQ((*layer)->config().head_v, 48);
+    EXPECT_NE((*layer)->describe().find(kda::algorithm_name(algo)), std::string::npos) << (*layer)->describe();
+    std::vector<uint8_t> ws(static_cast<size_t>((*layer)->workspace_bytes()));
+    std::vector<float> o1(c.o_size()), f1(c.state_size()), o2(c.o_size()), f2(c.state_size());
+    for (int call = 0; call < 2; ++call) {  // the handle is reusable: the same bits every call
+      ASSERT_TRUE((*layer)->prefill(c.inputs(), {o1, f1}, ws).is_ok());
+      ASSERT_TRUE(run_kda_prefill(cpu, spec.cfg, c.inputs(), {o2, f2}, o).is_ok());
+      EXPECT_EQ(std::memcmp(o1.data(), o2.data(), o1.size() * 4), 0) << kda::algorithm_name(algo);
+      EXPECT_EQ(std::memcmp(f1.data(), f2.data(), f1.size() * 4), 0) << kda::algorithm_name(algo);
+    }
+    if (!ws.empty()) {  // a short workspace is refused, not overrun
+      std::vector<uint8_t> small(ws.size() - 1);
+      EXPECT_FALSE((*layer)->prefill(c.inputs(), {o1, f1}, small).is_ok());
+    }
+  }
+  // The reference backend keeps no plan: workspace 0, prefill as run_kda_prefill, decode refused
+  // by name as by run_kda_decode.
+  auto r = prepare_kda(ref, spec.cfg, {});
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ((*r)->workspace_bytes(), 0);
+  std::vector<float> o1(c.o_size()), f1(c.state_size()), o2(c.o_size()), f2(c.state_size());
+  ASSERT_TRUE((*r)->prefill(c.inputs(), {o1, f1}, {}).is_ok());
+  ASSERT_TRUE(run_kda_prefill(ref, spec.cfg, c.inputs(), {o2, f2}).is_ok());
+  EXPECT_EQ(std::memcmp(o1.data(), o2.data(), o1.size() * 4), 0);
+  std::vector<float> pool(c.state_size()), o(3 * 3 * 48);
+  const std::vector<int32_t> idx = {0, 1, 2};
+  const Status st = (*r)->decode({c.inputs(), pool, idx, o}, {});
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st.message().find("kda backend 'reference' has no decode entry"), std::string::npos) << st.message();
+  // Bad options and configurations are refused when preparing, naming them.
+  BackendOptions bad;
+  bad.threads = 100000;
+  auto b = prepare_kda(cpu, spec.cfg, bad);
+  ASSERT_FALSE(b.is_ok());
+  EXPECT_NE(b.status().message().find("threads = 100000"), std::string::npos) << b.status().message();
+  kda::KdaConfig zero = spec.cfg;
+  zero.num_heads = 0;
+  EXPECT_FALSE(prepare_kda(cpu, zero, {}).is_ok());
+  BackendOptions with_path;
+  with_path.path = "prefill";
+  auto p = prepare_kda(cpu, spec.cfg, with_path);
+  ASSERT_FALSE(p.is_ok());
+  EXPECT_NE(p.status().message().find("has no kernel paths"), std::string::npos) << p.status().message();
 }
 
 // run_kda_prefill / _decode / _verify: the registry's checks in one place, and the KDA options
