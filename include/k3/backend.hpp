@@ -121,6 +121,23 @@ Status run_moe(const MoeBackend& b, const MoeProblem& p, const MoeWeightsView& w
                std::span<uint8_t> out, const BackendOptions& opt = {});
 
 // ---- dense linear (k3/linear.hpp) -------------------------------------------------------------
+// A dense linear layer prepared on one backend (prepare_linear): the plan and the weights in the
+// backend's layout (cpu: the tiled, prepacked weights), owned by the handle; the caller owns the
+// workspace. Calls with distinct workspaces and outputs may run concurrently.
+class PreparedLinear {
+ public:
+  virtual ~PreparedLinear() = default;
+  virtual const std::string& backend() const = 0;
+  virtual const LinearProblem& problem() const = 0;
+  virtual std::string describe() const = 0;      // one line: ISA level, kernels, tiles, workspace
+  virtual int64_t max_tokens() const = 0;        // the largest M of run()
+  virtual int64_t workspace_bytes() const = 0;
+  virtual int64_t weight_bytes() const = 0;      // the weights as the handle holds them
+  // out = M*N elements of the problem's out_dtype; checks x, out, M <= max_tokens() and the workspace.
+  virtual Status run(int64_t m, std::span<const uint16_t> x, std::span<uint8_t> workspace,
+                     std::span<uint8_t> out) const = 0;
+};
+
 struct LinearBackend {
   std::string name;  // "reference" (the contract written plainly), "cpu"
   int priority = 0;
@@ -131,11 +148,18 @@ struct LinearBackend {
   std::function<Status(const LinearProblem&, const LinearWeightsView&, int64_t m, std::span<const uint16_t> x,
                        std::span<uint8_t> out, const BackendOptions&)>
       run;
+  // The prepared layer (BackendOptions::max_tokens: 0 = 4096).
+  std::function<Result<std::unique_ptr<PreparedLinear>>(const LinearProblem&, const LinearWeightsView&,
+                                                        const BackendOptions&)>
+      prepare;
 };
 
 std::span<const LinearBackend> linear_backends();
 Result<const LinearBackend*> find_linear_backend(std::string_view name);
 const LinearBackend& default_linear_backend();
+// Checks the weights, the options, available() and supports(), then prepares.
+Result<std::unique_ptr<PreparedLinear>> prepare_linear(const LinearBackend& b, const LinearProblem& p,
+                                                       const LinearWeightsView& w, const BackendOptions& opt = {});
 // Checks the weights and buffers, available() and supports(), then runs.
 Status run_linear(const LinearBackend& b, const LinearProblem& p, const LinearWeightsView& w, int64_t m,
                   std::span<const uint16_t> x, std::span<uint8_t> out, const BackendOptions& opt = {});

@@ -284,9 +284,9 @@ void linear_run(int64_t k, int64_t n, const std::string& recipe, const std::stri
 }
 
 // Plan once, prepack once, run per batch (one workspace per object; concurrent calls take turns).
+// k3.linear.CpuLinear: the registry's prepared layer on the cpu backend, with its workspace.
 struct CpuLinear {
-  k3::cpu::LinearPlan plan;
-  k3::cpu::PackedLinear packed;
+  std::unique_ptr<k3::PreparedLinear> layer;
   std::vector<uint8_t> workspace;
   std::mutex mu;
 };
@@ -296,26 +296,25 @@ CpuLinear* cpu_linear_prepare(int64_t k, int64_t n, const std::string& recipe, c
                               std::optional<In<uint16_t>> bf16, std::optional<In<float>> bias, int64_t max_tokens,
                               int threads, const std::string& isa) {
   const k3::LinearProblem p = linear_problem(k, n, recipe, out_dtype, bias.has_value());
-  k3::cpu::LinearOptions o;
+  if (max_tokens < 1) throw nb::value_error(("max_tokens = " + std::to_string(max_tokens) + " must be >= 1").c_str());
+  k3::BackendOptions o = options(threads, isa);
   o.max_tokens = max_tokens;
-  o.threads = threads;
-  if (!isa.empty()) o.isa = value(k3::parse_isa_level(isa));
-  auto plan = value(k3::cpu::plan(p, o));
   const k3::LinearWeightsView w = linear_weights(codes, scales, bf16, bias);
-  std::optional<k3::Result<k3::cpu::PackedLinear>> packed;
+  const k3::LinearBackend* b = value(k3::find_linear_backend("cpu"));
+  std::optional<k3::Result<std::unique_ptr<k3::PreparedLinear>>> layer;
   {
     nb::gil_scoped_release release;
-    packed.emplace(k3::cpu::prepack(plan, w));
+    layer.emplace(k3::prepare_linear(*b, p, w, o));
   }
-  auto* c = new CpuLinear{std::move(plan), value(std::move(*packed)), {}, {}};
-  c->workspace.resize(static_cast<size_t>(c->plan.workspace_bytes));
+  auto* c = new CpuLinear{value(std::move(*layer)), {}, {}};
+  c->workspace.resize(static_cast<size_t>(c->layer->workspace_bytes()));
   return c;
 }
 
 void cpu_linear_run(CpuLinear& c, In<uint16_t> x, int64_t m, AnyOut out) {
   nb::gil_scoped_release release;
   std::lock_guard<std::mutex> lock(c.mu);
-  check(k3::cpu::run(c.plan, c.packed, m, span(x), c.workspace, bytes(out)));
+  check(c.layer->run(m, span(x), c.workspace, bytes(out)));
 }
 
 double cpu_linear_time_native(CpuLinear& c, In<uint16_t> x, int64_t m, AnyOut out, int iters) {
@@ -323,11 +322,11 @@ double cpu_linear_time_native(CpuLinear& c, In<uint16_t> x, int64_t m, AnyOut ou
   const std::span<uint8_t> o = bytes(out);
   nb::gil_scoped_release release;
   std::lock_guard<std::mutex> lock(c.mu);
-  check(k3::cpu::run(c.plan, c.packed, m, span(x), c.workspace, o));
+  check(c.layer->run(m, span(x), c.workspace, o));
   std::vector<double> t;
   for (int i = 0; i < iters; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    check(k3::cpu::run(c.plan, c.packed, m, span(x), c.workspace, o));
+    check(c.layer->run(m, span(x), c.workspace, o));
     t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(t.begin(), t.end());
@@ -1117,9 +1116,9 @@ NB_MODULE(_k3, m) {
         "scales"_a.noconvert().none(), "bf16"_a.noconvert().none(), "bias"_a.noconvert().none(),
         "x"_a.noconvert(), "m"_a, "backend"_a, "threads"_a, "isa"_a, "out"_a.noconvert());
   nb::class_<CpuLinear>(m, "CpuLinear")
-      .def_prop_ro("describe", [](const CpuLinear& c) { return c.plan.describe(); })
-      .def_prop_ro("max_tokens", [](const CpuLinear& c) { return c.plan.max_tokens; })
-      .def_prop_ro("packed_bytes", [](const CpuLinear& c) { return c.packed.bytes(); })
+      .def_prop_ro("describe", [](const CpuLinear& c) { return c.layer->describe(); })
+      .def_prop_ro("max_tokens", [](const CpuLinear& c) { return c.layer->max_tokens(); })
+      .def_prop_ro("packed_bytes", [](const CpuLinear& c) { return c.layer->weight_bytes(); })
       .def("run", &cpu_linear_run, "x"_a.noconvert(), "m"_a, "out"_a.noconvert())
       .def("time_native", &cpu_linear_time_native, "x"_a.noconvert(), "m"_a, "out"_a.noconvert(), "iters"_a);
   m.def("cpu_linear_prepare", &cpu_linear_prepare, nb::rv_policy::take_ownership, "k"_a.noconvert(), "n"_a, "recipe"_a,

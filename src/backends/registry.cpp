@@ -378,6 +378,62 @@ Status run_moe(const MoeBackend& b, const MoeProblem& p, const MoeWeightsView& w
 
 namespace {
 
+int64_t linear_max_tokens(const BackendOptions& opt) { return opt.max_tokens > 0 ? opt.max_tokens : 4096; }
+
+// The cpu backend's prepared linear layer: its plan and the prepacked weights.
+class CpuLinearLayer final : public PreparedLinear {
+ public:
+  CpuLinearLayer(cpu::LinearPlan plan, cpu::PackedLinear packed) : plan_(std::move(plan)), packed_(std::move(packed)) {}
+  const std::string& backend() const override { return name_; }
+  const LinearProblem& problem() const override { return plan_.problem; }
+  std::string describe() const override { return plan_.describe(); }
+  int64_t max_tokens() const override { return plan_.max_tokens; }
+  int64_t workspace_bytes() const override { return plan_.workspace_bytes; }
+  int64_t weight_bytes() const override { return packed_.bytes(); }
+  Status run(int64_t m, std::span<const uint16_t> x, std::span<uint8_t> ws, std::span<uint8_t> out) const override {
+    return cpu::run(plan_, packed_, m, x, ws, out);
+  }
+
+ private:
+  cpu::LinearPlan plan_;
+  cpu::PackedLinear packed_;
+  std::string name_ = "cpu";
+};
+
+// The reference backend's: its own copy of the weights, the contract written plainly per call.
+class ReferenceLinearLayer final : public PreparedLinear {
+ public:
+  ReferenceLinearLayer(const LinearProblem& p, const LinearWeightsView& w, int64_t max_tokens)
+      : p_(p), codes_(w.codes.begin(), w.codes.end()), scales_(w.scales.begin(), w.scales.end()),
+        bias_(w.bias.begin(), w.bias.end()), bf16_(w.bf16.begin(), w.bf16.end()), max_tokens_(max_tokens) {}
+  const std::string& backend() const override { return name_; }
+  const LinearProblem& problem() const override { return p_; }
+  std::string describe() const override {
+    return "linear reference: the contract written plainly (FP64 sums), K " + std::to_string(p_.k) + " -> N " +
+           std::to_string(p_.n) + ", max_tokens " + std::to_string(max_tokens_);
+  }
+  int64_t max_tokens() const override { return max_tokens_; }
+  int64_t workspace_bytes() const override { return 0; }
+  int64_t weight_bytes() const override {
+    return static_cast<int64_t>(codes_.size() + scales_.size() + 4 * bias_.size() + 2 * bf16_.size());
+  }
+  Status run(int64_t m, std::span<const uint16_t> x, std::span<uint8_t>, std::span<uint8_t> out) const override {
+    if (m > max_tokens_) {
+      return invalid_argument("M = " + std::to_string(m) + " is above the layer's max_tokens = " + std::to_string(max_tokens_));
+    }
+    K3_RETURN_IF_ERROR(validate_linear_io(p_, m, x, out));
+    return linear_reference(p_, {codes_, scales_, bias_, bf16_}, m, x, out);
+  }
+
+ private:
+  LinearProblem p_;
+  std::vector<uint8_t> codes_, scales_;
+  std::vector<float> bias_;
+  std::vector<uint16_t> bf16_;
+  int64_t max_tokens_;
+  std::string name_ = "reference";
+};
+
 std::vector<LinearBackend> make_linear_backends() {
   std::vector<LinearBackend> list;
   list.push_back({"cpu", 50, always, [](const LinearProblem&) { return Status::ok(); },
@@ -397,10 +453,26 @@ std::vector<LinearBackend> make_linear_backends() {
                                          std::to_string(plan.workspace_bytes) + " bytes");
                     }
                     return cpu::run(plan, packed, m, x, ws, out);
+                  },
+                  [](const LinearProblem& p, const LinearWeightsView& w,
+                     const BackendOptions& opt) -> Result<std::unique_ptr<PreparedLinear>> {
+                    cpu::LinearOptions o;
+                    o.threads = opt.threads;
+                    o.isa = opt.isa;
+                    o.max_tokens = linear_max_tokens(opt);
+                    K3_ASSIGN_OR_RETURN(auto plan, cpu::plan(p, o));
+                    K3_ASSIGN_OR_RETURN(auto packed, cpu::prepack(plan, w));
+                    return std::unique_ptr<PreparedLinear>(
+                        std::make_unique<CpuLinearLayer>(std::move(plan), std::move(packed)));
                   }});
   list.push_back({"reference", 0, always, [](const LinearProblem&) { return Status::ok(); },
                   [](const LinearProblem& p, const LinearWeightsView& w, int64_t m, std::span<const uint16_t> x,
-                     std::span<uint8_t> out, const BackendOptions&) { return linear_reference(p, w, m, x, out); }});
+                     std::span<uint8_t> out, const BackendOptions&) { return linear_reference(p, w, m, x, out); },
+                  [](const LinearProblem& p, const LinearWeightsView& w,
+                     const BackendOptions& opt) -> Result<std::unique_ptr<PreparedLinear>> {
+                    return std::unique_ptr<PreparedLinear>(
+                        std::make_unique<ReferenceLinearLayer>(p, w, linear_max_tokens(opt)));
+                  }});
   return list;
 }
 
@@ -416,6 +488,20 @@ Result<const LinearBackend*> find_linear_backend(std::string_view name) {
 }
 
 const LinearBackend& default_linear_backend() { return default_in(linear_backends()); }
+
+Result<std::unique_ptr<PreparedLinear>> prepare_linear(const LinearBackend& b, const LinearProblem& p,
+                                                       const LinearWeightsView& w, const BackendOptions& opt) {
+  K3_RETURN_IF_ERROR(validate_linear_weights(p, w));
+  K3_RETURN_IF_ERROR(no_paths(opt, "linear", b.name));
+  if (opt.max_tokens < 0 || opt.max_tokens > (int64_t{1} << 24)) {
+    return invalid_argument("max_tokens = " + std::to_string(opt.max_tokens) +
+                            " must be in [1, 2^24] (0: the backend's default, 4096)");
+  }
+  K3_RETURN_IF_ERROR(b.available());
+  K3_RETURN_IF_ERROR(b.supports(p));
+  if (!b.prepare) return unsupported("linear backend '" + b.name + "' has no prepared layer");
+  return b.prepare(p, w, opt);
+}
 
 Status run_linear(const LinearBackend& b, const LinearProblem& p, const LinearWeightsView& w, int64_t m,
                   std::span<const uint16_t> x, std::span<uint8_t> out, const BackendOptions& opt) {

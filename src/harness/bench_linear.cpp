@@ -21,7 +21,8 @@
 #include <vector>
 
 #include "bench_json.hpp"
-#include "k3/cpu_linear.hpp"
+#include "k3/backend.hpp"
+#include "k3/linear.hpp"
 #include "k3/formats.hpp"
 #include "k3/harness/bench.hpp"
 
@@ -94,8 +95,7 @@ std::pair<int, std::string> run_capture(const std::vector<std::string>& argv, bo
 
 struct Layer {
   LinearProblem p;
-  cpu::LinearPlan plan;
-  std::vector<cpu::PackedLinear> copies;
+  std::vector<std::unique_ptr<PreparedLinear>> copies;  // the registry's prepared layer, several copies
   std::vector<uint8_t> ws;
 };
 
@@ -147,7 +147,9 @@ Result<nlohmann::json> run(const LinearBenchConfig& a, const BenchHooks& hooks) 
   const IsaLevel isa_level = a.isa;
   const int64_t max_m = *std::max_element(a.m.begin(), a.m.end());
 
-  // Layers: one per (shape, recipe), each with enough copies to exceed the pool.
+  // Layers: one per (shape, recipe), each with enough copies to exceed the pool, prepared through
+  // the registry's cpu backend.
+  K3_ASSIGN_OR_RETURN(const LinearBackend* backend, find_linear_backend("cpu"));
   std::vector<Layer> layers;
   std::mt19937 rng(7);
   for (const auto& s : a.shapes) {
@@ -161,11 +163,10 @@ Result<nlohmann::json> run(const LinearBenchConfig& a, const BenchHooks& hooks) 
       l.p.recipe = rec.value();
       l.p.out_dtype = OutDType::kBF16;
       K3_RETURN_IF_ERROR(validate_linear_problem(l.p));
-      cpu::LinearOptions o;
+      BackendOptions o;
       o.threads = threads;
       o.isa = isa_level;
       o.max_tokens = max_m;
-      K3_ASSIGN_OR_RETURN(l.plan, cpu::plan(l.p, o));
       const bool b16 = l.p.recipe == LinearRecipe::kW16A16;
       std::vector<uint8_t> codes, scales;
       std::vector<uint16_t> wb;
@@ -186,10 +187,10 @@ Result<nlohmann::json> run(const LinearBenchConfig& a, const BenchHooks& hooks) 
       const int64_t bytes = weight_bytes(l.p);
       const int64_t copies = std::max<int64_t>(1, (a.pool_mib << 20) / bytes + 1);
       for (int64_t c = 0; c < copies; ++c) {
-        K3_ASSIGN_OR_RETURN(auto packed, cpu::prepack(l.plan, w));
-        l.copies.push_back(std::move(packed));
+        K3_ASSIGN_OR_RETURN(auto layer, prepare_linear(*backend, l.p, w, o));
+        l.copies.push_back(std::move(layer));
       }
-      l.ws.resize(static_cast<size_t>(l.plan.workspace_bytes));
+      l.ws.resize(static_cast<size_t>(l.copies.front()->workspace_bytes()));
       layers.push_back(std::move(l));
     }
   }
@@ -246,11 +247,11 @@ Result<nlohmann::json> run(const LinearBenchConfig& a, const BenchHooks& hooks) 
         const double work = 2.0 * static_cast<double>(m * l.p.n * l.p.k);
         const int iters = std::max(1, std::min(a.iters, static_cast<int>(2e10 / std::max(work, 1.0))));
         size_t c = round % l.copies.size();
-        K3_RETURN_IF_ERROR(cpu::run(l.plan, l.copies[c], m, xs, l.ws, os));  // warm-up
+        K3_RETURN_IF_ERROR(l.copies[c]->run(m, xs, l.ws, os));  // warm-up
         for (int i = 0; i < iters; ++i) {
           c = (c + 1) % l.copies.size();
           const double t0 = now_s();
-          K3_RETURN_IF_ERROR(cpu::run(l.plan, l.copies[c], m, xs, l.ws, os));
+          K3_RETURN_IF_ERROR(l.copies[c]->run(m, xs, l.ws, os));
           samples[li][mi].push_back(now_s() - t0);
         }
         hooks.step(++done, total,
@@ -321,7 +322,7 @@ Result<nlohmann::json> run(const LinearBenchConfig& a, const BenchHooks& hooks) 
   {
     nlohmann::json j = {{"machine", machine(threads, isa_level)},
                         {"isa", isa_level_name(isa_level)},
-                        {"plan", layers.front().plan.describe()},
+                        {"plan", layers.front().copies.front()->describe()},
                         {"read_bandwidth_Bps", to_json(bw)},
                         {"peak_flops", to_json(peak)},
                         {"peak_flops_w16a16", to_json(peak_fp32)},

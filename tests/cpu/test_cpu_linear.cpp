@@ -492,5 +492,52 @@ TEST(CpuLinear, RegistryOffersCpuThenReferenceWithTheSameBits) {
   EXPECT_EQ(a, b);
 }
 
+// prepare_linear: the cpu handle (plan + prepacked weights) and the reference one (its own copy of
+// the weights) give run_linear's bits on every call; their limits and refusals are named.
+TEST(CpuLinear, PreparedLayersOfTheRegistryGiveTheOneShotBits) {
+  for (const auto recipe : {LinearRecipe::kW8A16, LinearRecipe::kW16A16}) {
+    Case c = make_case(64, 40, 6, recipe, OutDType::kBF16, true, 21);
+    std::vector<uint8_t> want(static_cast<size_t>(c.m * 40 * 2));
+    ASSERT_TRUE(run_linear(default_linear_backend(), c.p, c.view(), c.m, c.x, want).is_ok());
+    for (const char* name : {"cpu", "reference"}) {
+      BackendOptions o;
+      o.threads = 2;
+      o.max_tokens = 8;
+      auto layer = prepare_linear(*find_linear_backend(name).value(), c.p, c.view(), o);
+      ASSERT_TRUE(layer.is_ok()) << name << ": " << layer.status().to_string();
+      const PreparedLinear& l = **layer;
+      EXPECT_EQ(l.backend(), name);
+      EXPECT_EQ(l.max_tokens(), 8);
+      EXPECT_GT(l.weight_bytes(), 0);
+      EXPECT_FALSE(l.describe().empty());
+      // The handle owns its weights: the caller's buffers may go.
+      c.codes.assign(c.codes.size(), 0);
+      c.wb.assign(c.wb.size(), 0);
+      std::vector<uint8_t> ws(static_cast<size_t>(l.workspace_bytes())), out(want.size());
+      for (int call = 0; call < 2; ++call) {
+        ASSERT_TRUE(l.run(c.m, c.x, ws, out).is_ok()) << name;
+        EXPECT_EQ(out, want) << name << " " << linear_recipe_name(recipe);
+      }
+      std::vector<uint16_t> big(static_cast<size_t>(9 * 64));
+      std::vector<uint8_t> big_out(static_cast<size_t>(9 * 40 * 2));
+      const Status over = l.run(9, big, ws, big_out);
+      EXPECT_FALSE(over.is_ok()) << name;
+      EXPECT_NE(over.message().find("max_tokens = 8"), std::string::npos) << over.message();
+      c = make_case(64, 40, 6, recipe, OutDType::kBF16, true, 21);  // the weights back for the next backend
+    }
+  }
+  const Case c = make_case(64, 40, 6, LinearRecipe::kW8A8, OutDType::kFP32, false, 3);
+  BackendOptions bad;
+  bad.max_tokens = -1;
+  expect_error(prepare_linear(default_linear_backend(), c.p, c.view(), bad).status(), StatusCode::kInvalidArgument,
+               "max_tokens = -1 must be in [1, 2^24]");
+  bad = {};
+  bad.path = "prefill";
+  expect_error(prepare_linear(default_linear_backend(), c.p, c.view(), bad).status(), StatusCode::kInvalidArgument,
+               "has no kernel paths");
+  const LinearWeightsView short_w{std::span<const uint8_t>(c.codes).first(10), c.scales, {}, {}};
+  EXPECT_FALSE(prepare_linear(default_linear_backend(), c.p, short_w, {}).is_ok());
+}
+
 }  // namespace
 }  // namespace k3
