@@ -91,8 +91,8 @@ def bench(target="moe", env=None, **options):
     ``moe``, ``kda``, ``linear`` and ``limits`` run in this process through the library's harness;
     their options are the tool's flags with underscores (``m=[1, 128]``, ``recipe="w4a8"``,
     ``ep_size=32``, ``prefill_t=[64, 1024]``, ``shapes=["1536x7168"]`` or ``"1536x7168,7168x3584"``,
-    ``torch_python=sys.executable``, ``threads=2``, ``isa="avx2"``; default threads: all logical
-    CPUs).
+    ``torch_python="off"``, ``threads=2``, ``isa="avx2"``; default threads: all logical CPUs;
+    ``linear``'s torch baseline runs in this interpreter, ``sys.executable``, unless told otherwise).
     An unknown option, a wrong type or a refused value raises (``ValueError`` / ``TypeError``)
     naming it. A device sweep that went on past a failed case returns its records with ``error``
     set. ``env`` is refused for these two: pass ``threads`` / ``isa`` instead.
@@ -112,6 +112,8 @@ def bench(target="moe", env=None, **options):
             elif isinstance(value, os.PathLike):
                 value = os.fspath(value)
             opts[key] = value
+        if target == "linear":  # torch's baseline runs in this interpreter unless told otherwise
+            opts.setdefault("torch_python", sys.executable)
         text, error = _k3.bench(target, opts)
         result = json.loads(text)
         result["ok"] = not error

@@ -410,8 +410,9 @@ def test_bench_linear_runs_torch_side_by_side_when_given_a_python_with_torch():
     """`k3 bench linear --torch-python PY`: torch's BF16 F.linear on the same shapes, M and
     threads, its median next to k3's and the speed-up in the JSON (the real torch of this venv)."""
     pytest.importorskip("torch")
+    # The baseline runs in this interpreter by default (torch_python=sys.executable).
     r = k3.bench("linear", shapes="96x64", m=[1, 9], recipes="w8a16,w16a16", rounds=2, iters=2, pool_mib=1, bw_mib=16,
-                 threads=2, torch_python=sys.executable)
+                 threads=2)
     assert r["ok"]
     assert "version" in r["torch"], r["torch"]
     assert r["torch"]["python"] == sys.executable

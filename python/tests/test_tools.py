@@ -76,6 +76,16 @@ def test_bench_limits_in_process():
         k3.bench("limits", buffer_mib=1)
 
 
+def test_bench_linear_in_process_without_the_torch_baseline():
+    r = k3.bench("linear", shapes=["96x64"], recipes="w8a8", m=[1, 3], rounds=1, iters=1, pool_mib=1, bw_mib=16,
+                 threads=1, torch_python="off")
+    assert r["ok"] and r["torch"] == {"not_run": "--torch-python off"}
+    assert [(x["k"], x["n"], x["m"]) for x in r["records"]] == [(96, 64, 1), (96, 64, 3)]
+    assert all(x["torch_bf16"] is None for x in r["records"])
+    # The bytes model: MXFP8 weights N K (1 + 1/32), plus x and y in BF16.
+    assert r["records"][0]["bytes"] == 64 * 96 * 33 // 32 + 1 * (96 + 64) * 2
+
+
 def test_bench_options_are_checked_naming_them():
     with pytest.raises(ValueError, match="unknown option 'bogus'"):
         k3.bench("moe", bogus=1)
