@@ -1,6 +1,7 @@
 """``k3.validate`` / ``k3.bench``: the correctness matrix and benchmarks from Python, returning the
-same records as ``k3 validate --output`` / ``k3 bench --output``. ``validate`` calls the library's
-harness in this process; ``bench`` runs the `k3` tool installed with the package."""
+same records as ``k3 validate --output`` / ``k3 bench --output``. Both call the library's harness
+in this process; only ``bench("comm")`` (a multi-rank run under mpirun) runs the `k3` tool
+installed with the package."""
 
 import json
 import os
