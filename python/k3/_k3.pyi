@@ -4,7 +4,6 @@
 k3: Kimi-K3 MoE and Kimi Delta Attention kernels (CPU backend; see the k3 package)
 """
 
-from collections.abc import Sequence
 from typing import Annotated, overload
 
 import numpy
@@ -16,7 +15,7 @@ def read_bandwidth(threads: int, mib: int) -> dict:
     The harness's read-bandwidth probe (k3 bench limits): bytes/s over a buffer of `mib` MiB, best of several trials.
     """
 
-def validate(op: str, suite: str, backend: str, require: Sequence[str], seed: int, recipe: str, activation: str, checkpoint: str, layer: int, ep_size: int, ep_rank: int, threads: int, isa: str, cuda_path: str) -> tuple[str, int]:
+def validate(op: str, options: dict) -> tuple[str, int]:
     """
     The harness's correctness matrix (k3.validate): (the records as JSON, the number of failed checks).
     """

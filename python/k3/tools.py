@@ -71,10 +71,11 @@ def validate(op="all", *, suite="all", backend="all", require=(), seed=20261129,
     check does not raise."""
     if isinstance(require, str):
         require = [require]
-    text, failed = _k3.validate(str(op), str(suite), str(backend), [str(r) for r in require], int(seed),
-                                recipe or "", activation or "", os.fspath(checkpoint) if checkpoint else "",
-                                int(layer), int(ep_size), int(ep_rank), 0 if threads is None else int(threads),
-                                isa or "", cuda_path or "")
+    options = {"suite": suite, "backend": backend, "require": list(require), "seed": seed, "recipe": recipe,
+               "activation": activation, "checkpoint": os.fspath(checkpoint) if checkpoint else None,
+               "layer": layer, "ep_size": ep_size, "ep_rank": ep_rank, "threads": threads, "isa": isa,
+               "cuda_path": cuda_path}
+    text, failed = _k3.validate(str(op), {k: v for k, v in options.items() if v is not None})
     result = json.loads(text)
     result["failed"] = failed
     result["ok"] = failed == 0

@@ -925,40 +925,12 @@ void cuda_route(DIn<float> logits, std::optional<DIn<float>> bias, DIn<int32_t> 
                                weights.data(), stream_of(stream)));
 }
 
-// k3.validate: the harness's correctness matrix (the records of `k3 validate --output`, as JSON).
-std::pair<std::string, int64_t> validate(const std::string& op, const std::string& suite, const std::string& backend,
-                                         const std::vector<std::string>& require, uint64_t seed,
-                                         const std::string& recipe, const std::string& activation,
-                                         const std::string& checkpoint, int layer, int ep_size, int ep_rank,
-                                         int threads, const std::string& isa, const std::string& cuda_path) {
-  k3::harness::ValidateOptions o;
-  o.suite = suite;
-  o.backend = backend;
-  o.require = require;
-  o.seed = seed;
-  o.recipe = recipe;
-  o.activation = activation;
-  o.checkpoint = checkpoint;
-  o.layer = layer;
-  o.ep_size = ep_size;
-  o.ep_rank = ep_rank;
-  o.backend_options = options(threads, isa);
-  o.backend_options.path = cuda_path;
-  k3::Result<std::vector<k3::harness::ValidateRow>> rows = k3::invalid_argument("not run");
-  {
-    nb::gil_scoped_release release;
-    rows = k3::harness::run_validation(op, o);
-  }
-  const auto& r = value(std::move(rows));
-  return {k3::harness::validation_json(r, o), static_cast<int64_t>(k3::harness::count_rows(r).failed)};
-}
-
 // k3.bench("moe" | "kda", **options): the harness's benchmarks in this process. Options are the
 // fields of the target's config (the flags of `k3 bench TARGET`, dashes as underscores); an
 // unknown one is refused naming the known ones.
 using Setter = std::function<void(nb::handle)>;
 
-void apply_options(const std::string& target, const nb::dict& options,
+void apply_options(const std::string& caller, const nb::dict& options,
                    const std::vector<std::pair<std::string, Setter>>& fields) {
   for (auto [key, value] : options) {
     const std::string name = nb::cast<std::string>(key);
@@ -966,12 +938,12 @@ void apply_options(const std::string& target, const nb::dict& options,
     if (it == fields.end()) {
       std::string known;
       for (const auto& f : fields) known += (known.empty() ? "" : ", ") + f.first;
-      throw nb::value_error(("k3.bench(\"" + target + "\"): unknown option '" + name + "' (known: " + known + ")").c_str());
+      throw nb::value_error((caller + ": unknown option '" + name + "' (known: " + known + ")").c_str());
     }
     try {
       it->second(value);
     } catch (const nb::cast_error&) {
-      throw nb::type_error(("k3.bench(\"" + target + "\"): option '" + name + "' has the wrong type (" +
+      throw nb::type_error((caller + ": option '" + name + "' has the wrong type (" +
                             nb::cast<std::string>(nb::str(value.type())) + ")").c_str());
     }
   }
@@ -994,12 +966,37 @@ Setter to_isa(k3::IsaLevel& field) {
   return [&field](nb::handle v) { field = value(k3::parse_isa_level(nb::cast<std::string>(v))); };
 }
 
+// k3.validate(op, **options): the harness's correctness matrix (the records of `k3 validate
+// --output`, as JSON, and the count of failed checks). Options go through the same table as
+// k3.bench's: an unknown key is refused naming the known ones, a wrong type raises TypeError.
+std::pair<std::string, int64_t> validate(const std::string& op, const nb::dict& opts) {
+  k3::harness::ValidateOptions o;
+  int threads = 0;
+  std::string isa;
+  apply_options("k3.validate", opts,
+                {{"suite", to(o.suite)}, {"backend", to(o.backend)}, {"require", to(o.require)}, {"seed", to(o.seed)},
+                 {"recipe", to(o.recipe)}, {"activation", to(o.activation)}, {"checkpoint", to(o.checkpoint)},
+                 {"layer", to(o.layer)}, {"ep_size", to(o.ep_size)}, {"ep_rank", to(o.ep_rank)},
+                 {"threads", to(threads)}, {"isa", to(isa)}, {"cuda_path", to(o.backend_options.path)}});
+  const std::string path = o.backend_options.path;
+  o.backend_options = options(threads, isa);
+  o.backend_options.path = path;
+  k3::Result<std::vector<k3::harness::ValidateRow>> rows = k3::invalid_argument("not run");
+  {
+    nb::gil_scoped_release release;
+    rows = k3::harness::run_validation(op, o);
+  }
+  const auto& r = value(std::move(rows));
+  return {k3::harness::validation_json(r, o), static_cast<int64_t>(k3::harness::count_rows(r).failed)};
+}
+
 // (the document as JSON, "" or the error of a sweep that went on past a failed case).
 std::pair<std::string, std::string> bench(const std::string& target, const nb::dict& options) {
   k3::harness::BenchResult r;
+  const std::string caller = "k3.bench(\"" + target + "\")";
   if (target == "moe") {
     k3::harness::MoeBenchConfig c;
-    apply_options(target, options,
+    apply_options(caller, options,
                   {{"backend", to(c.backend)}, {"m", to_list(c.ms)}, {"full", to(c.full)}, {"recipe", to(c.recipe)},
                    {"routing", to(c.routing)}, {"activation", to(c.activation)}, {"hidden", to(c.hidden)},
                    {"intermediate", to(c.intermediate)}, {"experts", to(c.experts)}, {"top_k", to(c.top_k)},
@@ -1011,7 +1008,7 @@ std::pair<std::string, std::string> bench(const std::string& target, const nb::d
     r = k3::harness::bench_moe(c);
   } else if (target == "kda") {
     k3::harness::KdaBenchConfig c;
-    apply_options(target, options,
+    apply_options(caller, options,
                   {{"backend", to(c.backend)}, {"heads", to(c.heads)}, {"head_dim", to(c.head_dim)},
                    {"prefill_t", to_list(c.prefill_t)}, {"decode_n", to_list(c.decode_n)},
                    {"verify_n", to_list(c.verify_n)}, {"draft_tokens", to(c.draft_tokens)}, {"iters", to(c.iters)},
@@ -1021,7 +1018,7 @@ std::pair<std::string, std::string> bench(const std::string& target, const nb::d
     r = k3::harness::bench_kda(c);
   } else if (target == "linear") {
     k3::harness::LinearBenchConfig c;
-    apply_options(target, options,
+    apply_options(caller, options,
                   {{"shapes", to(c.shapes)}, {"recipes", to(c.recipes)}, {"m", to_list(c.m)}, {"iters", to(c.iters)},
                    {"rounds", to(c.rounds)}, {"pool_mib", to(c.pool_mib)}, {"bw_mib", to(c.bw_mib)},
                    {"threads", to(c.threads)}, {"isa", to_isa(c.isa)}, {"torch_python", to(c.torch_python)}});
@@ -1030,7 +1027,7 @@ std::pair<std::string, std::string> bench(const std::string& target, const nb::d
   } else if (target == "limits") {
     int threads = 0;
     int64_t buffer_mib = 1024;
-    apply_options(target, options, {{"threads", to(threads)}, {"buffer_mib", to(buffer_mib)}});
+    apply_options(caller, options, {{"threads", to(threads)}, {"buffer_mib", to(buffer_mib)}});
     nb::gil_scoped_release release;
     r = k3::harness::bench_limits(threads, buffer_mib);
   } else {
@@ -1061,8 +1058,7 @@ NB_MODULE(_k3, m) {
         return d;
       }, "threads"_a, "mib"_a,
       "The harness's read-bandwidth probe (k3 bench limits): bytes/s over a buffer of `mib` MiB, best of several trials.");
-  m.def("validate", &validate, "op"_a, "suite"_a, "backend"_a, "require"_a, "seed"_a, "recipe"_a, "activation"_a,
-        "checkpoint"_a, "layer"_a, "ep_size"_a, "ep_rank"_a, "threads"_a, "isa"_a, "cuda_path"_a,
+  m.def("validate", &validate, "op"_a, "options"_a,
         "The harness's correctness matrix (k3.validate): (the records as JSON, the number of failed checks).");
   m.def("bench", &bench, "target"_a, "options"_a,
         "The harness's benchmarks (k3.bench): (the document as JSON, the error of a sweep that went on past a failed case or \"\").");

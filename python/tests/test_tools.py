@@ -35,6 +35,11 @@ def test_validate_options_reach_the_backends_and_bad_ones_name_themselves():
         k3.validate(op="nope")
     with pytest.raises(ValueError, match="avx9"):
         k3.validate(op="formats", suite="smoke", isa="avx9")
+    # The binding takes its options through k3.bench's table: wrong types and unknown keys name themselves.
+    with pytest.raises(TypeError, match="k3.validate: option 'threads' has the wrong type"):
+        k3.validate(op="formats", suite="smoke", threads="two")
+    with pytest.raises(ValueError, match=r"k3.validate: unknown option 'sweet' \(known: suite, backend"):
+        k3._k3.validate("formats", {"sweet": "smoke"})
     # A missing capability is a FAIL row, not an exception.
     r = k3.validate(op="moe", suite="smoke", backend="cpu", recipe="w4a16", activation="silu", require="no-such-cap")
     assert not r["ok"] and r["failed"] >= 1
