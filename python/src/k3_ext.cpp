@@ -69,17 +69,14 @@ T value(k3::Result<T> r) {
 using AnyOut = nb::ndarray<nb::c_contig, nb::device::cpu>;
 std::span<uint8_t> bytes(AnyOut& a) { return {static_cast<uint8_t*>(a.data()), a.nbytes()}; }
 
-template <typename T>
-std::span<const T> span(const In<T>& a) {
+// Any array (host or device, In / Out / DIn / DOut) as a span of its elements; None as an empty span.
+template <typename T, typename... P>
+std::span<T> span(const nb::ndarray<T, P...>& a) {
   return {a.data(), a.size()};
 }
-template <typename T>
-std::span<T> span(Out<T>& a) {
-  return {a.data(), a.size()};
-}
-template <typename T>
-std::span<const T> span(const std::optional<In<T>>& a) {
-  return a ? std::span<const T>(a->data(), a->size()) : std::span<const T>();
+template <typename T, typename... P>
+std::span<T> span(const std::optional<nb::ndarray<T, P...>>& a) {
+  return a ? std::span<T>(a->data(), a->size()) : std::span<T>();
 }
 
 k3::BackendOptions options(int threads, const std::string& isa) {
@@ -441,9 +438,9 @@ k3::kda::KdaConfig kda_config(int64_t heads, int64_t head_k, int64_t head_v, con
 
 // Decode (one token per sequence, states in a pool indexed by state_indices, updated in place)
 // and speculative verify (T draft tokens per sequence, every prefix state written to its slot).
-template <typename A>
-k3::kda::KdaInputs step_inputs(In<A>& q, In<A>& k, In<A>& v, In<float>& g, In<float>& beta,
-                               std::optional<In<float>>& a_log, std::optional<In<float>>& dt_bias) {
+template <typename Act, typename Vec, typename OptVec>
+k3::kda::KdaInputs step_inputs(const Act& q, const Act& k, const Act& v, const Vec& g, const Vec& beta,
+                               const OptVec& a_log, const OptVec& dt_bias) {
   k3::kda::KdaInputs in;
   in.q = k3::kda::ActSpan::of(span(q));
   in.k = k3::kda::ActSpan::of(span(k));
@@ -619,15 +616,6 @@ void on_device(const char* name, const std::optional<A>& a, int device) {
   if (a) on_device(name, *a, device);
 }
 
-template <typename T, typename... P>
-std::span<T> dspan(const nb::ndarray<T, P...>& a) {
-  return {a.data(), a.size()};
-}
-template <typename T, typename... P>
-std::span<T> dspan(const std::optional<nb::ndarray<T, P...>>& a) {
-  return a ? std::span<T>(a->data(), a->size()) : std::span<T>();
-}
-
 void* workspace_of(const DOut<uint8_t>& ws, int64_t need, int device) {
   on_device("workspace", ws, device);
   if (static_cast<int64_t>(ws.nbytes()) < need) {
@@ -712,15 +700,7 @@ k3::kda::KdaInputs device_inputs(const CudaKda& c, const DIn<A>& q, const DIn<A>
   on_device("beta", beta, c.device);
   on_device("a_log", a_log, c.device);
   on_device("dt_bias", dt_bias, c.device);
-  k3::kda::KdaInputs in;
-  in.q = k3::kda::ActSpan::of(dspan(q));
-  in.k = k3::kda::ActSpan::of(dspan(k));
-  in.v = k3::kda::ActSpan::of(dspan(v));
-  in.g = dspan(g);
-  in.beta = dspan(beta);
-  in.a_log = dspan(a_log);
-  in.dt_bias = dspan(dt_bias);
-  return in;
+  return step_inputs(q, k, v, g, beta, a_log, dt_bias);
 }
 
 template <typename A>
@@ -734,9 +714,9 @@ void cuda_kda_prefill(const CudaKda& c, DIn<A> q, DIn<A> k, DIn<A> v, DIn<float>
   on_device("initial_state", initial_state, c.device);
   on_device("o", o, c.device);
   on_device("final_state", final_state, c.device);
-  in.cu_seqlens = dspan(cu);
-  in.initial_state = dspan(initial_state);
-  const k3::kda::KdaOutputs out{dspan(o), dspan(final_state)};
+  in.cu_seqlens = span(cu);
+  in.initial_state = span(initial_state);
+  const k3::kda::KdaOutputs out{span(o), span(final_state)};
   void* ws = workspace_of(workspace, c.plan.workspace_bytes, c.device);
   nb::gil_scoped_release release;
   check(k3::cuda::prefill(c.plan, in, out, ws, stream_of(stream)));
@@ -764,8 +744,8 @@ void cuda_kda_decode(const CudaKda& c, DIn<A> q, DIn<A> k, DIn<A> v, DIn<float> 
   on_device("state_indices", state_indices, c.device);
   on_device("o", o, c.device);
   set_pool(state_pool, args.state_pool, args.state_pool_bf16);
-  args.state_indices = dspan(state_indices);
-  args.o = dspan(o);
+  args.state_indices = span(state_indices);
+  args.o = span(o);
   void* ws = workspace_of(workspace, c.plan.workspace_bytes, c.device);
   nb::gil_scoped_release release;
   check(k3::cuda::decode(c.plan, args, ws, stream_of(stream)));
@@ -785,9 +765,9 @@ void cuda_kda_verify(const CudaKda& c, DIn<A> q, DIn<A> k, DIn<A> v, DIn<float> 
   on_device("o", o, c.device);
   args.draft_tokens = draft_tokens;
   set_pool(state_pool, args.state_pool, args.state_pool_bf16);
-  args.state_indices = dspan(state_indices);
-  args.num_accepted = dspan(num_accepted);
-  args.o = dspan(o);
+  args.state_indices = span(state_indices);
+  args.num_accepted = span(num_accepted);
+  args.o = span(o);
   void* ws = workspace_of(workspace, c.plan.workspace_bytes, c.device);
   nb::gil_scoped_release release;
   check(k3::cuda::verify(c.plan, args, ws, stream_of(stream)));
