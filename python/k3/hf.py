@@ -526,6 +526,13 @@ def mxfp4_roundtrip_(model):
     return model
 
 
+def _mxfp8_round(t):
+    """t rounded per 32 along its last dimension to MXFP8 by k3's codec (RCEIL) and back, same dtype."""
+    w = t.detach().to(torch.float32).reshape(-1, t.shape[-1]).contiguous().numpy()
+    q, s = _linear.quantize_weight(w)
+    return torch.from_numpy(mx.dequantize(q, s, t.shape[-1], "mxfp8")).reshape(t.shape).to(t.dtype).contiguous()
+
+
 def mxfp8_roundtrip_dense_(model):
     """Replaces the weight of every ``nn.Linear`` that ``patch(dense=True)`` serves (input width a
     multiple of 32), in place, by its MXFP8 round trip (k3's codec, RCEIL), keeping the dtype: with
@@ -534,9 +541,7 @@ def mxfp8_roundtrip_dense_(model):
     with torch.no_grad():
         for mod in model.modules():
             if type(mod) is torch.nn.Linear and mod.in_features % 32 == 0:
-                w = mod.weight.detach().to(torch.float32).contiguous().numpy()
-                q, s = _linear.quantize_weight(w)
-                mod.weight.copy_(torch.from_numpy(mx.dequantize(q, s, mod.in_features, "mxfp8")).to(mod.weight.dtype))
+                mod.weight.copy_(_mxfp8_round(mod.weight))
     return model
 
 
@@ -617,11 +622,22 @@ class _MlaLayer:
 
     def __init__(self, mod):
         self.index = mod.layer_idx
-        h, nope, vd = mod.num_heads, mod.qk_nope_head_dim, mod.v_head_dim
-        w = mod.kv_b_proj.weight.detach().view(h, nope + vd, mod.kv_lora_rank)
-        self.w_uk = w[:, :nope, :].contiguous()  # [H, nope, C], the model's dtype (as kv_b_proj computes)
-        self.w_uv_t = w[:, nope:, :].transpose(1, 2).contiguous()  # [H, C, V]
         self.calls = 0
+        self.absorb(mod, mod.kv_b_proj.weight.detach())
+
+    def absorb(self, mod, weight):
+        """W_uk / W_uv from kv_b_proj's weight [H (nope + V), C], in the model's dtype (as kv_b_proj
+        computes)."""
+        h, nope, vd = mod.num_heads, mod.qk_nope_head_dim, mod.v_head_dim
+        w = weight.view(h, nope + vd, mod.kv_lora_rank)
+        self.w_uk = w[:, :nope, :].contiguous()  # [H, nope, C]
+        self.w_uv_t = w[:, nope:, :].transpose(1, 2).contiguous()  # [H, C, V]
+
+    def round_to_mxfp8(self):
+        """``patch(dense=True)`` serves kv_b_proj with MXFP8 weights (prefill uses them): decode takes
+        the same values, each row of kv_b_proj's weight rounded along C by k3's codec (exact in BF16)."""
+        self.w_uk = _mxfp8_round(self.w_uk)
+        self.w_uv_t = _mxfp8_round(self.w_uv_t.transpose(1, 2)).transpose(1, 2).contiguous()
 
 
 def _cache_kwarg(cls):
@@ -700,6 +716,7 @@ class Patch:
         self.dense_bytes_stock = 0
         self.dense_bytes_k3 = 0
         self.dense_format = "MXFP8"
+        self.fused_groups = 0  # k3 layers that serve several projections of one input (dense=True)
 
     def summary(self):
         return (f"k3.hf: {len(self.kda)} KDA layers and {len(self.moe)} MoE blocks on k3, {len(self.mla)} MLA "
@@ -707,7 +724,8 @@ class Patch:
                 f"threads {self.threads if self.threads is not None else 'torch'}, isa {self.isa or 'best'}); "
                 f"routed experts "
                 f"{self.expert_bytes_stock / 2**20:.1f} MiB stock -> {self.expert_bytes_k3 / 2**20:.1f} MiB MXFP4"
-                + (f"; {len(self.dense)} dense projections on k3, {self.dense_bytes_stock / 2**20:.1f} MiB stock -> "
+                + (f"; {len(self.dense)} dense projections on k3 ({self.fused_groups} groups of projections of one "
+                   f"input fused), {self.dense_bytes_stock / 2**20:.1f} MiB stock -> "
                    f"{self.dense_bytes_k3 / 2**20:.1f} MiB {self.dense_format}" if self.dense else ""))
 
     def __repr__(self):
@@ -746,7 +764,7 @@ def _check_config(cfg, moe, kda):
 
 
 def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, keep_original=False,
-          max_tokens=4096, isa="", dense=False):
+          max_tokens=4096, isa="", dense=False, fuse=True):
     """Serves a transformers Kimi-Linear model's KDA layers and routed experts with k3 (in place).
 
     ``recipe``: "w4a16" (BF16 activations) or "w4a8" (MXFP8 activations) for the experts.
@@ -762,6 +780,9 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
     a multiple of 32) with k3's linear layer: ``True`` or ``"mxfp8"`` on MXFP8 weights (half of
     BF16's bytes; recipe "w8a16", or "w8a8" with ``recipe="w4a8"``), ``"bf16"`` on the model's own
     BF16 weights (recipe "w16a16": no weight rounding, the stock bytes); needs a bfloat16 model.
+    ``fuse`` (with ``dense``): the projections of a layer that read the same input (a KDA layer's
+    q / k / v / forget-gate / beta / output-gate inputs, MLA's query and latent inputs, an MLP's
+    gate and up) run as one k3 layer, their weights stacked: the same bits, fewer calls.
     Returns a :class:`Patch`."""
     m = _modeling()
     if recipe not in ("w4a16", "w4a8"):
@@ -833,7 +854,11 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
         try:
             dense_recipe = "w16a16" if dense == "bf16" else "w8a8" if recipe == "w4a8" else "w8a16"
             rec.dense_format = "BF16" if dense == "bf16" else "MXFP8"
-            _patch_dense(model, m, rec, dense_recipe, plan_threads, keep_original, max_tokens, isa)
+            _patch_dense(model, m, rec, dense_recipe, plan_threads, keep_original, max_tokens, isa, fuse)
+            if dense_recipe != "w16a16":  # the absorbed MLA decode on the MXFP8 kv_b_proj weights prefill uses
+                for mod, r in rec.mla:
+                    if isinstance(mod.kv_b_proj, _k3torch.Linear):
+                        r.round_to_mxfp8()
         except Exception:
             for parent, name, stock, _ in rec.dense:
                 setattr(parent, name, stock)
@@ -879,20 +904,117 @@ def _patch_moe(mod, index, cfg, recipe, threads, plan_threads, keep_original, ma
     return r
 
 
-def _patch_dense(model, m, rec, recipe, threads, keep_original, max_tokens, isa):
+def _input_groups(model, m):
+    """The projections of one layer that read the same input tensor: (parent, attribute) pairs, in
+    the order the stock forwards call them. Each group becomes one k3 layer (their weights stacked
+    along N), so a decode step makes one call (one weight stream, one thread fork) where it made
+    up to six."""
+    groups = []
+    for mod in model.modules():
+        if isinstance(mod, m.KimiLinearDeltaAttention):
+            groups.append([(mod, "q_proj"), (mod, "k_proj"), (mod, "v_proj"), (mod.forget_gate, "f_a_proj"),
+                           (mod, "b_proj"), (mod, "g_a_proj")])
+        elif isinstance(mod, m.KimiLinearAttention):
+            q = "q_proj" if getattr(mod, "q_lora_rank", None) is None else "q_a_proj"
+            groups.append([(mod, q), (mod, "kv_a_proj_with_mqa")])
+        elif isinstance(mod, m.KimiLinearMLP):
+            groups.append([(mod, "gate_proj"), (mod, "up_proj")])
+    return groups
+
+
+class _FusedProjections:
+    """One k3 layer serving several projections of the same input (``_input_groups``). Each
+    projection is a :class:`_FusedSlice`; the first one called with an input runs the layer for
+    all of them and the others take their columns of that output (same tensor object, same
+    version), so the stock forwards run unchanged. Stacking the weights along N changes no bit:
+    every output column is its own dot product (k3's linear contract), and the W8A8 activation
+    quantization is per row of X. A projection called with another input runs the whole layer."""
+
+    def __init__(self, lin, widths):
+        self.lin = lin
+        self.bounds = []
+        n0 = 0
+        for w in widths:
+            self.bounds.append((n0, n0 + w))
+            n0 += w
+        self._x = self._out = None
+        self._ver = -1
+        self._taken = set()
+
+    def __call__(self, i, x):
+        if not (self._x is x and self._ver == x._version and i not in self._taken):
+            out = self.lin(x)
+            self._x, self._ver, self._out, self._taken = x, x._version, out, set()
+        out = self._out
+        self._taken.add(i)
+        if len(self._taken) == len(self.bounds):  # every projection took its columns: hold nothing
+            self._x = self._out = None
+        a, b = self.bounds[i]
+        return out[..., a:b]
+
+
+class _FusedSlice(torch.nn.Module):
+    """A projection served by a :class:`_FusedProjections` (``k3.hf.patch(dense=True)``)."""
+
+    def __init__(self, fused, index, stock):
+        super().__init__()
+        self._fused, self._index = fused, index  # not a submodule: the k3 layer belongs to the group
+        self.in_features, self.out_features = stock.in_features, stock.out_features
+
+    @property
+    def weight_bytes(self):
+        """This projection's share of the fused layer's packed bytes (the shares sum to them)."""
+        total = _k3torch._linear_layer(self._fused.lin.handle).packed_bytes
+        a, b = self._fused.bounds[self._index]
+        n = self._fused.bounds[-1][1]
+        return total - total * a // n if b == n else total * b // n - total * a // n
+
+    def extra_repr(self):
+        a, b = self._fused.bounds[self._index]
+        return f"in_features={self.in_features}, out_features={self.out_features}, columns {a}:{b} of a fused k3 layer"
+
+    def forward(self, x):
+        return self._fused(self._index, x)
+
+
+def _patch_dense(model, m, rec, recipe, threads, keep_original, max_tokens, isa, fuse):
     """Every nn.Linear of the decoder layers and the LM head -> k3.torch.Linear (MXFP8 weights, or
-    the BF16 weights with recipe "w16a16").
+    the BF16 weights with recipe "w16a16"); the projections of a layer that read the same input
+    (``_input_groups``) -> one fused k3 layer.
     The routed experts are not nn.Linear (they are served by the MoE path); the router is not one."""
+    def servable(child):
+        return type(child) is torch.nn.Linear and child.in_features % 32 == 0
+
+    def prepare(weight, bias):
+        return _k3torch.Linear.from_linear(types.SimpleNamespace(weight=weight, bias=bias), recipe=recipe, out_dtype="bf16",
+                                           max_tokens=max_tokens, threads=threads, isa=isa)
+
+    for group in _input_groups(model, m) if fuse else []:
+        stock = [getattr(parent, name, None) for parent, name in group]
+        if (not all(servable(c) for c in stock) or len({c.in_features for c in stock}) != 1
+                or len({c.bias is None for c in stock}) != 1 or len({c.weight.dtype for c in stock}) != 1):
+            continue  # served one by one below
+        with torch.no_grad():
+            weight = torch.cat([c.weight.detach() for c in stock], 0)
+            bias = None if stock[0].bias is None else torch.cat([c.bias.detach() for c in stock], 0)
+        fused = _FusedProjections(prepare(weight, bias), [c.out_features for c in stock])
+        del weight, bias
+        rec.dense_bytes_k3 += _k3torch._linear_layer(fused.lin.handle).packed_bytes
+        for i, ((parent, name), child) in enumerate(zip(group, stock)):
+            rec.dense_bytes_stock += child.weight.numel() * child.weight.element_size()
+            sl = _FusedSlice(fused, i, child)
+            setattr(parent, name, sl)
+            rec.dense.append((parent, name, child if keep_original else None, sl))
+        rec.fused_groups += 1
     targets = []
     for parent in model.modules():
-        if isinstance(parent, _k3torch.Linear):
+        if isinstance(parent, (_k3torch.Linear, _FusedSlice)):
             continue
         for name, child in parent.named_children():
-            if type(child) is torch.nn.Linear and child.in_features % 32 == 0:
+            if servable(child):
                 targets.append((parent, name, child))
     for parent, name, child in targets:
-        lin = _k3torch.Linear.from_linear(child, recipe=recipe, out_dtype="bf16", max_tokens=max_tokens,
-                                          threads=threads, isa=isa)
+        lin = prepare(child.weight.detach(), child.bias)
         rec.dense_bytes_stock += child.weight.numel() * child.weight.element_size()
         rec.dense_bytes_k3 += _k3torch._linear_layer(lin.handle).packed_bytes
         setattr(parent, name, lin)

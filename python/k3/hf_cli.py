@@ -81,6 +81,9 @@ def _load(path, dtype):
 
 def _linear_bytes(mod):
     import k3.torch as k3t
+    import k3.hf
+    if isinstance(mod, k3.hf._FusedSlice):  # its share of a fused k3 layer
+        return mod.weight_bytes
     if isinstance(mod, k3t.Linear):  # dense: the prepacked MXFP8 or BF16 weight (+ FP32 bias)
         return k3t._linear_layer(mod.handle).packed_bytes
     return sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
@@ -100,9 +103,10 @@ def step_bytes(model, batch, prefix, distinct_experts):
     if rec is not None and rec.moe:
         k3_bytes_per_expert = rec.expert_bytes_k3 / (len(rec.moe) * cfg.num_local_experts)
     import k3.torch as k3t
+    import k3.hf
     esize = model.get_input_embeddings().weight.element_size()
     for mod in model.modules():
-        if isinstance(mod, (torch.nn.Linear, k3t.Linear)) and mod is not model.lm_head:
+        if isinstance(mod, (torch.nn.Linear, k3t.Linear, k3.hf._FusedSlice)) and mod is not model.lm_head:
             parts["dense_weights"] += _linear_bytes(mod)
         elif isinstance(mod, (m.KimiLinearRMSNorm, m.KimiLinearRMSNormGated, torch.nn.Conv1d)):
             parts["dense_weights"] += _linear_bytes(mod)

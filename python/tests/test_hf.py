@@ -770,7 +770,7 @@ def test_dense_projections_on_k3_match_an_exact_reference_and_unpatch_restores()
             if type(child) is torch.nn.Linear and child.in_features % 32 == 0:
                 setattr(parent, name, _ExactLinear(child))
     rec = k3.hf.patch(model, dense=True, moe=False, kda=False, mla=False, keep_original=True)
-    served = {n for n, m in model.named_modules() if isinstance(m, k3.torch.Linear)}
+    served = {n for n, m in model.named_modules() if isinstance(m, (k3.torch.Linear, k3.hf._FusedSlice))}
     assert served == stock_linears and "lm_head" in served
     assert len(rec.dense) == len(stock_linears)
     assert rec.dense_bytes_stock / rec.dense_bytes_k3 > 1.8  # 16 bits -> 8.25 (+ FP32 bias)
@@ -783,13 +783,17 @@ def test_dense_projections_on_k3_match_an_exact_reference_and_unpatch_restores()
     assert err <= 1e-2, err
     assert not torch.equal(got, before)
     k3.hf.unpatch(model)
-    assert not any(isinstance(m, k3.torch.Linear) for m in model.modules())
+    assert not any(isinstance(m, (k3.torch.Linear, k3.hf._FusedSlice)) for m in model.modules())
     with torch.no_grad():
         assert torch.equal(model(prompt).logits, before)
 
     # Everything on k3 (KDA, MoE, MLA, dense) generates.
     full = build(tiny_config(), seed=4, dtype=torch.bfloat16)
-    k3.hf.patch(full, dense=True)
+    rounded_rec = k3.hf.patch(k3.hf.mxfp8_roundtrip_dense_(copy.deepcopy(full)))
+    full_rec = k3.hf.patch(full, dense=True)
+    # The absorbed MLA decode reads kv_b_proj's MXFP8 values, those its k3 layer serves at prefill.
+    (_, mla), (_, mla_rounded) = full_rec.mla[0], rounded_rec.mla[0]
+    assert torch.equal(mla.w_uk, mla_rounded.w_uk) and torch.equal(mla.w_uv_t, mla_rounded.w_uv_t)
     with torch.no_grad():
         out = full.generate(prompt, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 9)
@@ -797,6 +801,40 @@ def test_dense_projections_on_k3_match_an_exact_reference_and_unpatch_restores()
         k3.hf.unpatch(full)
     with pytest.raises(ValueError, match="dense=True needs a bfloat16 model"):
         k3.hf.patch(build(tiny_config(), seed=4), dense=True)
+
+
+@pytest.mark.parametrize("recipe", ["w4a16", "w4a8"])
+def test_fused_projections_give_the_unfused_bits_with_fewer_k3_layers(recipe):
+    """dense=True stacks the projections of one input (KDA q/k/v/f_a/b/g_a, MLA q/kv_a, the shared
+    experts' gate/up) into one k3 layer: prefill and cached decode logits are the unfused bits."""
+    base = build(tiny_config(), seed=5, dtype=torch.bfloat16)
+    fused, plain = copy.deepcopy(base), copy.deepcopy(base)
+    rf = k3.hf.patch(fused, recipe=recipe, dense=True)
+    rp = k3.hf.patch(plain, recipe=recipe, dense=True, fuse=False)
+    assert rf.fused_groups == 2 + 1 + 3 and rp.fused_groups == 0  # 2 KDA, 1 MLA, 3 shared-expert MLPs
+    assert len(rf.dense) == len(rp.dense) and "6 groups of projections of one input fused" in rf.summary()
+    layers = {id(m._fused.lin) for m in fused.modules() if isinstance(m, k3.hf._FusedSlice)}
+    assert len(layers) == 6
+    assert rf.dense_bytes_stock == rp.dense_bytes_stock
+    assert abs(rf.dense_bytes_k3 - rp.dense_bytes_k3) <= 64 * len(rp.dense)  # the same codes; padding aside
+    prompt = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.equal(fused(prompt).logits, plain(prompt).logits)
+        a = fused.generate(prompt, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        b = plain.generate(prompt, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(a.sequences, b.sequences)
+    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    # A projection called alone, on an input the others never see, runs the group and keeps its columns.
+    attn_f, attn_p = fused.model.layers[0].self_attn, plain.model.layers[0].self_attn
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(attn_f.k_proj(x), attn_p.k_proj(x))
+        assert torch.equal(attn_f.forget_gate.f_a_proj(x), attn_p.forget_gate.f_a_proj(x))
+        assert torch.equal(attn_f.k_proj(x), attn_p.k_proj(x))  # the same input twice: computed again
+        y = x.clone()
+        first = attn_f.q_proj(y)
+        y.mul_(2)  # changed in place: the cached group output is not reused
+        assert torch.equal(attn_f.v_proj(y), attn_p.v_proj(y)) and torch.equal(first, attn_p.q_proj(x))
 
 
 def test_dense_projections_on_their_bf16_weights_match_the_fp64_product():
