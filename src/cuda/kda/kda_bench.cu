@@ -12,19 +12,6 @@
 #include "k3/cuda_kda.hpp"
 
 namespace k3::cuda {
-namespace {
-
-Result<KdaPlan> bench_plan(const kda::KdaConfig& cfg, int64_t seqs, kda::Algorithm algorithm) {
-  K3_RETURN_IF_ERROR(detail::require_device());
-  K3_ASSIGN_OR_RETURN(auto caps, device_caps(0));
-  KdaOptions o;
-  o.device = caps;
-  o.max_seqs = std::max<int64_t>(1, seqs);
-  o.algorithm = algorithm;
-  return plan(cfg, o);
-}
-
-}  // namespace
 
 Result<DeviceTiming> time_kda_prefill(const kda::KdaConfig& cfg, const kda::KdaInputs& in, kda::Algorithm algorithm,
                                       int warmup, int iters) {
@@ -34,7 +21,7 @@ Result<DeviceTiming> time_kda_prefill(const kda::KdaConfig& cfg, const kda::KdaI
   std::vector<float> o_host(static_cast<size_t>(tokens * cfg.num_heads * cfg.head_v));
   std::vector<float> f_host(static_cast<size_t>(seqs * state));
   K3_RETURN_IF_ERROR(kda::validate_prefill(cfg, in, {o_host, f_host}).status());
-  K3_ASSIGN_OR_RETURN(const KdaPlan p, bench_plan(cfg, seqs, algorithm));
+  K3_ASSIGN_OR_RETURN(const KdaPlan p, kda_detail::device0_plan(cfg, seqs, algorithm));
   kda_detail::DeviceTokens tok;
   K3_RETURN_IF_ERROR(tok.upload(in));
   detail::DeviceBuffer<float> o, f;
@@ -57,7 +44,7 @@ Result<DeviceTiming> time_kda_decode(const kda::KdaConfig& cfg, const kda::KdaIn
     return invalid_argument("time_kda_decode: pool_slots = " + std::to_string(pool_slots) +
                             " must be >= the batch N = " + std::to_string(n) + " >= 1");
   }
-  K3_ASSIGN_OR_RETURN(const KdaPlan p, bench_plan(cfg, n, kda::Algorithm::kAuto));
+  K3_ASSIGN_OR_RETURN(const KdaPlan p, kda_detail::device0_plan(cfg, n, kda::Algorithm::kAuto));
   const int64_t groups = pool_slots / n;
   std::vector<int32_t> idx(static_cast<size_t>(groups * n));
   for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int32_t>(i);

@@ -1,4 +1,5 @@
-// Device copies of host KDA tensors, for the host conveniences and the benchmarks. Internal.
+// Device copies of host KDA tensors and the plan on device 0, for the host conveniences and the
+// benchmarks. Internal.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -6,9 +7,22 @@
 #include <span>
 
 #include "cuda/common.cuh"
+#include "k3/cuda_kda.hpp"
 #include "k3/kda.hpp"
 
 namespace k3::cuda::kda_detail {
+
+// The plan for device 0 and `seqs` sequences (at least 1), as the host conveniences and the
+// benchmarks make it.
+inline Result<KdaPlan> device0_plan(const kda::KdaConfig& cfg, int64_t seqs, kda::Algorithm algorithm) {
+  K3_RETURN_IF_ERROR(detail::require_device());
+  K3_ASSIGN_OR_RETURN(auto caps, device_caps(0));
+  KdaOptions o;
+  o.device = caps;
+  o.max_seqs = seqs < 1 ? 1 : seqs;
+  o.algorithm = algorithm;
+  return plan(cfg, o);
+}
 
 // A device copy of a host span (an empty span stays empty).
 template <typename T>

@@ -17,23 +17,12 @@ namespace {
 using kda_detail::DeviceCopy;
 using kda_detail::DeviceTokens;
 
-
-Result<KdaPlan> host_plan(const kda::KdaConfig& cfg, int64_t seqs, kda::Algorithm algorithm) {
-  K3_RETURN_IF_ERROR(detail::require_device());
-  K3_ASSIGN_OR_RETURN(auto caps, device_caps(0));
-  KdaOptions o;
-  o.device = caps;
-  o.max_seqs = std::max<int64_t>(1, seqs);
-  o.algorithm = algorithm;
-  return plan(cfg, o);
-}
-
 }  // namespace
 
 Status prefill_host(const kda::KdaConfig& cfg, const kda::KdaInputs& in, const kda::KdaOutputs& out,
                     kda::Algorithm algorithm) {
   K3_ASSIGN_OR_RETURN(const auto shape, kda::validate_prefill(cfg, in, out));
-  K3_ASSIGN_OR_RETURN(const KdaPlan p, host_plan(cfg, shape.num_seqs, algorithm));
+  K3_ASSIGN_OR_RETURN(const KdaPlan p, kda_detail::device0_plan(cfg, shape.num_seqs, algorithm));
   DeviceTokens tok;
   K3_RETURN_IF_ERROR(tok.upload(in));
   DeviceCopy<float> o, fs;
@@ -49,7 +38,7 @@ Status prefill_host(const kda::KdaConfig& cfg, const kda::KdaInputs& in, const k
 
 Status decode_host(const kda::KdaConfig& cfg, const kda::DecodeArgs& a) {
   K3_ASSIGN_OR_RETURN(const auto shape, kda::check_decode_args(cfg, a, /*bf16_pool_ok=*/true));
-  K3_ASSIGN_OR_RETURN(const KdaPlan p, host_plan(cfg, shape.num_seqs, kda::Algorithm::kAuto));
+  K3_ASSIGN_OR_RETURN(const KdaPlan p, kda_detail::device0_plan(cfg, shape.num_seqs, kda::Algorithm::kAuto));
   DeviceTokens tok;
   K3_RETURN_IF_ERROR(tok.upload(a.in));
   DeviceCopy<float> pool, o;
@@ -77,7 +66,7 @@ Status decode_host(const kda::KdaConfig& cfg, const kda::DecodeArgs& a) {
 
 Status verify_host(const kda::KdaConfig& cfg, const kda::VerifyArgs& a) {
   K3_ASSIGN_OR_RETURN(const auto shape, kda::check_verify_args(cfg, a, /*bf16_pool_ok=*/true));
-  K3_ASSIGN_OR_RETURN(const KdaPlan p, host_plan(cfg, shape.num_seqs, kda::Algorithm::kAuto));
+  K3_ASSIGN_OR_RETURN(const KdaPlan p, kda_detail::device0_plan(cfg, shape.num_seqs, kda::Algorithm::kAuto));
   DeviceTokens tok;
   K3_RETURN_IF_ERROR(tok.upload(a.in));
   DeviceCopy<float> pool, o;

@@ -160,17 +160,21 @@ Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w) {
   const int64_t e = sh.local_experts(), k = sh.hidden, n = sh.intermediate;
   MoeInputsView none;
   K3_RETURN_IF_ERROR(validate_moe_buffers(plan.problem, w, none));
-  if (plan.path == MoePath::kW4a8Sm120Cutlass) {
-    // The block-scaled GEMMs read MX codes and scales directly: no BF16 dequantization to keep
-    // exact, and no other layout uploaded. NEVER RUN ON ANY GPU.
-    auto impl = std::make_unique<DeviceWeights::Impl>();
-    K3_ASSIGN_OR_RETURN(impl->sm120, moe_detail::sm120_path_prepack(plan, w));
+  // Every path ends here: the per-expert SiTU betas (the problem's when the weights have none).
+  auto with_situ = [&](std::unique_ptr<DeviceWeights::Impl> impl) -> Result<DeviceWeights> {
     std::vector<float> b(e, plan.problem.activation.situ_beta), lb(e, plan.problem.activation.situ_linear_beta);
     if (!w.situ_beta.empty()) b.assign(w.situ_beta.begin(), w.situ_beta.end());
     if (!w.situ_linear_beta.empty()) lb.assign(w.situ_linear_beta.begin(), w.situ_linear_beta.end());
     K3_RETURN_IF_ERROR(upload(impl->situ_beta, std::span<const float>(b), "copy situ_beta"));
     K3_RETURN_IF_ERROR(upload(impl->situ_linear_beta, std::span<const float>(lb), "copy situ_linear_beta"));
     return DeviceWeights(std::move(impl));
+  };
+  if (plan.path == MoePath::kW4a8Sm120Cutlass) {
+    // The block-scaled GEMMs read MX codes and scales directly: no BF16 dequantization to keep
+    // exact, and no other layout uploaded. NEVER RUN ON ANY GPU.
+    auto impl = std::make_unique<DeviceWeights::Impl>();
+    K3_ASSIGN_OR_RETURN(impl->sm120, moe_detail::sm120_path_prepack(plan, w));
+    return with_situ(std::move(impl));
   }
   K3_RETURN_IF_ERROR(check_exact(w.fc1_q, w.fc1_scale, e * 2 * n, k, "fc1"));
   K3_RETURN_IF_ERROR(check_exact(w.fc2_q, w.fc2_scale, e * k, n, "fc2"));
@@ -218,12 +222,7 @@ Result<DeviceWeights> prepack(const MoePlan& plan, const MoeWeightsView& w) {
       K3_RETURN_IF_ERROR(upload(impl->fc2_scale, w.fc2_scale, "copy fc2_scale"));
     }
   }
-  std::vector<float> b(e, plan.problem.activation.situ_beta), lb(e, plan.problem.activation.situ_linear_beta);
-  if (!w.situ_beta.empty()) b.assign(w.situ_beta.begin(), w.situ_beta.end());
-  if (!w.situ_linear_beta.empty()) lb.assign(w.situ_linear_beta.begin(), w.situ_linear_beta.end());
-  K3_RETURN_IF_ERROR(upload(impl->situ_beta, std::span<const float>(b), "copy situ_beta"));
-  K3_RETURN_IF_ERROR(upload(impl->situ_linear_beta, std::span<const float>(lb), "copy situ_linear_beta"));
-  return DeviceWeights(std::move(impl));
+  return with_situ(std::move(impl));
 }
 
 namespace {
