@@ -79,8 +79,6 @@ K3_TARGET_BF16 void direct_rows(const TileGemm& a, const uint16_t* const* rows, 
   const int64_t rec = record_bytes(G);
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* r = a.records + b * rec;
-    _mm_prefetch(reinterpret_cast<const char*>(r + 8 * rec), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(r + 8 * rec + 64 * (G / 2)), _MM_HINT_T0);
     __m512 acc[MR][G];
     for (int m = 0; m < MR; ++m)
       for (int g = 0; g < G; ++g) acc[m][g] = _mm512_setzero_ps();
