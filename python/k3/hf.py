@@ -928,7 +928,8 @@ class _FusedProjections:
     all of them and the others take their columns of that output (same tensor object, same
     version), so the stock forwards run unchanged. Stacking the weights along N changes no bit:
     every output column is its own dot product (k3's linear contract), and the W8A8 activation
-    quantization is per row of X. A projection called with another input runs the whole layer."""
+    quantization is per row of X. A projection called with another input runs the whole layer.
+    The last output is kept per thread, so threads sharing a model do not see each other's."""
 
     def __init__(self, lin, widths):
         self.lin = lin
@@ -937,18 +938,16 @@ class _FusedProjections:
         for w in widths:
             self.bounds.append((n0, n0 + w))
             n0 += w
-        self._x = self._out = None
-        self._ver = -1
-        self._taken = set()
+        self._last = threading.local()  # per thread: (input, its version, output, indices taken)
 
     def __call__(self, i, x):
-        if not (self._x is x and self._ver == x._version and i not in self._taken):
-            out = self.lin(x)
-            self._x, self._ver, self._out, self._taken = x, x._version, out, set()
-        out = self._out
-        self._taken.add(i)
-        if len(self._taken) == len(self.bounds):  # every projection took its columns: hold nothing
-            self._x = self._out = None
+        last = getattr(self._last, "v", None)
+        if last is None or last[0] is not x or last[1] != x._version or i in last[3]:
+            last = (x, x._version, self.lin(x), set())
+        last[3].add(i)
+        # Once every projection took its columns, hold nothing.
+        self._last.v = None if len(last[3]) == len(self.bounds) else last
+        out = last[2]
         a, b = self.bounds[i]
         return out[..., a:b]
 

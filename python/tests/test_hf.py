@@ -835,6 +835,25 @@ def test_fused_projections_give_the_unfused_bits_with_fewer_k3_layers(recipe):
         first = attn_f.q_proj(y)
         y.mul_(2)  # changed in place: the cached group output is not reused
         assert torch.equal(attn_f.v_proj(y), attn_p.v_proj(y)) and torch.equal(first, attn_p.q_proj(x))
+    # Threads sharing the model keep their own last output: each gets its own input's columns.
+    import threading
+    inputs = [torch.randn(2, 64).to(torch.bfloat16) for _ in range(4)]
+    want = [(attn_p.q_proj(v), attn_p.b_proj(v)) for v in inputs]
+    bad = []
+
+    def worker(j):
+        with torch.no_grad():
+            for _ in range(50):
+                q = attn_f.q_proj(inputs[j])
+                bias = attn_f.b_proj(inputs[j])
+                if not (torch.equal(q, want[j][0]) and torch.equal(bias, want[j][1])):
+                    bad.append(j)
+    threads = [threading.Thread(target=worker, args=(j,)) for j in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
 
 
 def test_dense_projections_on_their_bf16_weights_match_the_fp64_product():
