@@ -272,8 +272,14 @@ def _decode_fast_path(mod, cache, hidden):
         return False
     conv = cache.get_conv_state(mod.layer_idx)
     state = cache.get_recurrent_state(mod.layer_idx)
+    width = mod.conv1d.kernel_size[0]
     return (conv is not None and state is not None and state.dtype == torch.float32 and state.is_contiguous()
-            and tuple(state.shape) == (hidden.shape[0], mod.num_heads, mod.head_dim, mod.head_dim))
+            and tuple(state.shape) == (hidden.shape[0], mod.num_heads, mod.head_dim, mod.head_dim)
+            # what k3's conv op serves (else the stock step runs, with the stock conv update)
+            and mod.activation in ("silu", "swish") and conv.dtype == hidden.dtype and conv.is_contiguous()
+            and mod.conv1d.weight.dtype == hidden.dtype and not _needs_grad(mod.conv1d.weight)
+            and tuple(conv.shape[:2]) == (hidden.shape[0], 3 * mod.num_heads * mod.head_dim)
+            and 2 <= width <= _kda_mod.MAX_CONV_WIDTH and width - 1 <= conv.shape[2] <= _kda_mod.MAX_CONV_STATE_LEN)
 
 
 def _decode_cfg(mod, rec):
@@ -291,21 +297,80 @@ def _bits(t):
     return _np(t.view(torch.uint16) if t.dtype == torch.bfloat16 else t)
 
 
+def _gate_params(rec, gate):
+    """The forget gate's parameters as the stock forward computes them: -exp(A_log) (its unary
+    minus applied first, as ``-decay_rate * g_softplus`` does) and dt_bias in FP32, kept until a
+    parameter changes (in place or replaced)."""
+    key = (gate.A_log.data_ptr(), gate.A_log._version, gate.dt_bias.data_ptr(), gate.dt_bias._version)
+    cached = getattr(rec, "gate_params", None)
+    if cached is None or cached[0] != key:
+        neg_decay = -torch.exp(gate.A_log.detach().float())
+        cached = rec.gate_params = (key, neg_decay, gate.dt_bias.detach().float().view(1, 1, -1))
+    return cached[1], cached[2]
+
+
+def _conv_weight(rec, conv1d):
+    """The short convolution's weight [C, W] and FP32 bias as numpy views (kept until they change)."""
+    w, bias = conv1d.weight, conv1d.bias
+    key = (w.data_ptr(), w._version, w.dtype, None if bias is None else (bias.data_ptr(), bias._version))
+    cached = getattr(rec, "conv_weight", None)
+    if cached is None or cached[0] != key:
+        w2 = w.detach().squeeze(1).contiguous()
+        arr = _np(w2.view(torch.uint16) if w2.dtype == torch.bfloat16 else w2)
+        f32 = None if bias is None else _np(bias.detach().to(torch.float32).contiguous())
+        cached = rec.conv_weight = (key, w2, arr, f32)
+    return cached[2], cached[3]
+
+
+def _qkv_and_fused(mod, hs):
+    """q | k | v side by side [B, 1, 3 H D]: with fused projections (``dense=True``) the columns of
+    the group's one k3 output that hold them (no concatenation), else the stock modules' outputs
+    concatenated."""
+    fused = [getattr(mod, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    if all(isinstance(f, _FusedSlice) for f in fused) and len({id(f._fused) for f in fused}) == 1:
+        grp, idx = fused[0]._fused, [f._index for f in fused]
+        if idx == [idx[0], idx[0] + 1, idx[0] + 2]:
+            return grp.columns(idx, hs)
+    return torch.cat([mod.q_proj(hs), mod.k_proj(hs), mod.v_proj(hs)], dim=-1)
+
+
 def _decode_forward(mod, rec, hidden_states, cache, attention_mask):
     m = _modeling()
     idx = mod.layer_idx
     hs = m.apply_mask_to_padding_states(hidden_states, attention_mask)
     b = hs.shape[0]
     h, d = mod.num_heads, mod.head_dim
-    mixed = torch.cat([mod.q_proj(hs), mod.k_proj(hs), mod.v_proj(hs)], dim=-1).transpose(1, 2)
-    mixed = m.causal_conv1d_forward(mod.conv1d, mixed, cache, idx, activation=mod.activation)  # k3's conv update
-    qkv = mixed.transpose(1, 2).reshape(b, 3, h, d)
-    g = mod.forget_gate(hs).reshape(b, h, d).to(torch.float32).contiguous()  # the log decay, as stock
-    beta = torch.sigmoid(mod.b_proj(hs)).reshape(b, h).to(torch.float32).contiguous()
+    threads = rec.threads or torch.get_num_threads()
+    # The short convolution's decode update (what causal_conv1d_forward does for one token on the
+    # cache: count the token, then causal_conv1d_update, here k3's conv op called directly).
+    mixed = _qkv_and_fused(mod, hs).reshape(b, -1)
+    if not mixed.is_contiguous():
+        mixed = mixed.contiguous()
+    conv_state = cache.get_conv_state(idx)
+    cache.increase_count(idx, 0)
+    c, dt = mixed.shape[1], mixed.dtype
+    w, bias = _conv_weight(rec, mod.conv1d)
+    qkv = torch.empty((b, 3, h, d), dtype=dt)
+    if dt == torch.bfloat16:
+        u16 = torch.uint16
+        _k3_native.kda_conv_bf16(c, mod.conv1d.kernel_size[0], True, _np(mixed.view(u16)), w, bias,
+                                 _conv_offsets(b, 1), _np(conv_state.view(u16)), _np(qkv.view(u16).view(b, c)),
+                                 conv_state.shape[2], threads)
+    else:
+        _k3_native.kda_conv_f32(c, mod.conv1d.kernel_size[0], True, _np(mixed), w, bias, _conv_offsets(b, 1),
+                                _np(conv_state), _np(qkv.view(b, c)), conv_state.shape[2], threads)
+    rec.calls["conv"] += 1
+    # The forget gate with the stock forward's operations (the same bits), its parameters kept.
+    fg = mod.forget_gate
+    neg_decay, dt_bias = _gate_params(rec, fg)
+    g = (fg.f_b_proj(fg.f_a_proj(hs)).float() + dt_bias).reshape(b, 1, h, d)
+    sp = torch.exp(g).add_(1.0).log_()  # log(1 + exp(g)), as stock
+    g = torch.where(g > 20.0, g, sp).mul_(neg_decay).reshape(b, h, d).contiguous()
+    beta = torch.sigmoid(mod.b_proj(hs)).reshape(b, h).float().contiguous()
     o = torch.empty((b, h, d), dtype=torch.float32)
     _k3_native.kda_decode(_decode_cfg(mod, rec), _bits(qkv[:, 0]), _bits(qkv[:, 1]), _bits(qkv[:, 2]), _np(g),
                           _np(beta), None, None, _np(cache.get_recurrent_state(idx)), _decode_slots(b), "cpu",
-                          rec.threads or torch.get_num_threads(), rec.isa, _np(o))
+                          threads, rec.isa, _np(o))
     rec.calls["decode"] += 1
     core = o.view(b, 1, h, d).to(hs.dtype)
     gate = mod.g_b_proj(mod.g_a_proj(hs)).view(b, 1, h, d)
@@ -940,16 +1005,23 @@ class _FusedProjections:
             n0 += w
         self._last = threading.local()  # per thread: (input, its version, output, indices taken)
 
-    def __call__(self, i, x):
+    def _output(self, indices, x):
         last = getattr(self._last, "v", None)
-        if last is None or last[0] is not x or last[1] != x._version or i in last[3]:
+        if last is None or last[0] is not x or last[1] != x._version or any(i in last[3] for i in indices):
             last = (x, x._version, self.lin(x), set())
-        last[3].add(i)
+        last[3].update(indices)
         # Once every projection took its columns, hold nothing.
         self._last.v = None if len(last[3]) == len(self.bounds) else last
-        out = last[2]
+        return last[2]
+
+    def __call__(self, i, x):
         a, b = self.bounds[i]
-        return out[..., a:b]
+        return self._output((i,), x)[..., a:b]
+
+    def columns(self, indices, x):
+        """The columns of the adjacent projections ``indices`` at once (what concatenating their
+        outputs gives, as a view)."""
+        return self._output(indices, x)[..., self.bounds[indices[0]][0]:self.bounds[indices[-1]][1]]
 
 
 class _FusedSlice(torch.nn.Module):

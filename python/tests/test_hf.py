@@ -1032,14 +1032,18 @@ def test_a_rolled_back_verify_leaves_the_state_of_the_accepted_tokens_bit_for_bi
 
 
 @pytest.mark.skipif(not RECORDS_PAST, reason="the decode fast path needs transformers >= 5.25's cache API")
-def test_the_decode_step_fast_path_is_the_stock_step_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("dense", [False, True])
+def test_the_decode_step_fast_path_is_the_stock_step_bit_for_bit(monkeypatch, dense):
     """A patched KDA layer's single-token decode runs k3's conv update and decode directly on the
-    cache (transformers >= 5.25), without the module function's glue: the output, recurrent state
-    and conv state must be those of the patched layer's stock forward, bit for bit, at batch 1
-    and 2, step after step; and generate must take it."""
-    for dtype in (torch.float32, torch.bfloat16):
+    cache (transformers >= 5.25), without the module function's glue (and, with ``dense=True``,
+    q | k | v as the columns of the fused projection's one output, not concatenated): the output,
+    recurrent state and conv state must be those of the patched layer's stock forward, bit for
+    bit, at batch 1 and 2, step after step; and generate must take it."""
+    for dtype in (torch.bfloat16,) if dense else (torch.float32, torch.bfloat16):  # dense: BF16 models
         model = build(tiny_config(), dtype=dtype)
-        k3.hf.patch(model, recipe="w4a16", keep_original=True)
+        k3.hf.patch(model, recipe="w4a16", keep_original=True, dense=dense)
+        if dense:
+            assert isinstance(model.model.layers[0].self_attn.q_proj, k3.hf._FusedSlice)
         mod, rec = model._k3_patch.kda[0]
         for b in (1, 2):
             torch.manual_seed(b)
