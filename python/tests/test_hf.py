@@ -706,6 +706,23 @@ def test_hf_cli_generate_and_bench_on_a_saved_checkpoint(tmp_path, capsys):
     assert k3_dec["bytes"]["experts"] < bf16_dec["bytes"]["experts"]  # MXFP4 against BF16 experts
 
 
+def test_hf_bench_times_exactly_the_asked_tokens_when_the_model_emits_its_eos():
+    """The bench's generate makes exactly N tokens without ``min_new_tokens`` (whose logits
+    processor scans the vocabulary every step): the measured copy of the generation config has no
+    EOS, and the model's own config is left as it was."""
+    from k3 import hf_cli
+    model = build(tiny_config(), seed=3, dtype=torch.bfloat16)
+    prompt = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        first = int(model(prompt).logits[0, -1].argmax())
+    model.generation_config.eos_token_id = first  # plain generate would stop after one token
+    with torch.no_grad():
+        assert model.generate(prompt, max_new_tokens=5, do_sample=False).shape[1] == prompt.shape[1] + 1
+    prefill, steps = hf_cli._generate_times(model, prompt, 5)
+    assert prefill > 0 and len(steps) == 4
+    assert model.generation_config.eos_token_id == first
+
+
 def test_hf_cli_refuses_a_directory_without_a_config(tmp_path):
     from k3 import hf_cli
     with pytest.raises(SystemExit, match="has no config.json"):
