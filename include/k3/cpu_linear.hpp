@@ -113,4 +113,22 @@ Status quantize_x(const LinearPlan& plan, int64_t rows, std::span<const uint16_t
 Status run_quantized(const LinearPlan& plan, const PackedLinear& weights, int64_t m, std::span<const uint8_t> x_codes,
                      std::span<const uint8_t> x_scales, std::span<uint8_t> workspace, std::span<uint8_t> out);
 
+// ---- per-head products of one row (MLA's absorbed decode: q_nope · W_uk and ctx · W_uv) ----
+//
+// y[h, n] = sum_k x[h, k] * w[h, k, n] for H independent heads: w BF16 bits [H, K, N] (row-major),
+// x FP32 [H, K], y FP32 [H, N]. Each output is the FP32 sum over k in ascending order from
+// x[h, 0] * w[h, 0, n], one rounded product and one rounded add per k (no FMA): the same bits on
+// every ISA level and thread count (head_gemv_reference is the definition). Threads split the
+// heads. The weights stream from memory once (one decode step reads each head's K x N block).
+struct HeadGemvArgs {
+  int64_t heads = 0;               // H >= 1
+  int64_t k = 0;                   // K >= 1
+  int64_t n = 0;                   // N >= 1
+  std::span<const uint16_t> w;     // [H, K, N] BF16 bits
+  std::span<const float> x;        // [H, K]
+  std::span<float> y;              // [H, N]
+};
+Status head_gemv_bf16(const HeadGemvArgs& a, int threads = 0, std::optional<IsaLevel> isa = {});
+Status head_gemv_reference(const HeadGemvArgs& a);
+
 }  // namespace k3::cpu

@@ -97,6 +97,11 @@ class CpuLinear:
 
     def time_native(self, x: Annotated[NDArray[numpy.uint16], dict(order='C', device='cpu', writable=False)], m: int, out: Annotated[NDArray, dict(order='C', device='cpu')], iters: int) -> float: ...
 
+def head_gemv_bf16(w: Annotated[NDArray[numpy.uint16], dict(order='C', device='cpu', writable=False)], x: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)], y: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu')], heads: int, k: int, n: int, threads: int, isa: str) -> None:
+    """
+    y[h, :] = x[h, :] . w[h] for each head (w BF16 bits [H, K, N], x and y FP32): FP32 sums over k in order, the same bits on every ISA level and thread count.
+    """
+
 def cpu_linear_prepare(k: int, n: int, recipe: str, out_dtype: str, codes: Annotated[NDArray[numpy.uint8], dict(order='C', device='cpu', writable=False)] | None, scales: Annotated[NDArray[numpy.uint8], dict(order='C', device='cpu', writable=False)] | None, bf16: Annotated[NDArray[numpy.uint16], dict(order='C', device='cpu', writable=False)] | None, bias: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None, max_tokens: int, threads: int, isa: str) -> CpuLinear: ...
 
 def load_checkpoint_layer(dir: str, layer: int, ep_size: int, ep_rank: int) -> dict: ...

@@ -681,14 +681,28 @@ class _MlaLayer:
     """Transformers' MLA re-expands the whole latent cache through kv_b_proj at every step, so its
     decode time grows with the prefix (8x at 2048 tokens). The absorbed form computes the same
     attention in the latent space: scores = (W_uk^T q_nope) . c + q_rope . k_rot, output =
-    W_uv (softmax . c): O(prefix x (kv_lora_rank + rope)) per head and step. The products with
-    W_uk / W_uv run in the model's dtype (as kv_b_proj does), the scores, softmax and the sums over
-    the cache in FP32."""
+    W_uv (softmax . c): O(prefix x (kv_lora_rank + rope)) per head and step. The scores, softmax
+    and the sums over the cache run in FP32. The products with W_uk / W_uv: for one token of a BF16
+    model, k3's per-head product (BF16 weights, FP32 operands and sums, read once at the stream
+    rate; torch's BF16 bmm reads them at 6-17 GB/s and rounds its output to BF16); otherwise
+    torch's bmm in the model's dtype (as kv_b_proj computes)."""
 
-    def __init__(self, mod):
+    def __init__(self, mod, threads=None, isa=""):
         self.index = mod.layer_idx
         self.calls = 0
+        self.threads, self.isa = threads, isa
         self.absorb(mod, mod.kv_b_proj.weight.detach())
+
+    def head_products(self):
+        """(W_uk, W_uv^T) as BF16 bits for k3's per-head product (k3._k3.head_gemv_bf16), or None
+        when the model is not BF16 (torch's bmm then)."""
+        w = (self.w_uk, self.w_uv_t)
+        if self.w_uk.dtype != torch.bfloat16:
+            return None
+        cached = getattr(self, "_bits", None)
+        if cached is None or cached[0][0] is not w[0] or cached[0][1] is not w[1]:
+            cached = self._bits = (w, _np(w[0].view(torch.uint16)), _np(w[1].view(torch.uint16)))
+        return cached[1], cached[2]
 
     def absorb(self, mod, weight):
         """W_uk / W_uv from kv_b_proj's weight [H (nope + V), C], in the model's dtype (as kv_b_proj
@@ -740,9 +754,17 @@ def _mla_forward(mod, rec, stock):
             kv_nope, k_rot = cache.update(kv_nope, k_rot, mod.layer_idx)
         c = kv_nope[:, 0].to(torch.float32)  # [B, S, C]
         r = k_rot[:, 0].to(torch.float32)  # [B, S, R]
-        # W_uk^T q_nope per head, all tokens of the batch at once: [H, B T, nope] @ [H, nope, C]
-        q_nope = q[..., :nope].permute(2, 0, 1, 3).reshape(h, b * t, nope).to(rec.w_uk.dtype)
-        q_lat = torch.bmm(q_nope, rec.w_uk).view(h, b, t, -1).permute(1, 0, 2, 3).to(torch.float32)  # [B, H, T, C]
+        heads = rec.head_products() if b * t == 1 else None
+        threads = rec.threads or torch.get_num_threads()
+        c_dim = rec.w_uk.shape[2]
+        if heads is not None:  # one token: k3's per-head product, FP32 out
+            q_lat = torch.empty((h, c_dim), dtype=torch.float32)
+            _k3_native.head_gemv_bf16(heads[0], _np(q[0, 0, :, :nope].float().contiguous()), _np(q_lat), h, nope,
+                                      c_dim, threads, rec.isa)
+            q_lat = q_lat.view(1, h, 1, c_dim)
+        else:  # W_uk^T q_nope per head, all tokens of the batch at once: [H, B T, nope] @ [H, nope, C]
+            q_nope = q[..., :nope].permute(2, 0, 1, 3).reshape(h, b * t, nope).to(rec.w_uk.dtype)
+            q_lat = torch.bmm(q_nope, rec.w_uk).view(h, b, t, -1).permute(1, 0, 2, 3).to(torch.float32)  # [B, H, T, C]
         q_rope = q[..., nope:].transpose(1, 2).to(torch.float32)  # [B, H, T, R]
         # One GEMM per sequence over all heads (the cache is read once, not once per head).
         scores = (torch.matmul(q_lat.reshape(b, h * t, -1), c.transpose(1, 2))
@@ -756,9 +778,15 @@ def _mla_forward(mod, rec, stock):
                 scores = scores + mask.to(torch.float32)
         p = torch.softmax(scores, dim=-1)
         ctx = torch.matmul(p.reshape(b, h * t, -1), c).view(b, h, t, -1)  # [B, H, T, C]
-        ctx = ctx.permute(1, 0, 2, 3).reshape(h, b * t, -1).to(rec.w_uv_t.dtype)
-        o = torch.bmm(ctx, rec.w_uv_t).view(h, b, t, -1)  # W_uv per head: [H, B T, V]
-        o = o.permute(1, 2, 0, 3).reshape(b, t, h * mod.v_head_dim).to(hidden_states.dtype)
+        if heads is not None:
+            o = torch.empty((h, mod.v_head_dim), dtype=torch.float32)
+            _k3_native.head_gemv_bf16(heads[1], _np(ctx.reshape(h, c_dim).contiguous()), _np(o), h, c_dim,
+                                      mod.v_head_dim, threads, rec.isa)
+            o = o.view(1, 1, h * mod.v_head_dim).to(hidden_states.dtype)
+        else:
+            ctx = ctx.permute(1, 0, 2, 3).reshape(h, b * t, -1).to(rec.w_uv_t.dtype)
+            o = torch.bmm(ctx, rec.w_uv_t).view(h, b, t, -1)  # W_uv per head: [H, B T, V]
+            o = o.permute(1, 2, 0, 3).reshape(b, t, h * mod.v_head_dim).to(hidden_states.dtype)
         rec.calls += 1
         return mod.o_proj(o), None
 
@@ -912,7 +940,7 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
     if mla:
         for mod in model.modules():
             if isinstance(mod, m.KimiLinearAttention):
-                r = _MlaLayer(mod)
+                r = _MlaLayer(mod, threads, isa)
                 mod.forward = _mla_forward(mod, r, mod.forward)
                 rec.mla.append((mod, r))
     if dense:

@@ -288,6 +288,17 @@ struct CpuLinear {
   std::mutex mu;
 };
 
+// y[h, :] = x[h, :] . w[h] per head (MLA's absorbed decode; k3/cpu_linear.hpp head_gemv_bf16):
+// w BF16 bits [H, K, N], x FP32 [H, K], y FP32 [H, N].
+void head_gemv_bf16(In<uint16_t> w, In<float> x, Out<float> y, int64_t heads, int64_t k, int64_t n, int threads,
+                    const std::string& isa) {
+  k3::cpu::HeadGemvArgs a{heads, k, n, span(w), span(x), span(y)};
+  std::optional<k3::IsaLevel> level;
+  if (!isa.empty()) level = value(k3::parse_isa_level(isa));
+  nb::gil_scoped_release release;
+  check(k3::cpu::head_gemv_bf16(a, threads, level));
+}
+
 CpuLinear* cpu_linear_prepare(int64_t k, int64_t n, const std::string& recipe, const std::string& out_dtype,
                               std::optional<In<uint8_t>> codes, std::optional<In<uint8_t>> scales,
                               std::optional<In<uint16_t>> bf16, std::optional<In<float>> bias, int64_t max_tokens,
@@ -1097,6 +1108,10 @@ NB_MODULE(_k3, m) {
       .def_prop_ro("packed_bytes", [](const CpuLinear& c) { return c.layer->weight_bytes(); })
       .def("run", &cpu_linear_run, "x"_a.noconvert(), "m"_a, "out"_a.noconvert())
       .def("time_native", &cpu_linear_time_native, "x"_a.noconvert(), "m"_a, "out"_a.noconvert(), "iters"_a);
+  m.def("head_gemv_bf16", &head_gemv_bf16, "w"_a.noconvert(), "x"_a.noconvert(), "y"_a.noconvert(), "heads"_a,
+        "k"_a, "n"_a, "threads"_a, "isa"_a,
+        "y[h, :] = x[h, :] . w[h] for each head (w BF16 bits [H, K, N], x and y FP32): FP32 sums over k in "
+        "order, the same bits on every ISA level and thread count.");
   m.def("cpu_linear_prepare", &cpu_linear_prepare, nb::rv_policy::take_ownership, "k"_a.noconvert(), "n"_a, "recipe"_a,
         "out_dtype"_a, "codes"_a.noconvert().none(), "scales"_a.noconvert().none(), "bf16"_a.noconvert().none(),
         "bias"_a.noconvert().none(), "max_tokens"_a, "threads"_a, "isa"_a);

@@ -131,6 +131,64 @@ def incremental(model, prompt, tokens):
     return torch.stack(hs), torch.stack(logits)
 
 
+def test_mla_decode_of_one_token_runs_on_k3s_per_head_products(monkeypatch):
+    """A BF16 model's absorbed MLA decode of one token multiplies by W_uk and W_uv with k3's
+    per-head product (FP32 operands and sums, k3._k3.head_gemv_bf16). The MLA layer's output at
+    every decode step (its inputs are the same on every path: the layer before it does not read
+    it) is compared with the same layer computing those products by torch's bmm on the weights in
+    FP32 (exact products, FP32 sums, ctx kept FP32) and by torch's BF16 bmm (which rounds q.W_uk
+    and ctx to BF16): k3 agrees with the FP32 one and is closer to it than the BF16 one. (The
+    stock BF16 step, which re-expands the cache through kv_b_proj in BF16, is further off than
+    either on this model; absorbed against stock is checked in FP32 by the generation tests.)"""
+    model = build(tiny_config(), seed=4, dtype=torch.bfloat16)
+    rec = k3.hf.patch(model, recipe="w4a16")
+    mla, r = rec.mla[0]
+    calls = []
+    real = k3.hf._MlaLayer.head_products
+    monkeypatch.setattr(k3.hf._MlaLayer, "head_products", lambda self: calls.append(1) or real(self))
+    prompt, tokens = torch.tensor([[5, 17, 99, 3, 42, 7]]), torch.tensor([9, 200, 31, 4, 77])
+
+    def mla_outputs(m, layer):
+        seen = []
+        hook = layer.register_forward_hook(lambda mod, args, out: seen.append(out[0].detach().float()))
+        try:
+            incremental(m, prompt, tokens)
+        finally:
+            hook.remove()
+        return torch.cat(seen[1:], 1)  # the decode steps (seen[0]: the prefill)
+
+    got = mla_outputs(model, mla)
+    assert len(calls) == len(tokens) and r.calls == len(tokens) and real(r) is not None
+    monkeypatch.setattr(k3.hf._MlaLayer, "head_products", lambda self: None)
+    bmm = mla_outputs(model, mla)  # torch's BF16 bmm
+    r.w_uk, r.w_uv_t = r.w_uk.float(), r.w_uv_t.float()
+    exact = mla_outputs(model, mla)  # the same weights in FP32: FP32 bmm, ctx kept FP32
+
+    def err(a, b):
+        return float((a - b).abs().max() / b.abs().max())
+    # k3's products are FP32 sums of the BF16 weights' exact products: the FP32 bmm's result up to
+    # the sum order (here the same bits after the output rounding); torch's BF16 bmm is further off.
+    assert err(got, exact) <= 2 ** -8 and err(got, exact) < err(bmm, exact)
+
+
+def test_the_per_head_product_binding_refuses_bad_arguments_by_name():
+    w = np.full((2, 3, 4), 0x3F80, np.uint16)  # BF16 ones
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    y = np.zeros((2, 4), np.float32)
+    k3._k3.head_gemv_bf16(w, x, y, 2, 3, 4, 1, "")
+    assert np.array_equal(y, np.repeat(x.sum(1, keepdims=True), 4, 1))
+    with pytest.raises(ValueError, match=r"w has 24 values, heads \* k \* n = 30"):
+        k3._k3.head_gemv_bf16(w, x, y, 2, 3, 5, 1, "")
+    with pytest.raises(ValueError, match=r"heads = 0 must be in \[1, "):
+        k3._k3.head_gemv_bf16(w, x, y, 0, 3, 4, 1, "")
+    with pytest.raises(ValueError, match=r"threads = -1"):
+        k3._k3.head_gemv_bf16(w, x, y, 2, 3, 4, -1, "")
+    with pytest.raises(ValueError, match="ISA level 'sse9' is unknown"):
+        k3._k3.head_gemv_bf16(w, x, y, 2, 3, 4, 1, "sse9")
+    with pytest.raises(TypeError):  # FP32 weights are not BF16 bits: refused, not reinterpreted
+        k3._k3.head_gemv_bf16(w.astype(np.float32), x, y, 2, 3, 4, 1, "")
+
+
 def test_greedy_generation_matches_stock_with_mxfp4_experts(pair):
     stock, patched, rec = pair
     prompt = torch.tensor([[5, 17, 99, 3, 42, 7, 200, 11]])
