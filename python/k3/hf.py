@@ -674,6 +674,37 @@ def _moe_forward(module, rec, stock_forward):
     return forward
 
 
+# ---- RMSNorm -------------------------------------------------------------------------------
+
+
+def _norm_forward(mod, rec, stock):
+    """transformers' RMSNorm (x * rsqrt(mean(x^2) + eps), rounded to the input dtype, times the
+    weight) as one k3 call (k3/norm.hpp) for CPU tensors whose weight has their dtype (BF16 or
+    FP32); anything else (grad, other devices or dtypes, torch.compile tracing) runs the stock
+    forward."""
+    def forward(hidden_states):
+        x, w = hidden_states, mod.weight
+        dt = x.dtype
+        if (x.device.type != "cpu" or dt not in (torch.bfloat16, torch.float32) or w.dtype != dt or x.dim() == 0
+                or x.shape[-1] != w.shape[0] or w.dim() != 1 or _needs_grad(x, w) or torch.compiler.is_compiling()
+                or not (0.0 <= float(mod.variance_epsilon) < float("inf"))):
+            return stock(hidden_states)
+        d = x.shape[-1]
+        xc = x.contiguous()
+        y = torch.empty(x.shape, dtype=dt)
+        threads = rec.threads or torch.get_num_threads()
+        if dt == torch.bfloat16:
+            u16 = torch.uint16
+            _k3_native.rms_norm_bf16(_np(xc.view(u16).view(-1, d)), _np(w.detach().view(u16)),
+                                     _np(y.view(u16).view(-1, d)), d, float(mod.variance_epsilon), threads)
+        else:
+            _k3_native.rms_norm_f32(_np(xc.view(-1, d)), _np(w.detach()), _np(y.view(-1, d)), d,
+                                    float(mod.variance_epsilon), threads)
+        return y
+
+    return forward
+
+
 # ---- MLA decode -----------------------------------------------------------------------------
 
 
@@ -803,6 +834,7 @@ class Patch:
     def __init__(self, recipe, threads, isa=""):
         self.recipe, self.threads, self.isa = recipe, threads, isa
         self.kda, self.moe, self.mla = [], [], []
+        self.norms = []  # KimiLinearRMSNorm modules served by k3's RMSNorm
         self.dense = []  # (parent module, attribute name, stock nn.Linear or None, k3 Linear)
         self.expert_bytes_stock = 0
         self.expert_bytes_k3 = 0
@@ -812,7 +844,8 @@ class Patch:
         self.fused_groups = 0  # k3 layers that serve several projections of one input (dense=True)
 
     def summary(self):
-        return (f"k3.hf: {len(self.kda)} KDA layers and {len(self.moe)} MoE blocks on k3, {len(self.mla)} MLA "
+        return (f"k3.hf: {len(self.kda)} KDA layers and {len(self.moe)} MoE blocks on k3, {len(self.norms)} RMSNorms "
+                f"on k3, {len(self.mla)} MLA "
                 f"layers decoding in the absorbed form (recipe {self.recipe}, "
                 f"threads {self.threads if self.threads is not None else 'torch'}, isa {self.isa or 'best'}); "
                 f"routed experts "
@@ -857,7 +890,7 @@ def _check_config(cfg, moe, kda):
 
 
 def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, keep_original=False,
-          max_tokens=4096, isa="", dense=False, fuse=True):
+          max_tokens=4096, isa="", dense=False, fuse=True, norms=True):
     """Serves a transformers Kimi-Linear model's KDA layers and routed experts with k3 (in place).
 
     ``recipe``: "w4a16" (BF16 activations) or "w4a8" (MXFP8 activations) for the experts.
@@ -876,6 +909,11 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
     ``fuse`` (with ``dense``): the projections of a layer that read the same input (a KDA layer's
     q / k / v / forget-gate / beta / output-gate inputs, MLA's query and latent inputs, an MLP's
     gate and up) run as one k3 layer, their weights stacked: the same bits, fewer calls.
+    ``norms``: a BF16 model's RMSNorms (``KimiLinearRMSNorm``: the decoder layers' two, the final
+    one, MLA's latent norms) run on k3's RMSNorm (k3/norm.hpp: transformers' arithmetic with the sum
+    of squares in k3's order, so an output can differ from stock by one BF16 rounding) on CPU
+    tensors without grad: one call instead of about ten torch operations. An FP32 model keeps
+    torch's (there the summation order is visible at the FP32 level the tests compare at).
     Returns a :class:`Patch`."""
     m = _modeling()
     if recipe not in ("w4a16", "w4a8"):
@@ -910,6 +948,8 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
     if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 1 << 20:
         raise ValueError(f"k3.hf.patch: max_tokens = {max_tokens!r} must be an int in [1, 1048576]")
     _check_config(cfg, moe, kda)
+    if not isinstance(norms, bool):
+        raise TypeError(f"k3.hf.patch: norms = {norms!r} must be True or False")
     if dense not in (False, True, "mxfp8", "bf16"):
         raise ValueError(f"k3.hf.patch: dense = {dense!r} must be False, True / 'mxfp8' (MXFP8 weights) or 'bf16' "
                          "(the model's BF16 weights)")
@@ -937,6 +977,11 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
         rec.kda.append((mod, r))
     if kda_layers:
         _install(m)
+    if norms:
+        for mod in model.modules():
+            if type(mod) is m.KimiLinearRMSNorm and mod.weight.dtype == torch.bfloat16:
+                mod.forward = _norm_forward(mod, rec, mod.forward)
+                rec.norms.append(mod)
     if mla:
         for mod in model.modules():
             if isinstance(mod, m.KimiLinearAttention):
@@ -952,11 +997,17 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
                 for mod, r in rec.mla:
                     if isinstance(mod.kv_b_proj, _k3torch.Linear):
                         r.round_to_mxfp8()
-        except Exception:
+        except Exception:  # leave the model as it was
             for parent, name, stock, _ in rec.dense:
                 setattr(parent, name, stock)
             for r in rec.moe:
                 r.release()
+            for mod, _ in rec.kda + rec.mla:
+                del mod.forward
+            for mod in rec.norms:
+                del mod.forward
+            if kda_layers:
+                _uninstall(m)
             raise
     # Release (or keep) the stock expert weights only once everything above succeeded.
     for r in rec.moe:
@@ -1137,6 +1188,8 @@ def unpatch(model):
                          "keep_original=True to be able to unpatch")
     m = _modeling()
     for mod, _ in rec.kda + rec.mla:
+        del mod.forward
+    for mod in rec.norms:
         del mod.forward
     if rec.kda:
         _uninstall(m)

@@ -36,6 +36,7 @@
 #include "k3/harness/validate.hpp"
 #include "k3/kda.hpp"
 #include "k3/kda_ops.hpp"
+#include "k3/norm.hpp"
 #include "k3/moe.hpp"
 #include "k3/mx.hpp"
 #include "k3/routing.hpp"
@@ -287,6 +288,14 @@ struct CpuLinear {
   std::vector<uint8_t> workspace;
   std::mutex mu;
 };
+
+// RMSNorm of rows (k3/norm.hpp), BF16 bits or FP32 storage; y may be x.
+template <typename T>
+void rms_norm(In<T> x, In<T> weight, Out<T> y, int64_t dim, float eps, int threads) {
+  k3::RmsNormArgs<T> a{dim, eps, span(x), span(weight), span(y)};
+  nb::gil_scoped_release release;
+  check(k3::rms_norm(a, threads));
+}
 
 // y[h, :] = x[h, :] . w[h] per head (MLA's absorbed decode; k3/cpu_linear.hpp head_gemv_bf16):
 // w BF16 bits [H, K, N], x FP32 [H, K], y FP32 [H, N].
@@ -1108,6 +1117,10 @@ NB_MODULE(_k3, m) {
       .def_prop_ro("packed_bytes", [](const CpuLinear& c) { return c.layer->weight_bytes(); })
       .def("run", &cpu_linear_run, "x"_a.noconvert(), "m"_a, "out"_a.noconvert())
       .def("time_native", &cpu_linear_time_native, "x"_a.noconvert(), "m"_a, "out"_a.noconvert(), "iters"_a);
+  m.def("rms_norm_bf16", &rms_norm<uint16_t>, "x"_a.noconvert(), "weight"_a.noconvert(), "y"_a.noconvert(), "dim"_a,
+        "eps"_a, "threads"_a, "RMSNorm of rows of BF16 bits (k3/norm.hpp); y may be x.");
+  m.def("rms_norm_f32", &rms_norm<float>, "x"_a.noconvert(), "weight"_a.noconvert(), "y"_a.noconvert(), "dim"_a,
+        "eps"_a, "threads"_a, "RMSNorm of rows of FP32 values (k3/norm.hpp); y may be x.");
   m.def("head_gemv_bf16", &head_gemv_bf16, "w"_a.noconvert(), "x"_a.noconvert(), "y"_a.noconvert(), "heads"_a,
         "k"_a, "n"_a, "threads"_a, "isa"_a,
         "y[h, :] = x[h, :] . w[h] for each head (w BF16 bits [H, K, N], x and y FP32): FP32 sums over k in "

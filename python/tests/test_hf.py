@@ -559,6 +559,61 @@ def test_outputs_keep_v_dtype_and_bf16_reads_in_place():
 # ---- refusals ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rmsnorms_on_k3_are_transformers_arithmetic_within_one_rounding(dtype):
+    """patch(norms=True) (the default) serves every KimiLinearRMSNorm of a BF16 model with k3's RMSNorm: against
+    the stock module on the same inputs, each output is within a few rounding steps of the dtype
+    from the stock value (k3 sums the squares in its own order), in BF16 mostly the same bits; rows of any
+    count, a non-contiguous input, grad and norms=False take the stock forward."""
+    # BF16: r's last FP32 bits move h by at most one BF16 step, then w * h rounds once more. FP32: S
+    # summed in another order can move r by a few ulps (the whole row with it).
+    steps = 2 if dtype == torch.bfloat16 else 8
+
+    def close(got, want):
+        tol = steps * torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
+        return got.dtype == want.dtype and bool(((got.float() - want.float()).abs() <= tol).all())
+    model = build(tiny_config(), seed=2, dtype=dtype)
+    stock = copy.deepcopy(model)
+    rec = k3.hf.patch(model, recipe="w4a16")
+    if dtype == torch.float32:  # FP32 models keep torch's norms; the FP32 kernel: tests/cpu/test_norm.cpp
+        assert rec.norms == [] and "0 RMSNorms on k3" in rec.summary()
+        return
+    names = [n for n, mod in stock.named_modules() if type(mod) is mkl.KimiLinearRMSNorm]
+    assert len(rec.norms) == len(names) >= 2 * 3 + 1  # two per decoder layer, the final norm (+ MLA's)
+    assert "RMSNorms on k3" in rec.summary()
+    mods = dict(model.named_modules())
+    g = torch.Generator().manual_seed(0)
+    for name in names:
+        ref, mod = dict(stock.named_modules())[name], mods[name]
+        with torch.no_grad():
+            ref.weight.copy_(torch.randn(ref.weight.shape, generator=g) * 0.5 + 1)
+            mod.weight.copy_(ref.weight)
+        d = ref.weight.shape[0]
+        for shape in ((1, 1, d), (3, 5, d), (2, d)):
+            x = (torch.randn(shape, generator=g) * 4).to(dtype)
+            with torch.no_grad():
+                want, got = ref(x), mod(x)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert close(got, want), name
+            if dtype == torch.bfloat16:  # (FP32: a last-bit change of r moves a whole row)
+                assert (got == want).float().mean() > 0.9
+        xt = (torch.randn(d, 4, generator=g) * 4).to(dtype).t()  # non-contiguous
+        with torch.no_grad():
+            assert close(mod(xt), ref(xt))
+    # the k3 path really runs: a wrong weight pointer would show
+    mod = mods[names[0]]
+    x = torch.ones(1, mod.weight.shape[0], dtype=dtype)
+    with torch.no_grad():
+        mod.weight.fill_(3.0)
+        assert torch.allclose(mod(x).float(), torch.full(x.shape, 3.0), rtol=1e-2)  # 3 / sqrt(1 + eps)
+    xg = torch.randn(1, mod.weight.shape[0], dtype=dtype, requires_grad=True)
+    assert mod(xg).requires_grad  # grad: the stock forward (k3 has no backward)
+    plain = build(tiny_config(), seed=2, dtype=dtype)
+    assert k3.hf.patch(plain, norms=False).norms == []
+    with pytest.raises(TypeError, match="norms = 'yes' must be True or False"):
+        k3.hf.patch(build(tiny_config(), seed=2, dtype=dtype), norms="yes")
+
+
 def test_patch_refuses_what_it_cannot_serve():
     model = build(tiny_config())
     model.train()

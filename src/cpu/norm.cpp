@@ -1,0 +1,109 @@
+// RMSNorm of rows (k3/norm.hpp): one C++ body, FP32 arithmetic in a fixed order.
+#include "k3/norm.hpp"
+
+#include <cmath>
+#include <string>
+
+#include "k3/formats.hpp"
+#include "k3/system.hpp"
+
+namespace k3 {
+namespace {
+
+float widen(float v) { return v; }
+float widen(uint16_t v) { return bf16_to_f32(v); }
+template <typename T>
+T narrow(float v);
+template <>
+float narrow<float>(float v) { return v; }
+template <>
+uint16_t narrow<uint16_t>(float v) { return bf16_from_f32(v); }
+
+template <typename T>
+Status validate(const RmsNormArgs<T>& a, int64_t* rows) {
+  if (a.dim < 1) return invalid_argument("rms_norm: dim = " + std::to_string(a.dim) + " must be >= 1");
+  if (!(a.eps >= 0.0f) || !std::isfinite(a.eps)) {
+    return invalid_argument("rms_norm: eps = " + std::to_string(a.eps) + " must be finite and >= 0");
+  }
+  const auto n = static_cast<int64_t>(a.x.size());
+  if (n % a.dim != 0) {
+    return invalid_argument("rms_norm: x has " + std::to_string(n) + " values, not a multiple of dim = " +
+                            std::to_string(a.dim));
+  }
+  if (static_cast<int64_t>(a.weight.size()) != a.dim) {
+    return invalid_argument("rms_norm: weight has " + std::to_string(a.weight.size()) + " values, dim = " +
+                            std::to_string(a.dim));
+  }
+  if (static_cast<int64_t>(a.y.size()) != n) {
+    return invalid_argument("rms_norm: y has " + std::to_string(a.y.size()) + " values, x has " +
+                            std::to_string(n));
+  }
+  *rows = n / a.dim;
+  return Status::ok();
+}
+
+constexpr int kLanes = 16;
+
+template <typename T>
+void row(const T* x, const T* w, T* y, int64_t D, float eps) {
+  float part[kLanes] = {};
+  const int64_t full = D / kLanes * kLanes;
+  for (int64_t j = 0; j < full; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float v = widen(x[j + l]);
+      part[l] = part[l] + v * v;
+    }
+  }
+  for (int64_t j = full; j < D; ++j) {
+    const float v = widen(x[j]);
+    part[j - full] = part[j - full] + v * v;
+  }
+  for (int half = kLanes / 2; half >= 1; half /= 2) {
+    for (int l = 0; l < half; ++l) part[l] = part[l] + part[l + half];
+  }
+  const float r = 1.0f / std::sqrt(part[0] / static_cast<float>(D) + eps);
+  for (int64_t j = 0; j < D; ++j) {
+    const float h = widen(narrow<T>(widen(x[j]) * r));
+    y[j] = narrow<T>(widen(w[j]) * h);
+  }
+}
+
+template <typename T>
+Status run(const RmsNormArgs<T>& a, int threads) {
+  int64_t rows = 0;
+  K3_RETURN_IF_ERROR(validate(a, &rows));
+  if (threads < 0 || threads > 256) {
+    return invalid_argument("rms_norm: threads = " + std::to_string(threads) + " must be in [0, 256] (0: all logical CPUs)");
+  }
+  const int nt = threads > 0 ? threads : hardware_thread_count();
+  const int64_t D = a.dim;
+#pragma omp parallel for schedule(static) num_threads(nt) if (rows > 1 && nt > 1)
+  for (int64_t r = 0; r < rows; ++r) row(a.x.data() + r * D, a.weight.data(), a.y.data() + r * D, D, a.eps);
+  return Status::ok();
+}
+
+template <typename T>
+Status oracle(const RmsNormArgs<T>& a) {
+  int64_t rows = 0;
+  K3_RETURN_IF_ERROR(validate(a, &rows));
+  const int64_t D = a.dim;
+  for (int64_t r = 0; r < rows; ++r) {
+    double s = 0.0;
+    for (int64_t j = 0; j < D; ++j) s += static_cast<double>(widen(a.x[r * D + j])) * widen(a.x[r * D + j]);
+    const double inv = 1.0 / std::sqrt(s / static_cast<double>(D) + static_cast<double>(a.eps));
+    for (int64_t j = 0; j < D; ++j) {
+      const float h = widen(narrow<T>(static_cast<float>(widen(a.x[r * D + j]) * inv)));
+      a.y[r * D + j] = narrow<T>(static_cast<float>(static_cast<double>(widen(a.weight[j])) * h));
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status rms_norm(const RmsNormArgs<uint16_t>& a, int threads) { return run(a, threads); }
+Status rms_norm(const RmsNormArgs<float>& a, int threads) { return run(a, threads); }
+Status rms_norm_oracle(const RmsNormArgs<uint16_t>& a) { return oracle(a); }
+Status rms_norm_oracle(const RmsNormArgs<float>& a) { return oracle(a); }
+
+}  // namespace k3
