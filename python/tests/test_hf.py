@@ -614,6 +614,24 @@ def test_rmsnorms_on_k3_are_transformers_arithmetic_within_one_rounding(dtype):
         k3.hf.patch(build(tiny_config(), seed=2, dtype=dtype), norms="yes")
 
 
+def test_a_patch_that_fails_leaves_the_model_as_it_was(monkeypatch):
+    model = build(tiny_config(), seed=1, dtype=torch.bfloat16)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        before = model(prompt).logits
+
+    def broken(*a, **k):
+        raise RuntimeError("dense preparation failed")
+    monkeypatch.setattr(k3.hf, "_patch_dense", broken)
+    with pytest.raises(RuntimeError, match="dense preparation failed"):
+        k3.hf.patch(model, dense=True, keep_original=True)
+    assert not k3.hf.is_patched(model)
+    for mod in model.modules():  # no k3 forward left on any module
+        assert "forward" not in mod.__dict__
+    with torch.no_grad():
+        assert torch.equal(model(prompt).logits, before)
+
+
 def test_patch_refuses_what_it_cannot_serve():
     model = build(tiny_config())
     model.train()
