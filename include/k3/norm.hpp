@@ -36,4 +36,24 @@ Status rms_norm(const RmsNormArgs<float>& a, int threads = 0);
 Status rms_norm_oracle(const RmsNormArgs<uint16_t>& a);
 Status rms_norm_oracle(const RmsNormArgs<float>& a);
 
+// The gated form (transformers' KimiLinearRMSNormGated: the KDA output norm, one row per token
+// and head; fla's FusedRMSNormGated with a sigmoid): r as above, then
+//   y_j = ((weight_j * (x_j * r)) * sigmoid(gate_j))   in FP32, rounded once to the storage type,
+// sigmoid(g) = 1 / (1 + expf(-g)) (the C library's expf). torch computes its sigmoid with its
+// own exp, so an output can differ from transformers' by a rounding.
+template <typename T>
+struct GatedRmsNormRowsArgs {
+  int64_t dim = 0;              // D >= 1
+  float eps = 1e-6f;            // finite, >= 0
+  std::span<const T> x;         // [rows, D]
+  std::span<const T> gate;      // [rows, D]
+  std::span<const T> weight;    // [D]
+  std::span<T> y;               // [rows, D]; may be x's memory
+};
+Status rms_norm_gated(const GatedRmsNormRowsArgs<uint16_t>& a, int threads = 0);
+Status rms_norm_gated(const GatedRmsNormRowsArgs<float>& a, int threads = 0);
+// FP64 oracle: everything in FP64, one rounding to the storage type.
+Status rms_norm_gated_oracle(const GatedRmsNormRowsArgs<uint16_t>& a);
+Status rms_norm_gated_oracle(const GatedRmsNormRowsArgs<float>& a);
+
 }  // namespace k3

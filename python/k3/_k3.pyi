@@ -103,6 +103,9 @@ def rms_norm_bf16(x: Annotated[NDArray[numpy.uint16], dict(order='C', device='cp
 def rms_norm_f32(x: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)], weight: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)], y: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu')], dim: int, eps: float, threads: int) -> None:
     """RMSNorm of rows of FP32 values (k3/norm.hpp); y may be x."""
 
+def rms_norm_gated_bf16(x: Annotated[NDArray[numpy.uint16], dict(order='C', device='cpu', writable=False)], gate: Annotated[NDArray[numpy.uint16], dict(order='C', device='cpu', writable=False)], weight: Annotated[NDArray[numpy.uint16], dict(order='C', device='cpu', writable=False)], y: Annotated[NDArray[numpy.uint16], dict(order='C', device='cpu')], dim: int, eps: float, threads: int) -> None:
+    """Gated RMSNorm of rows of BF16 bits (k3/norm.hpp); y may be x."""
+
 def head_gemv_bf16(w: Annotated[NDArray[numpy.uint16], dict(order='C', device='cpu', writable=False)], x: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)], y: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu')], heads: int, k: int, n: int, threads: int, isa: str) -> None:
     """
     y[h, :] = x[h, :] . w[h] for each head (w BF16 bits [H, K, N], x and y FP32): FP32 sums over k in order, the same bits on every ISA level and thread count.

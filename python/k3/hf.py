@@ -705,6 +705,30 @@ def _norm_forward(mod, rec, stock):
     return forward
 
 
+def _gated_norm_forward(mod, rec, stock):
+    """transformers' KimiLinearRMSNormGated (the KDA output norm: RMSNorm of each head's row, times
+    the weight and sigmoid(gate), in FP32, rounded once) as one k3 call for BF16 CPU tensors with
+    a BF16 weight and a gate of the input's shape; anything else runs the stock forward."""
+    def forward(hidden_states, gate=None):
+        x, w = hidden_states, mod.weight
+        if (gate is None or getattr(mod, "activation", "sigmoid") != "sigmoid" or x.device.type != "cpu"
+                or x.dtype != torch.bfloat16 or gate.dtype != torch.bfloat16 or w.dtype != torch.bfloat16
+                or gate.shape != x.shape or x.dim() == 0 or w.dim() != 1 or x.shape[-1] != w.shape[0]
+                or _needs_grad(x, gate, w) or torch.compiler.is_compiling()
+                or not (0.0 <= float(mod.variance_epsilon) < float("inf"))):
+            return stock(hidden_states, gate)
+        d = x.shape[-1]
+        u16 = torch.uint16
+        y = torch.empty(x.shape, dtype=torch.bfloat16)
+        _k3_native.rms_norm_gated_bf16(_np(x.contiguous().view(u16).view(-1, d)),
+                                       _np(gate.contiguous().view(u16).view(-1, d)), _np(w.detach().view(u16)),
+                                       _np(y.view(u16).view(-1, d)), d, float(mod.variance_epsilon),
+                                       rec.threads or torch.get_num_threads())
+        return y
+
+    return forward
+
+
 # ---- MLA decode -----------------------------------------------------------------------------
 
 
@@ -910,9 +934,10 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
     q / k / v / forget-gate / beta / output-gate inputs, MLA's query and latent inputs, an MLP's
     gate and up) run as one k3 layer, their weights stacked: the same bits, fewer calls.
     ``norms``: a BF16 model's RMSNorms (``KimiLinearRMSNorm``: the decoder layers' two, the final
-    one, MLA's latent norms) run on k3's RMSNorm (k3/norm.hpp: transformers' arithmetic with the sum
-    of squares in k3's order, so an output can differ from stock by one BF16 rounding) on CPU
-    tensors without grad: one call instead of about ten torch operations. An FP32 model keeps
+    one, MLA's latent norms; ``KimiLinearRMSNormGated``: the KDA output norm) run on k3's (k3/norm.hpp:
+    transformers' arithmetic with the sum of squares in k3's order and the C library's exp in the
+    sigmoid, so an output can differ from stock by one BF16 rounding) on CPU tensors without grad:
+    one call instead of about ten torch operations. An FP32 model keeps
     torch's (there the summation order is visible at the FP32 level the tests compare at).
     Returns a :class:`Patch`."""
     m = _modeling()
@@ -981,6 +1006,9 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
         for mod in model.modules():
             if type(mod) is m.KimiLinearRMSNorm and mod.weight.dtype == torch.bfloat16:
                 mod.forward = _norm_forward(mod, rec, mod.forward)
+                rec.norms.append(mod)
+            elif type(mod) is m.KimiLinearRMSNormGated and mod.weight.dtype == torch.bfloat16:
+                mod.forward = _gated_norm_forward(mod, rec, mod.forward)
                 rec.norms.append(mod)
     if mla:
         for mod in model.modules():

@@ -297,6 +297,14 @@ void rms_norm(In<T> x, In<T> weight, Out<T> y, int64_t dim, float eps, int threa
   check(k3::rms_norm(a, threads));
 }
 
+// The gated RMSNorm of rows (k3/norm.hpp: transformers' KimiLinearRMSNormGated); y may be x.
+template <typename T>
+void rms_norm_gated(In<T> x, In<T> gate, In<T> weight, Out<T> y, int64_t dim, float eps, int threads) {
+  k3::GatedRmsNormRowsArgs<T> a{dim, eps, span(x), span(gate), span(weight), span(y)};
+  nb::gil_scoped_release release;
+  check(k3::rms_norm_gated(a, threads));
+}
+
 // y[h, :] = x[h, :] . w[h] per head (MLA's absorbed decode; k3/cpu_linear.hpp head_gemv_bf16):
 // w BF16 bits [H, K, N], x FP32 [H, K], y FP32 [H, N].
 void head_gemv_bf16(In<uint16_t> w, In<float> x, Out<float> y, int64_t heads, int64_t k, int64_t n, int threads,
@@ -1121,6 +1129,9 @@ NB_MODULE(_k3, m) {
         "eps"_a, "threads"_a, "RMSNorm of rows of BF16 bits (k3/norm.hpp); y may be x.");
   m.def("rms_norm_f32", &rms_norm<float>, "x"_a.noconvert(), "weight"_a.noconvert(), "y"_a.noconvert(), "dim"_a,
         "eps"_a, "threads"_a, "RMSNorm of rows of FP32 values (k3/norm.hpp); y may be x.");
+  m.def("rms_norm_gated_bf16", &rms_norm_gated<uint16_t>, "x"_a.noconvert(), "gate"_a.noconvert(),
+        "weight"_a.noconvert(), "y"_a.noconvert(), "dim"_a, "eps"_a, "threads"_a,
+        "Gated RMSNorm of rows of BF16 bits (k3/norm.hpp); y may be x.");
   m.def("head_gemv_bf16", &head_gemv_bf16, "w"_a.noconvert(), "x"_a.noconvert(), "y"_a.noconvert(), "heads"_a,
         "k"_a, "n"_a, "threads"_a, "isa"_a,
         "y[h, :] = x[h, :] . w[h] for each head (w BF16 bits [H, K, N], x and y FP32): FP32 sums over k in "

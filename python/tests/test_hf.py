@@ -560,7 +560,7 @@ def test_outputs_keep_v_dtype_and_bf16_reads_in_place():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rmsnorms_on_k3_are_transformers_arithmetic_within_one_rounding(dtype):
+def test_rmsnorms_on_k3_are_transformers_arithmetic_within_one_rounding(dtype, monkeypatch):
     """patch(norms=True) (the default) serves every KimiLinearRMSNorm of a BF16 model with k3's RMSNorm: against
     the stock module on the same inputs, each output is within a few rounding steps of the dtype
     from the stock value (k3 sums the squares in its own order), in BF16 mostly the same bits; rows of any
@@ -579,7 +579,9 @@ def test_rmsnorms_on_k3_are_transformers_arithmetic_within_one_rounding(dtype):
         assert rec.norms == [] and "0 RMSNorms on k3" in rec.summary()
         return
     names = [n for n, mod in stock.named_modules() if type(mod) is mkl.KimiLinearRMSNorm]
-    assert len(rec.norms) == len(names) >= 2 * 3 + 1  # two per decoder layer, the final norm (+ MLA's)
+    gated = [n for n, mod in stock.named_modules() if type(mod) is mkl.KimiLinearRMSNormGated]
+    assert len(names) >= 2 * 3 + 1 and len(gated) == 2  # two per decoder layer, the final norm (+ MLA's); KDA's
+    assert len(rec.norms) == len(names) + len(gated)
     assert "RMSNorms on k3" in rec.summary()
     mods = dict(model.named_modules())
     g = torch.Generator().manual_seed(0)
@@ -600,6 +602,31 @@ def test_rmsnorms_on_k3_are_transformers_arithmetic_within_one_rounding(dtype):
         xt = (torch.randn(d, 4, generator=g) * 4).to(dtype).t()  # non-contiguous
         with torch.no_grad():
             assert close(mod(xt), ref(xt))
+    native, seen = k3.hf._k3_native, []
+
+    class Counting:  # counts the k3 norm calls (the modules must not fall back to stock)
+        def __getattr__(self, attr):
+            f = getattr(native, attr)
+            return (lambda *a: seen.append(attr) or f(*a)) if attr.startswith("rms_norm") else f
+    monkeypatch.setattr(k3.hf, "_k3_native", Counting())
+    for name in gated:  # the KDA output norm: RMSNorm per head row, times weight and sigmoid(gate)
+        ref, mod = dict(stock.named_modules())[name], mods[name]
+        with torch.no_grad():
+            ref.weight.copy_(torch.randn(ref.weight.shape, generator=g) * 0.5 + 1)
+            mod.weight.copy_(ref.weight)
+        d = ref.weight.shape[0]
+        for shape in ((1, 1, 2, d), (2, 3, 2, d)):
+            x = (torch.randn(shape, generator=g) * 3).to(dtype)
+            gate = (torch.randn(shape, generator=g) * 3).to(dtype)
+            with torch.no_grad():
+                want, got = ref(x, gate), mod(x, gate)
+            assert close(got, want), name
+            assert (got == want).float().mean() > 0.9
+    assert seen == ["rms_norm_gated_bf16"] * (2 * len(gated))
+    with torch.no_grad():
+        mods[names[0]](torch.randn(1, mods[names[0]].weight.shape[0], dtype=dtype))
+    assert seen[-1] == "rms_norm_bf16"
+    monkeypatch.undo()
     # the k3 path really runs: a wrong weight pointer would show
     mod = mods[names[0]]
     x = torch.ones(1, mod.weight.shape[0], dtype=dtype)

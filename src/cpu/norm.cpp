@@ -44,8 +44,9 @@ Status validate(const RmsNormArgs<T>& a, int64_t* rows) {
 
 constexpr int kLanes = 16;
 
+// 1 / sqrt(S / D + eps), S summed in the 16-lane order of k3/norm.hpp.
 template <typename T>
-void row(const T* x, const T* w, T* y, int64_t D, float eps) {
+float inv_rms(const T* x, int64_t D, float eps) {
   float part[kLanes] = {};
   const int64_t full = D / kLanes * kLanes;
   for (int64_t j = 0; j < full; j += kLanes) {
@@ -61,10 +62,24 @@ void row(const T* x, const T* w, T* y, int64_t D, float eps) {
   for (int half = kLanes / 2; half >= 1; half /= 2) {
     for (int l = 0; l < half; ++l) part[l] = part[l] + part[l + half];
   }
-  const float r = 1.0f / std::sqrt(part[0] / static_cast<float>(D) + eps);
+  return 1.0f / std::sqrt(part[0] / static_cast<float>(D) + eps);
+}
+
+template <typename T>
+void row(const T* x, const T* w, T* y, int64_t D, float eps) {
+  const float r = inv_rms(x, D, eps);
   for (int64_t j = 0; j < D; ++j) {
     const float h = widen(narrow<T>(widen(x[j]) * r));
     y[j] = narrow<T>(widen(w[j]) * h);
+  }
+}
+
+template <typename T>
+void gated_row(const T* x, const T* g, const T* w, T* y, int64_t D, float eps) {
+  const float r = inv_rms(x, D, eps);
+  for (int64_t j = 0; j < D; ++j) {
+    const float s = 1.0f / (1.0f + std::exp(-widen(g[j])));
+    y[j] = narrow<T>((widen(w[j]) * (widen(x[j]) * r)) * s);
   }
 }
 
@@ -99,8 +114,55 @@ Status oracle(const RmsNormArgs<T>& a) {
   return Status::ok();
 }
 
+template <typename T>
+Status validate_gated(const GatedRmsNormRowsArgs<T>& a, int64_t* rows) {
+  K3_RETURN_IF_ERROR(validate(RmsNormArgs<T>{a.dim, a.eps, a.x, a.weight, a.y}, rows));
+  if (a.gate.size() != a.x.size()) {
+    return invalid_argument("rms_norm: gate has " + std::to_string(a.gate.size()) + " values, x has " +
+                            std::to_string(a.x.size()));
+  }
+  return Status::ok();
+}
+
+template <typename T>
+Status run_gated(const GatedRmsNormRowsArgs<T>& a, int threads) {
+  int64_t rows = 0;
+  K3_RETURN_IF_ERROR(validate_gated(a, &rows));
+  if (threads < 0 || threads > 256) {
+    return invalid_argument("rms_norm: threads = " + std::to_string(threads) + " must be in [0, 256] (0: all logical CPUs)");
+  }
+  const int nt = threads > 0 ? threads : hardware_thread_count();
+  const int64_t D = a.dim;
+#pragma omp parallel for schedule(static) num_threads(nt) if (rows > 1 && nt > 1)
+  for (int64_t r = 0; r < rows; ++r) {
+    gated_row(a.x.data() + r * D, a.gate.data() + r * D, a.weight.data(), a.y.data() + r * D, D, a.eps);
+  }
+  return Status::ok();
+}
+
+template <typename T>
+Status oracle_gated(const GatedRmsNormRowsArgs<T>& a) {
+  int64_t rows = 0;
+  K3_RETURN_IF_ERROR(validate_gated(a, &rows));
+  const int64_t D = a.dim;
+  for (int64_t r = 0; r < rows; ++r) {
+    double s = 0.0;
+    for (int64_t j = 0; j < D; ++j) s += static_cast<double>(widen(a.x[r * D + j])) * widen(a.x[r * D + j]);
+    const double inv = 1.0 / std::sqrt(s / static_cast<double>(D) + static_cast<double>(a.eps));
+    for (int64_t j = 0; j < D; ++j) {
+      const double sg = 1.0 / (1.0 + std::exp(-static_cast<double>(widen(a.gate[r * D + j]))));
+      a.y[r * D + j] = narrow<T>(static_cast<float>(widen(a.weight[j]) * (widen(a.x[r * D + j]) * inv) * sg));
+    }
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
+Status rms_norm_gated(const GatedRmsNormRowsArgs<uint16_t>& a, int threads) { return run_gated(a, threads); }
+Status rms_norm_gated(const GatedRmsNormRowsArgs<float>& a, int threads) { return run_gated(a, threads); }
+Status rms_norm_gated_oracle(const GatedRmsNormRowsArgs<uint16_t>& a) { return oracle_gated(a); }
+Status rms_norm_gated_oracle(const GatedRmsNormRowsArgs<float>& a) { return oracle_gated(a); }
 Status rms_norm(const RmsNormArgs<uint16_t>& a, int threads) { return run(a, threads); }
 Status rms_norm(const RmsNormArgs<float>& a, int threads) { return run(a, threads); }
 Status rms_norm_oracle(const RmsNormArgs<uint16_t>& a) { return oracle(a); }

@@ -70,6 +70,45 @@ void check_against_oracle(double bound) {
 TEST(RmsNorm, Bf16AgreesWithTheOracleWithinTheRoundings) { check_against_oracle<uint16_t>(2.0); }
 TEST(RmsNorm, Fp32AgreesWithTheOracleWithinTheRoundings) { check_against_oracle<float>(4.0); }
 
+template <typename T>
+void check_gated_against_oracle(double bound) {
+  for (int64_t D : {128, 64, 37, 1}) {
+    const int64_t rows = 33;  // one decode step's heads, and one more
+    const auto x = random_values<T>(static_cast<size_t>(rows * D), 21 + D, 2.0f);
+    const auto g = random_values<T>(x.size(), 31 + D, 3.0f);
+    const auto w = random_values<T>(static_cast<size_t>(D), 41 + D, 1.0f);
+    std::vector<T> want(x.size()), got(x.size());
+    ASSERT_TRUE(rms_norm_gated_oracle(GatedRmsNormRowsArgs<T>{D, 1e-5f, x, g, w, want}).is_ok());
+    ASSERT_TRUE(rms_norm_gated(GatedRmsNormRowsArgs<T>{D, 1e-5f, x, g, w, got}, 1).is_ok());
+    EXPECT_LE(max_ulps(got, want), bound) << "D " << D;
+    for (int threads : {2, 3, 0}) {
+      std::vector<T> again(x.size());
+      ASSERT_TRUE(rms_norm_gated(GatedRmsNormRowsArgs<T>{D, 1e-5f, x, g, w, again}, threads).is_ok());
+      EXPECT_EQ(0, std::memcmp(again.data(), got.data(), got.size() * sizeof(T))) << threads;
+    }
+    std::vector<T> inplace = x;
+    ASSERT_TRUE(rms_norm_gated(GatedRmsNormRowsArgs<T>{D, 1e-5f, inplace, g, w, inplace}, 2).is_ok());
+    EXPECT_EQ(0, std::memcmp(inplace.data(), got.data(), got.size() * sizeof(T)));
+  }
+}
+
+// One rounding to the storage type after FP32 steps (r, three products, the sigmoid's exp and
+// division: a few FP32 ulps, far below a BF16 step).
+TEST(RmsNormGated, Bf16AgreesWithTheOracleWithinOneRounding) { check_gated_against_oracle<uint16_t>(1.0); }
+TEST(RmsNormGated, Fp32AgreesWithTheOracleWithinTheFp32Steps) { check_gated_against_oracle<float>(8.0); }
+
+TEST(RmsNormGated, RefusesAGateOfAnotherSize) {
+  const std::vector<float> x(6, 1.0f), g(5, 1.0f), w(3, 1.0f);
+  std::vector<float> y(6);
+  EXPECT_NE(rms_norm_gated(GatedRmsNormRowsArgs<float>{3, 1e-6f, x, g, w, y}).message().find(
+                "gate has 5 values, x has 6"),
+            std::string::npos);
+  EXPECT_NE(rms_norm_gated(GatedRmsNormRowsArgs<float>{3, 1e-6f, x, x, w, y}, 300).message().find("threads = 300"),
+            std::string::npos);
+  EXPECT_NE(rms_norm_gated_oracle(GatedRmsNormRowsArgs<float>{0, 1e-6f, x, x, w, y}).message().find("dim = 0"),
+            std::string::npos);
+}
+
 TEST(RmsNorm, ByHand) {
   // x = (3, 4): mean square 12.5, r = 1 / sqrt(12.5); weights 2 and 1.
   const std::vector<float> x = {3, 4}, w = {2, 1};
