@@ -83,18 +83,35 @@ void gated_row(const T* x, const T* g, const T* w, T* y, int64_t D, float eps) {
   }
 }
 
+// Rows [0, rows) split between threads (one row: no fork); f(r) does row r.
+template <typename F>
+Status over_rows(int64_t rows, int threads, F f) {
+  if (threads < 0 || threads > 256) {
+    return invalid_argument("rms_norm: threads = " + std::to_string(threads) +
+                            " must be in [0, 256] (0: all logical CPUs)");
+  }
+  const int nt = threads > 0 ? threads : hardware_thread_count();
+#pragma omp parallel for schedule(static) num_threads(nt) if (rows > 1 && nt > 1)
+  for (int64_t r = 0; r < rows; ++r) f(r);
+  return Status::ok();
+}
+
+// The oracles' 1 / sqrt(mean(x^2) + eps) of one row, in FP64.
+template <typename T>
+double inv_rms_fp64(const T* x, int64_t D, float eps) {
+  double s = 0.0;
+  for (int64_t j = 0; j < D; ++j) s += static_cast<double>(widen(x[j])) * widen(x[j]);
+  return 1.0 / std::sqrt(s / static_cast<double>(D) + static_cast<double>(eps));
+}
+
 template <typename T>
 Status run(const RmsNormArgs<T>& a, int threads) {
   int64_t rows = 0;
   K3_RETURN_IF_ERROR(validate(a, &rows));
-  if (threads < 0 || threads > 256) {
-    return invalid_argument("rms_norm: threads = " + std::to_string(threads) + " must be in [0, 256] (0: all logical CPUs)");
-  }
-  const int nt = threads > 0 ? threads : hardware_thread_count();
   const int64_t D = a.dim;
-#pragma omp parallel for schedule(static) num_threads(nt) if (rows > 1 && nt > 1)
-  for (int64_t r = 0; r < rows; ++r) row(a.x.data() + r * D, a.weight.data(), a.y.data() + r * D, D, a.eps);
-  return Status::ok();
+  return over_rows(rows, threads, [&](int64_t r) {
+    row(a.x.data() + r * D, a.weight.data(), a.y.data() + r * D, D, a.eps);
+  });
 }
 
 template <typename T>
@@ -103,9 +120,7 @@ Status oracle(const RmsNormArgs<T>& a) {
   K3_RETURN_IF_ERROR(validate(a, &rows));
   const int64_t D = a.dim;
   for (int64_t r = 0; r < rows; ++r) {
-    double s = 0.0;
-    for (int64_t j = 0; j < D; ++j) s += static_cast<double>(widen(a.x[r * D + j])) * widen(a.x[r * D + j]);
-    const double inv = 1.0 / std::sqrt(s / static_cast<double>(D) + static_cast<double>(a.eps));
+    const double inv = inv_rms_fp64(a.x.data() + r * D, D, a.eps);
     for (int64_t j = 0; j < D; ++j) {
       const float h = widen(narrow<T>(static_cast<float>(widen(a.x[r * D + j]) * inv)));
       a.y[r * D + j] = narrow<T>(static_cast<float>(static_cast<double>(widen(a.weight[j])) * h));
@@ -128,16 +143,10 @@ template <typename T>
 Status run_gated(const GatedRmsNormRowsArgs<T>& a, int threads) {
   int64_t rows = 0;
   K3_RETURN_IF_ERROR(validate_gated(a, &rows));
-  if (threads < 0 || threads > 256) {
-    return invalid_argument("rms_norm: threads = " + std::to_string(threads) + " must be in [0, 256] (0: all logical CPUs)");
-  }
-  const int nt = threads > 0 ? threads : hardware_thread_count();
   const int64_t D = a.dim;
-#pragma omp parallel for schedule(static) num_threads(nt) if (rows > 1 && nt > 1)
-  for (int64_t r = 0; r < rows; ++r) {
+  return over_rows(rows, threads, [&](int64_t r) {
     gated_row(a.x.data() + r * D, a.gate.data() + r * D, a.weight.data(), a.y.data() + r * D, D, a.eps);
-  }
-  return Status::ok();
+  });
 }
 
 template <typename T>
@@ -146,9 +155,7 @@ Status oracle_gated(const GatedRmsNormRowsArgs<T>& a) {
   K3_RETURN_IF_ERROR(validate_gated(a, &rows));
   const int64_t D = a.dim;
   for (int64_t r = 0; r < rows; ++r) {
-    double s = 0.0;
-    for (int64_t j = 0; j < D; ++j) s += static_cast<double>(widen(a.x[r * D + j])) * widen(a.x[r * D + j]);
-    const double inv = 1.0 / std::sqrt(s / static_cast<double>(D) + static_cast<double>(a.eps));
+    const double inv = inv_rms_fp64(a.x.data() + r * D, D, a.eps);
     for (int64_t j = 0; j < D; ++j) {
       const double sg = 1.0 / (1.0 + std::exp(-static_cast<double>(widen(a.gate[r * D + j]))));
       a.y[r * D + j] = narrow<T>(static_cast<float>(widen(a.weight[j]) * (widen(a.x[r * D + j]) * inv) * sg));
