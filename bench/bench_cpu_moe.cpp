@@ -40,6 +40,8 @@ struct Operands {
   std::vector<uint16_t> bf16;
   std::vector<float> f32;
   std::vector<const void*> rows;
+  std::vector<std::vector<int16_t>> view_rows;  // AVX2 kernel: integer views, made as run() does
+  std::vector<const int16_t*> views;
 };
 Operands random_rows(int64_t rows, int64_t len, bool bf16) {
   Operands o;
@@ -53,6 +55,13 @@ Operands random_rows(int64_t rows, int64_t len, bool bf16) {
   }
   for (int64_t r = 0; r < rows; ++r) {
     o.rows.push_back(bf16 ? static_cast<const void*>(o.bf16.data() + r * len) : o.f32.data() + r * len);
+  }
+  if (uses_int_views(level())) {
+    for (int64_t r = 0; r < rows; ++r) {
+      o.view_rows.emplace_back(static_cast<size_t>(int_view_bytes(len) / 2));
+      int_view_row(o.f32.data() + r * len, len, o.view_rows.back().data());
+      o.views.push_back(o.view_rows.back().data());
+    }
   }
   return o;
 }
@@ -70,7 +79,8 @@ void dequant_dot(benchmark::State& state, int64_t rows, int64_t tiles) {
   const TileGemmFn fn = gemm_fn();
   int64_t t = 0;
   for (auto _ : state) {
-    TileGemm g{rec.data() + t * tile, blocks, kFc1Groups, ops.rows.data(), rows, totals.data(), panel.data()};
+    TileGemm g{rec.data() + t * tile, blocks, kFc1Groups, ops.rows.data(), rows, totals.data(), panel.data(),
+               ops.views.empty() ? nullptr : ops.views.data()};
     fn(g);
     benchmark::DoNotOptimize(totals.data());
     t = (t + 1) % tiles;
@@ -100,7 +110,8 @@ void BM_DequantDotRows(benchmark::State& state) {
   alignas(64) static uint8_t panel[kPanelScratchBytes];
   const TileGemmFn fn = gemm_fn();
   for (auto _ : state) {
-    TileGemm g{rec.data(), blocks, groups, ops.rows.data(), rows, totals.data(), panel};
+    TileGemm g{rec.data(), blocks, groups, ops.rows.data(), rows, totals.data(), panel,
+               ops.views.empty() ? nullptr : ops.views.data()};
     fn(g);
     benchmark::DoNotOptimize(totals.data());
   }

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -237,14 +238,134 @@ TEST(CpuMoeKernels, OperandShiftKeepsBf16DotProductsExact) {
   }
 }
 
-// Every FP32 tile kernel (AVX2 + FMA: direct for 1-2 rows, panel with register tiles above) gives
-// the portable kernel's bits for every row count 1..kRowGroup, both tile shapes, all 16 codes,
-// scale codes 1..254 and all-zero blocks with code 0, odd block counts (the FC2 two-block
-// direct path's tail) and operand rows with subnormals, zeros, huge values and a NaN.
+// Operand rows for the FP32 tile kernels: Gaussian FP32 (24-bit significands: no block has an
+// integer view), BF16 and E4M3 values (most blocks have one), blocks at the integer view's limits
+// (|xi| = 2^15 - 1 everywhere, the largest partial sums; a lowest bit exactly 2^14 or 2^15 below
+// the maximum; subnormals; magnitudes 2^100 and 2^101), zeros of both signs, an Inf and a NaN.
+std::vector<float> fp32_operand_rows(std::mt19937_64& rng, int64_t rows, int64_t len) {
+  std::vector<float> ops(static_cast<size_t>(rows * len));
+  std::normal_distribution<float> nd;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = ops.data() + r * len;
+    for (int64_t i = 0; i < len; ++i) {
+      const float v = nd(rng);
+      switch (r % 4) {
+        case 0: x[i] = v; break;                                    // FP32
+        case 1: x[i] = bf16_to_f32(bf16_from_f32(v)); break;        // BF16
+        case 2: x[i] = e4m3_to_f32(static_cast<uint8_t>(rng() & 0x7E)) * (v < 0 ? -1.f : 1.f); break;  // E4M3
+        default: x[i] = std::ldexp(static_cast<float>(static_cast<int>(rng() % 65535) - 32767), -14); break;
+      }
+    }
+  }
+  ops[3] = 1e-40f;                                  // subnormal operand (FP32 row)
+  ops[static_cast<size_t>(len + 5)] = 0.f;
+  ops[static_cast<size_t>(len + 6)] = -0.f;
+  ops[static_cast<size_t>(2 * len + 7)] = 3e37f;    // huge (partial sums stay finite)
+  ops[static_cast<size_t>(5 * len + 1)] = std::nanf("");
+  if (rows > 9) {
+    float* x = ops.data() + 7 * len;  // integer-view row: block 0 at |xi| = 2^15 - 1 throughout
+    for (int i = 0; i < kBlock; ++i) x[i] = std::ldexp((i & 1) ? -32767.f : 32767.f, -14);
+    x = ops.data() + 9 * len;  // BF16 row: block 0 has a lowest bit 2^15 below its maximum
+    x[0] = 1.f;
+    x[1] = std::ldexp(1.f, -15);
+  }
+  if (rows > 13 && len >= 3 * kBlock) {
+    float* x = ops.data() + 13 * len;  // BF16 row: subnormal block, 2^100 block, 2^101 block
+    for (int i = 0; i < kBlock; ++i) {
+      x[i] = std::ldexp(static_cast<float>(i - 16), -140);
+      x[kBlock + i] = std::ldexp(static_cast<float>(i + 1), 95);
+      x[2 * kBlock + i] = std::ldexp(static_cast<float>(i + 1), 96);
+    }
+  }
+  if (rows > 17 && len >= kBlock) ops[static_cast<size_t>(17 * len + 2)] = -std::numeric_limits<float>::infinity();
+  return ops;
+}
+
+// The AVX2 kernel's integer view of a block exists exactly when x = xi * 2^(e-14) with |xi| < 2^15
+// (e = floor(log2 max|x|)), and then holds those xi.
+TEST(CpuMoeKernels, IntegerViewsAreExactAndExistExactlyWithinTheirRange) {
+  if (best_isa_level() < IsaLevel::kAvx2) GTEST_SKIP() << "the integer view is part of the AVX2 kernel";
+  auto view = [](const std::vector<float>& x, std::vector<int16_t>& xi) {
+    xi.assign(kBlock, 0);
+    return int_view_block(x.data(), xi.data());
+  };
+  auto check_exact = [](const std::vector<float>& x, const std::vector<int16_t>& xi, float half) {
+    for (int i = 0; i < kBlock; ++i) {
+      EXPECT_EQ(static_cast<double>(x[static_cast<size_t>(i)]),
+                static_cast<double>(xi[static_cast<size_t>(i)]) * 2.0 * static_cast<double>(half)) << i;
+    }
+  };
+  std::vector<int16_t> xi;
+  std::vector<float> x(kBlock, 0.f);
+  x[4] = -0.f;
+  EXPECT_EQ(view(x, xi), 1.f);  // zeros of either sign: xi = 0
+  for (int16_t v : xi) EXPECT_EQ(v, 0);
+  // Largest |xi| and the lowest bit exactly 2^14 below the maximum: a view, T/2 = 2^-15.
+  for (int i = 0; i < kBlock; ++i) x[static_cast<size_t>(i)] = std::ldexp(static_cast<float>((i % 2 ? -1 : 1) * (32767 - i)), -14);
+  x[5] = std::ldexp(1.f, -14);
+  float h = view(x, xi);
+  EXPECT_EQ(h, std::ldexp(1.f, -15));
+  check_exact(x, xi, h);
+  EXPECT_EQ(xi[0], 32767);
+  EXPECT_EQ(xi[5], 1);
+  x[5] = std::ldexp(1.f, -15);  // one bit lower: no view
+  EXPECT_EQ(view(x, xi), 0.f);
+  x[5] = 0.f;
+  // Every BF16 block whose span fits gets an exact view; at 2^100 a block still does, at 2^101 it
+  // does not (partial sums kept far from overflow).
+  std::mt19937_64 rng(5);
+  int viewed = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    // BF16 magnitudes in [1, 128): exponents within 7 of each other, so lowest bits within 2^14
+    for (auto& v : x) v = bf16_to_f32(static_cast<uint16_t>(0x3F80 + rng() % 0x0380 + ((rng() & 1) << 15)));
+    const float hv = view(x, xi);
+    if (hv != 0.f) {
+      ++viewed;
+      check_exact(x, xi, hv);
+    }
+  }
+  EXPECT_EQ(viewed, 200);
+  for (int i = 0; i < kBlock; ++i) x[static_cast<size_t>(i)] = std::ldexp(static_cast<float>(i + 1), 95);  // max 2^100
+  h = view(x, xi);
+  EXPECT_NE(h, 0.f);
+  check_exact(x, xi, h);
+  x[0] = std::ldexp(1.f, 101);
+  EXPECT_EQ(view(x, xi), 0.f);
+  // Subnormal values: a view with T/2 = 2^-141 when they are multiples of 2^-140.
+  for (int i = 0; i < kBlock; ++i) x[static_cast<size_t>(i)] = std::ldexp(static_cast<float>(i - 16), -140);
+  h = view(x, xi);
+  EXPECT_EQ(h, std::ldexp(1.f, -141));
+  check_exact(x, xi, h);
+  x[3] = std::ldexp(1.f, -149);  // the smallest subnormal is not a multiple of 2^-140
+  EXPECT_EQ(view(x, xi), 0.f);
+  // NaN and Inf: no view.
+  x.assign(kBlock, 1.f);
+  x[9] = std::nanf("");
+  EXPECT_EQ(view(x, xi), 0.f);
+  x[9] = -std::numeric_limits<float>::infinity();
+  EXPECT_EQ(view(x, xi), 0.f);
+  // A row: the views of its blocks, then their T/2.
+  std::vector<float> row(3 * kBlock, 0.5f);
+  row[kBlock] = std::nanf("");
+  std::vector<int16_t> rv(static_cast<size_t>(int_view_bytes(3 * kBlock) / 2));
+  int_view_row(row.data(), 3 * kBlock, rv.data());
+  float halves[3];
+  std::memcpy(halves, rv.data() + 3 * kBlock, sizeof(halves));
+  EXPECT_EQ(halves[0], std::ldexp(1.f, -16));
+  EXPECT_EQ(halves[1], 0.f);
+  EXPECT_EQ(halves[2], std::ldexp(1.f, -16));
+  EXPECT_EQ(rv[0], 16384);
+}
+
+// Every FP32 tile kernel (AVX2 + FMA: direct for 1-3 rows, integer or FP32 per block, panel with
+// register tiles above) gives the portable kernel's bits for every row count 1..kRowGroup, both
+// tile shapes, all 16 codes, scale codes 1..254 and all-zero blocks with code 0, odd block counts
+// (the FC2 two-block direct path's tail), the operand rows above, and with the rows' integer views
+// given by the caller (as run() does) or made by the kernel.
 TEST(CpuMoeKernels, Fp32TileKernelsMatchThePortableKernelBitForBit) {
   std::mt19937_64 rng(11);
   for (int groups : {kFc1Groups, kFc2Groups}) {
-    for (int64_t blocks : {int64_t{1}, int64_t{3}, int64_t{8}}) {
+    for (int64_t blocks : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{67}}) {
       std::vector<uint8_t> rec(static_cast<size_t>(blocks * record_bytes(groups)));
       for (auto& b : rec) b = static_cast<uint8_t>(rng());
       for (int64_t b = 0; b < blocks; ++b) {
@@ -255,32 +376,78 @@ TEST(CpuMoeKernels, Fp32TileKernelsMatchThePortableKernelBitForBit) {
         std::memset(rec.data(), 0, static_cast<size_t>(record_code_bytes(groups)));
         std::memset(rec.data() + record_code_bytes(groups), 0, static_cast<size_t>(groups * kLanes));
       }
+      if (blocks > 2) {  // a block of +-6 codes only (the largest integer sums)
+        uint8_t* c = rec.data() + 2 * record_bytes(groups);
+        for (int64_t i = 0; i < record_code_bytes(groups); ++i) c[i] = (i % 3) ? 0x77 : 0xF7;
+      }
       const int64_t len = blocks * kBlock;
-      std::vector<float> ops(static_cast<size_t>(kRowGroup * len));
-      std::normal_distribution<float> nd;
-      for (auto& v : ops) v = nd(rng);
-      ops[3] = 1e-40f;                         // subnormal operand
-      ops[static_cast<size_t>(len + 5)] = 0.f;
-      ops[static_cast<size_t>(2 * len + 7)] = 3e37f;  // huge (partial sums stay finite)
-      ops[static_cast<size_t>(5 * len + 1)] = std::nanf("");
+      const std::vector<float> ops = fp32_operand_rows(rng, kRowGroup, len);
       std::vector<const void*> rows(kRowGroup);
+      std::vector<std::vector<int16_t>> view_rows(kRowGroup);
+      std::vector<const int16_t*> views(kRowGroup);
       for (int64_t r = 0; r < kRowGroup; ++r) rows[static_cast<size_t>(r)] = ops.data() + r * len;
       const int64_t width = groups * kLanes;
       for (IsaLevel l : levels()) {
         if (l == IsaLevel::kScalar || l == IsaLevel::kAvx512Bf16) continue;
+        for (int64_t r = 0; r < kRowGroup; ++r) {
+          view_rows[static_cast<size_t>(r)].resize(static_cast<size_t>(int_view_bytes(len) / 2));
+          int_view_row(ops.data() + r * len, len, view_rows[static_cast<size_t>(r)].data());
+          views[static_cast<size_t>(r)] = view_rows[static_cast<size_t>(r)].data();
+        }
         for (int64_t nr = 1; nr <= kRowGroup; ++nr) {
-          std::vector<float> want(static_cast<size_t>(nr * width), -1.f), got(want.size(), -2.f);
-          alignas(64) static uint8_t panel[kPanelScratchBytes];
-          TileGemm g{rec.data(), blocks, groups, rows.data(), nr, want.data(), panel};
-          tile_gemm_fp32(IsaLevel::kScalar)(g);
-          g.totals = got.data();
-          tile_gemm_fp32(l)(g);
-          ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
-              << isa_level_name(l) << " groups " << groups << " blocks " << blocks << " rows " << nr;
+          for (int64_t first : {int64_t{0}, kRowGroup - nr}) {  // different mixes of row kinds
+            std::vector<float> want(static_cast<size_t>(nr * width), -1.f), got(want.size(), -2.f);
+            alignas(64) static uint8_t panel[kPanelScratchBytes];
+            TileGemm g{rec.data(), blocks, groups, rows.data() + first, nr, want.data(), panel};
+            tile_gemm_fp32(IsaLevel::kScalar)(g);
+            for (bool given : {false, true}) {
+              g.totals = got.data();
+              g.views = given ? views.data() + first : nullptr;
+              tile_gemm_fp32(l)(g);
+              ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
+                  << isa_level_name(l) << " groups " << groups << " blocks " << blocks << " rows " << nr << " from "
+                  << first << (given ? " (views given)" : "");
+            }
+          }
         }
       }
     }
   }
+}
+
+// The AVX2 kernel computes viewed blocks from the views alone: a view with wrong integers changes
+// the result (so the bit-identity above covers the integer path), a row without views does not.
+TEST(CpuMoeKernels, Avx2DirectKernelReadsTheIntegerViews) {
+  if (best_isa_level() < IsaLevel::kAvx2) GTEST_SKIP() << "no AVX2";
+  const int64_t blocks = 4, len = blocks * kBlock;
+  std::mt19937_64 rng(3);
+  std::vector<uint8_t> rec(static_cast<size_t>(blocks * record_bytes(kFc1Groups)));
+  for (auto& b : rec) b = static_cast<uint8_t>(rng());
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint8_t* sc = rec.data() + b * record_bytes(kFc1Groups) + record_code_bytes(kFc1Groups);
+    for (int i = 0; i < kFc1Groups * kLanes; ++i) sc[i] = 127;
+  }
+  std::vector<float> x(static_cast<size_t>(len));
+  for (auto& v : x) v = bf16_to_f32(bf16_from_f32(std::normal_distribution<float>()(rng)));
+  std::vector<int16_t> view(static_cast<size_t>(int_view_bytes(len) / 2));
+  int_view_row(x.data(), len, view.data());
+  float halves[blocks];
+  std::memcpy(halves, view.data() + len, sizeof(halves));
+  ASSERT_NE(halves[1], 0.f) << "block 1 of a BF16 Gaussian row should have a view";
+  const void* row = x.data();
+  const int16_t* vrow = view.data();
+  std::vector<float> want(64), got(64);
+  alignas(64) static uint8_t panel[kPanelScratchBytes];
+  TileGemm g{rec.data(), blocks, kFc1Groups, &row, 1, want.data(), panel};
+  g.views = &vrow;
+  tile_gemm_avx2()(g);
+  view[kBlock + 3] = static_cast<int16_t>(view[kBlock + 3] + 1);  // block 1: one integer off
+  g.totals = got.data();
+  tile_gemm_avx2()(g);
+  EXPECT_NE(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  std::memset(view.data() + len, 0, sizeof(halves));  // no block viewed: the FP32 kernel, x itself
+  tile_gemm_avx2()(g);
+  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
 }
 
 TEST(CpuMoeKernels, PlanDescribesTheBlockingOfEachLevel) {
@@ -298,7 +465,7 @@ TEST(CpuMoeKernels, PlanDescribesTheBlockingOfEachLevel) {
     if (l == IsaLevel::kAvx2 || l == IsaLevel::kAvx512) {
       EXPECT_EQ(plan->blocking.direct_max_rows, kDirectMaxRowsAvx2);
       EXPECT_EQ(plan->blocking.panel_blocks, kPanelBlocksAvx2);
-      EXPECT_STREQ(plan->blocking.kernel, "avx2 fma");
+      EXPECT_STREQ(plan->blocking.kernel, "avx2 fma + int16 madd");
     }
   }
 }

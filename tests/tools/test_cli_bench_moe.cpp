@@ -101,7 +101,7 @@ TEST(CliBenchMoe, IsaOptionSelectsTheLevelAndItsPeak) {
   if (k3::best_isa_level() >= k3::IsaLevel::kAvx2) {
     r = run_cli(kTiny + "--m 3 --isa avx2");
     ASSERT_EQ(r.code, 0) << r.out;
-    EXPECT_NE(r.out.find("isa avx2 (kernel avx2 fma)"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("isa avx2 (kernel avx2 fma + int16 madd)"), std::string::npos) << r.out;
     EXPECT_NE(r.out.find("AVX2 FP32 FMA peak"), std::string::npos) << r.out;
   }
   std::remove(json.c_str());

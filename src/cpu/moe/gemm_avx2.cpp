@@ -172,21 +172,243 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_rows(const TileGemm& a, int
   }
 }
 
-// The direct configuration of (MR, G): FC1 with one row keeps both group pairs in flight, FC2
-// with one row two blocks; two rows fill the 8 accumulators with one pair of one block; three
-// rows take one nibble plane (one group of 16 lanes) per pass over the records.
+// The direct configuration of (MR, G) over blocks [b0, b1): FC1 with one row keeps both nibble
+// planes of one group pair in flight, FC2 with one row two blocks; two rows fill the 8
+// accumulators with one pair of one block; three rows take one nibble plane (one group of 16
+// lanes) per pass over the records.
 template <int MR, int G>
-K3_TARGET_AVX2 void direct_tile(const TileGemm& a, const float* const* rows, float* totals) {
+K3_TARGET_AVX2 void direct_tile(const TileGemm& a, int64_t b0, int64_t b1, const float* const* rows, float* totals) {
   if constexpr (MR == 1 && G == 4) {
-    direct_rows<1, 4, 1, 1>(a, 0, a.blocks, rows, totals);
+    direct_rows<1, 4, 1, 1>(a, b0, b1, rows, totals);
   } else if constexpr (MR == 1 && G == 2) {
-    const int64_t even = a.blocks & ~int64_t{1};
-    direct_rows<1, 2, 2, 1>(a, 0, even, rows, totals);
-    if (even < a.blocks) direct_rows<1, 2, 1, 1>(a, even, a.blocks, rows, totals);
+    const int64_t even = b0 + ((b1 - b0) & ~int64_t{1});
+    direct_rows<1, 2, 2, 1>(a, b0, even, rows, totals);
+    if (even < b1) direct_rows<1, 2, 1, 1>(a, even, b1, rows, totals);
   } else if constexpr (MR == 2) {
-    direct_rows<2, G, 1, 1>(a, 0, a.blocks, rows, totals);
+    direct_rows<2, G, 1, 1>(a, b0, b1, rows, totals);
   } else {  // 3 rows: one nibble plane (one group) per pass, 2 accumulators per row
-    direct_rows<MR, G, 1, 1, 1>(a, 0, a.blocks, rows, totals);
+    direct_rows<MR, G, 1, 1, 1>(a, b0, b1, rows, totals);
+  }
+}
+
+// ---- Exact integer block dots (direct path) ------------------------------------------------
+//
+// When every product w * x of a block and every partial sum of the FP32 chain is exactly
+// representable, the chain rounds nowhere and its result is the exact block dot product, which
+// integer arithmetic computes in any order. An operand block has an integer view when
+//   x[k] = xi[k] * T  for every k, with T = 2^(e-14), e = floor(log2 max |x|), |xi[k]| < 2^15.
+// Then with wi = 2w (E2M1 values are multiples of 1/2, |wi| <= 12):
+//   * each product w * x[k] = wi * xi[k] * T/2 has |wi * xi[k]| < 2^19 and each partial sum is
+//     an integer multiple of T/2 below 12 * 32 * 2^15 < 2^24 in magnitude, with T/2 >= 2^-141:
+//     all representable in FP32 (no rounding, no underflow; e <= kIntViewMaxExp keeps them far
+//     from overflow), so the FP32 chain's partial is exactly (sum of wi * xi[k]) * T/2;
+//   * the integer sum fits in int32 and converts to FP32 exactly, and a zero sum gives +0, as the
+//     chain does (it starts from +0 and x + (-x) rounds to +0).
+// BF16 operands (W4A16) have 8 significant bits and MXFP8 ones (W4A8) 4, so most blocks have
+// such a view: a block lacks one only if some nonzero element's lowest set bit lies more than
+// 2^14 below the block's largest magnitude (or it holds a NaN, an Inf or a value >= 2^101).
+// Blocks without a view run the FP32 kernel above; both give the same bits by construction, and
+// tests compare them with the portable kernel for both kinds of blocks.
+//
+// Weights: one VPSHUFB gives wi as int8 and one its sign byte; VPUNPCK{L,H}BW interleaves them
+// into int16 words (word pair = the even and odd k of one lane, in the halves' lane order of the
+// FP32 kernel); VPMADDWD with the broadcast int16 pair (xi[2kp], xi[2kp+1]) adds both products
+// into the lane's int32 accumulator. 21 instructions per 64 weights for one row instead of 30.
+inline constexpr int kIntViewMaxExp = 100;
+inline constexpr int64_t kIntViewChunk = 64;  // blocks whose integer views are made at once
+
+alignas(32) constexpr int8_t kTwiceE2M1[32] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                               0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+alignas(32) constexpr int8_t kTwiceE2M1Sign[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1,
+                                                   0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1};
+
+// 2^p as an FP32 (p in [-149, 127], subnormal below -126).
+inline float exp2_f32(int p) {
+  const uint32_t bits = p >= -126 ? static_cast<uint32_t>(p + 127) << 23 : uint32_t{1} << (p + 149);
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+}  // namespace
+
+K3_TARGET_AVX2 float int_view_block(const float* x, int16_t* xi) {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  __m256i v[4];
+  __m256i m = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * i));
+    m = _mm256_max_epu32(m, _mm256_and_si256(v[i], abs_mask));  // |x| bits; NaN and Inf above all
+  }
+  m = _mm256_max_epu32(m, _mm256_permute2x128_si256(m, m, 1));
+  m = _mm256_max_epu32(m, _mm256_shuffle_epi32(m, 0x4E));
+  m = _mm256_max_epu32(m, _mm256_shuffle_epi32(m, 0xB1));
+  const auto amax = static_cast<uint32_t>(_mm256_cvtsi256_si32(m));
+  if (amax == 0) {  // all zeros (of either sign): the sum is +0
+    std::memset(xi, 0, kBlock * sizeof(int16_t));
+    return 1.f;
+  }
+  const int biased = static_cast<int>(amax >> 23);
+  if (biased > 127 + kIntViewMaxExp) return 0.f;  // huge, Inf or NaN
+  const int e = (biased == 0 ? 1 : biased) - 127;  // a subnormal maximum counts as 2^-126
+  // x * 2^(14-e) in two exact steps (2^(14-e) itself may exceed the FP32 range).
+  const int up = 14 - e, up1 = up < 127 ? up : 127;
+  const __m256 f1 = _mm256_set1_ps(exp2_f32(up1)), f2 = _mm256_set1_ps(exp2_f32(up - up1));
+  const __m256 t = _mm256_set1_ps(exp2_f32(e - 14));
+  __m256i q[4];
+  int ok = 0xFF;
+  for (int i = 0; i < 4; ++i) {
+    const __m256 xv = _mm256_castsi256_ps(v[i]);
+    q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(xv, f1), f2));
+    // xi * T is exact (|xi| <= 2^15, T >= 2^-140), so equality means x = xi * T exactly.
+    ok &= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q[i]), t), xv, _CMP_EQ_OQ));
+  }
+  if (ok != 0xFF) return 0.f;
+  // |xi| < 2^15: the saturating pack is exact; it interleaves 128-bit lanes, the permute undoes it.
+  for (int i = 0; i < 2; ++i) {
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * i], q[2 * i + 1]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xi + 16 * i), p);
+  }
+  return exp2_f32(e - 15);
+}
+
+void int_view_row(const float* row, int64_t len, int16_t* view) {
+  auto* half = reinterpret_cast<float*>(view + len);
+  for (int64_t b = 0; b < len / kBlock; ++b) half[b] = int_view_block(row + b * kBlock, view + b * kBlock);
+}
+
+namespace {
+
+// Integer direct: MR rows over blocks [b_begin, b_end), all with integer views: xi[m] holds the
+// row's int16 elements and half[m] its T/2 per block, both indexed from block `base`. One pass
+// per (group pair, PL nibble planes); MR * PL * 2 int32 accumulators.
+template <int MR, int G, int PL>
+__attribute__((noinline)) K3_TARGET_AVX2 void int_rows(const TileGemm& a, int64_t b_begin, int64_t b_end, int64_t base,
+                                                       const int16_t* const* xi, const float* const* half,
+                                                       float* totals) {
+  static_assert(MR * PL * 2 <= 8 && (PL == 1 || PL == 2), "register budget");
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i tab_w = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTwiceE2M1));
+  const __m256i tab_s = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTwiceE2M1Sign));
+  const int64_t rec = record_bytes(G);
+  constexpr int kAhead = 4;
+  for (int64_t b = b_begin; b < b_end; ++b) {
+    const uint8_t* r = a.records + b * rec;
+    if (b + kAhead < a.blocks) prefetch_record(r + kAhead * rec, rec);
+    const int64_t xo = (b - base) * kBlock;
+    for (int pp = 0; pp < G / 2 * (2 / PL); ++pp) {  // (group pair, nibble-plane pass)
+      const int p0 = PL == 2 ? pp : pp / 2, n0 = PL == 2 ? 0 : pp % 2;
+      __m256i acc[MR * PL * 2];  // [row][plane][half]
+      for (auto& v : acc) v = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int kp = 0; kp < kPairs; ++kp) {
+        __m256i xp[MR];
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+          int32_t pair;
+          std::memcpy(&pair, xi[m] + xo + 2 * kp, sizeof(pair));
+          xp[m] = _mm256_set1_epi32(pair);
+        }
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + (kp * (G / 2) + p0) * 32));
+#pragma GCC unroll 2
+        for (int n = n0; n < n0 + PL; ++n) {
+          const __m256i codes = _mm256_and_si256(n == 0 ? raw : _mm256_srli_epi16(raw, 4), nibble);
+          const __m256i wv = _mm256_shuffle_epi8(tab_w, codes), ws = _mm256_shuffle_epi8(tab_s, codes);
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            const __m256i w16 = h == 0 ? _mm256_unpacklo_epi8(wv, ws) : _mm256_unpackhi_epi8(wv, ws);
+#pragma GCC unroll 4
+            for (int m = 0; m < MR; ++m) {
+              __m256i& acc_ = acc[(m * PL + (n - n0)) * 2 + h];
+              acc_ = _mm256_add_epi32(acc_, _mm256_madd_epi16(w16, xp[m]));
+            }
+          }
+        }
+      }
+      const uint8_t* sc = r + record_code_bytes(G);
+#pragma GCC unroll 2
+      for (int n = n0; n < n0 + PL; ++n) {
+        const int g = 2 * p0 + n;
+        __m256 s[2];
+        group_scales(sc + g * kLanes, s);
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+          const __m256 hv = _mm256_set1_ps(half[m][b - base]);
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            float* t = totals + m * G * kLanes + (g * 2 + h) * 8;
+            const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[(m * PL + (n - n0)) * 2 + h]), hv);
+            _mm256_storeu_ps(t, _mm256_fmadd_ps(partial, s[h], _mm256_loadu_ps(t)));
+          }
+        }
+      }
+    }
+  }
+}
+
+template <int MR, int G>
+K3_TARGET_AVX2 void int_tile(const TileGemm& a, int64_t b0, int64_t b1, int64_t base, const int16_t* const* xi,
+                             const float* const* half, float* totals) {
+  if constexpr (MR == 1) {
+    int_rows<1, G, 2>(a, b0, b1, base, xi, half, totals);
+  } else {
+    int_rows<MR, G, 1>(a, b0, b1, base, xi, half, totals);
+  }
+}
+
+// Direct path of MR rows over blocks [c0, c1) with the rows' integer views (xi[m], half[m],
+// indexed from block `base`): each run of blocks in which every row has a view takes the integer
+// kernel, every other run the FP32 kernel.
+template <int MR, int G>
+K3_TARGET_AVX2 void direct_runs(const TileGemm& a, int64_t c0, int64_t c1, int64_t base, const int16_t* const* xi,
+                                const float* const* half, const float* const* rows, float* totals) {
+  auto viewed = [&](int64_t b) {
+    for (int m = 0; m < MR; ++m) {
+      if (half[m][b - base] == 0.f) return false;
+    }
+    return true;
+  };
+  for (int64_t b = c0; b < c1;) {
+    const bool v = viewed(b);
+    int64_t e = b + 1;
+    while (e < c1 && viewed(e) == v) ++e;
+    if (v) {
+      int_tile<MR, G>(a, b, e, base, xi, half, totals);
+    } else {
+      direct_tile<MR, G>(a, b, e, rows, totals);
+    }
+    b = e;
+  }
+}
+
+// Direct path of MR rows: the integer views given with the task, or made here kIntViewChunk
+// blocks at a time.
+template <int MR, int G>
+K3_TARGET_AVX2 void direct_rows_any(const TileGemm& a, const float* const* rows, float* totals) {
+  const int16_t* xi[MR];
+  const float* half[MR];
+  if (a.views != nullptr) {
+    for (int m = 0; m < MR; ++m) {
+      xi[m] = a.views[m];
+      half[m] = reinterpret_cast<const float*>(a.views[m] + a.blocks * kBlock);
+    }
+    direct_runs<MR, G>(a, 0, a.blocks, 0, xi, half, rows, totals);
+    return;
+  }
+  alignas(32) int16_t xi_buf[MR][kIntViewChunk * kBlock];
+  float half_buf[MR][kIntViewChunk];
+  for (int m = 0; m < MR; ++m) {
+    xi[m] = xi_buf[m];
+    half[m] = half_buf[m];
+  }
+  for (int64_t c0 = 0; c0 < a.blocks; c0 += kIntViewChunk) {
+    const int64_t c1 = c0 + kIntViewChunk < a.blocks ? c0 + kIntViewChunk : a.blocks;
+    for (int m = 0; m < MR; ++m) {
+      for (int64_t b = c0; b < c1; ++b) {
+        half_buf[m][b - c0] = int_view_block(rows[m] + b * kBlock, xi_buf[m] + (b - c0) * kBlock);
+      }
+    }
+    direct_runs<MR, G>(a, c0, c1, c0, xi, half, rows, totals);
   }
 }
 
@@ -258,7 +480,7 @@ K3_TARGET_AVX2 void direct_dispatch(const TileGemm& a, int64_t rows, const float
   if constexpr (MR < kDirectMaxRowsAvx2) {
     if (rows != MR) return direct_dispatch<G, MR + 1>(a, rows, r, t);
   }
-  direct_tile<MR, G>(a, r, t);
+  direct_rows_any<MR, G>(a, r, t);
 }
 
 template <int G, int MR = 1>

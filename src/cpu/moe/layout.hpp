@@ -56,6 +56,9 @@ struct TileGemm {
   int64_t num_rows = 0;              // 1 .. kRowGroup
   float* totals = nullptr;           // [num_rows, groups*16] FP32, overwritten
   void* panel = nullptr;             // scratch, panel_scratch_bytes()
+  // AVX2 kernel (FP32 levels) only, optional: per row, its integer view (int_view_row); nullptr:
+  // the kernel makes the views it needs itself.
+  const int16_t* const* views = nullptr;
 };
 inline constexpr int64_t kPanelScratchBytes = int64_t{kPanelBlocks} * kPairs * kFc1Groups * 64;
 
@@ -63,6 +66,18 @@ using TileGemmFn = void (*)(const TileGemm&);
 TileGemmFn tile_gemm_bf16();          // AVX512-BF16 (operands BF16)
 TileGemmFn tile_gemm_avx2();          // AVX2+FMA, also the AVX-512 FP32 level (operands FP32)
 TileGemmFn tile_gemm_fp32(IsaLevel);  // the kernel of an FP32 level: scalar (portable) or AVX2+FMA
+
+// AVX2 kernel's integer view of one FP32 operand block of 32 elements (gemm_avx2.cpp; call only
+// where AVX2 runs): when x[k] = xi[k] * 2^(e-14) exactly for all k, with e = floor(log2 max|x|)
+// and |xi[k]| < 2^15, stores xi and returns 2^(e-15); else returns 0 (xi unspecified). An
+// all-zero block gives xi = 0 and 1.
+float int_view_block(const float* x, int16_t* xi);
+// Integer view of a row of len (a multiple of 32) elements: int16 [len], then FP32 [len/32] (the
+// block's 2^(e-15), 0 for a block without a view). int_view_bytes(len) bytes, 4-byte aligned.
+constexpr int64_t int_view_bytes(int64_t len) { return len * 2 + len / kBlock * 4; }
+void int_view_row(const float* row, int64_t len, int16_t* view);
+// Whether the level's tile kernel reads integer views (the AVX2 kernel).
+constexpr bool uses_int_views(IsaLevel l) { return l == IsaLevel::kAvx2 || l == IsaLevel::kAvx512; }
 
 // Bytes per operand element on a level.
 constexpr int operand_bytes(IsaLevel l) { return l == IsaLevel::kAvx512Bf16 ? 2 : 4; }

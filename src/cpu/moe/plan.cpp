@@ -32,11 +32,14 @@ WorkspaceLayout workspace_layout(const MoeProblem& p, IsaLevel isa, int threads,
   w.used_experts = take(e * 4);
   w.x_op = take(c * k * ob);
   w.x_shift = take(c * 4);
+  const bool views = uses_int_views(isa);
+  w.x_view = take(views ? c * int_view_bytes(k) : 0);
   const bool w4a8 = p.recipe == Recipe::kW4A8;
   w.h_q = take(w4a8 ? s * n : 0);
   w.h_s = take(w4a8 ? s * (n / kBlock) : 0);
   w.h_op = take(s * n * ob);
   w.h_shift = take(s * 4);
+  w.h_view = take(views ? s * int_view_bytes(n) : 0);
   w.y = take(s * k * 4);
   w.per_thread = at;
   int64_t pt = 0;
@@ -49,6 +52,7 @@ WorkspaceLayout workspace_layout(const MoeProblem& p, IsaLevel isa, int threads,
   w.pt_totals = take_pt(int64_t{kRowGroup} * kFc1Groups * kLanes * 4);
   w.pt_panel = take_pt(kPanelScratchBytes);
   w.pt_rows = take_pt(int64_t{kRowGroup} * static_cast<int64_t>(sizeof(void*)));
+  w.pt_views = take_pt(int64_t{kRowGroup} * static_cast<int64_t>(sizeof(void*)));
   w.pt_acc = take_pt(std::max<int64_t>(k, 3 * kBlock) * 4);
   w.pt_codes = take_pt(kn + kn / kBlock);
   w.per_thread_bytes = pt;
@@ -116,7 +120,7 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
       break;
     case IsaLevel::kAvx512:  // FP32 operands: the AVX2 kernel (gemm_avx2.cpp)
     case IsaLevel::kAvx2:
-      p.blocking.kernel = "avx2 fma";
+      p.blocking.kernel = "avx2 fma + int16 madd";
       p.blocking.direct_max_rows = detail::kDirectMaxRowsAvx2;
       p.blocking.panel_blocks = detail::kPanelBlocksAvx2;
       p.blocking.register_tile = "6x16";

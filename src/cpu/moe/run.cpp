@@ -49,6 +49,7 @@ struct Pass {
   TileGemmFn gemm;
   const Elementwise& ew;
   bool bf16;          // operands BF16 (with row shifts) rather than FP32
+  bool views;         // the kernel reads integer views of the FP32 operand rows (AVX2)
   int64_t k, n, topk, e_local, first_expert, ob;
   int64_t t0 = 0, tokens = 0;  // this chunk: tokens [t0, t0 + tokens)
 
@@ -73,7 +74,7 @@ void build_routing(Pass& p) {
 }
 
 // 2. x operand of one token.
-void prepare_x(const Pass& p, int64_t t) {
+void prepare_x_op(const Pass& p, int64_t t) {
   const uint16_t* x = p.xq_codes != nullptr ? nullptr : p.in.x.data() + (p.t0 + t) * p.k;
   uint8_t* dst = p.region<uint8_t>(p.lay.x_op) + t * p.k * p.ob;
   int32_t& shift = p.region<int32_t>(p.lay.x_shift)[t];
@@ -108,6 +109,14 @@ void prepare_x(const Pass& p, int64_t t) {
   } else {
     mxfp8_row_to_f32(codes, scales, p.k, reinterpret_cast<float*>(dst));
     shift = f32_row_fit(reinterpret_cast<float*>(dst), p.k);
+  }
+}
+
+void prepare_x(const Pass& p, int64_t t) {
+  prepare_x_op(p, t);
+  if (p.views) {
+    int_view_row(reinterpret_cast<const float*>(p.region<uint8_t>(p.lay.x_op) + t * p.k * p.ob), p.k,
+                 reinterpret_cast<int16_t*>(p.region<uint8_t>(p.lay.x_view) + t * int_view_bytes(p.k)));
   }
 }
 
@@ -183,10 +192,18 @@ void gemm1_task(const Pass& p, int64_t e, int64_t j) {
   g.rows = rows;
   g.totals = totals;
   g.panel = p.thread_region(p.lay.pt_panel);
+  auto* views = reinterpret_cast<const int16_t**>(p.thread_region(p.lay.pt_views));
+  const uint8_t* x_view = p.region<uint8_t>(p.lay.x_view);
+  if (p.views) g.views = views;
   const int64_t width = kFc1Groups * kLanes;
   for (int64_t r0 = offset[e]; r0 < offset[e + 1]; r0 += kRowGroup) {
     const int64_t nr = offset[e + 1] - r0 < kRowGroup ? offset[e + 1] - r0 : kRowGroup;
     for (int64_t i = 0; i < nr; ++i) rows[i] = x_op + row_token[r0 + i] * p.k * p.ob;
+    if (p.views) {
+      for (int64_t i = 0; i < nr; ++i) {
+        views[i] = reinterpret_cast<const int16_t*>(x_view + row_token[r0 + i] * int_view_bytes(p.k));
+      }
+    }
     g.num_rows = nr;
     p.gemm(g);
     if (const auto inf = p.w.inf_blocks(1, e, j); !inf.empty()) add_inf_blocks(p, inf, rows, nr, totals, width);
@@ -216,7 +233,7 @@ void gemm1_task(const Pass& p, int64_t e, int64_t j) {
 }
 
 // 4. GEMM2 operand of one row.
-void prepare_h(const Pass& p, int64_t r) {
+void prepare_h_op(const Pass& p, int64_t r) {
   int32_t& shift = p.region<int32_t>(p.lay.h_shift)[r];
   uint8_t* h_op = p.region<uint8_t>(p.lay.h_op) + r * p.n * p.ob;
   if (p.plan.problem.recipe == Recipe::kW4A8) {
@@ -236,6 +253,14 @@ void prepare_h(const Pass& p, int64_t r) {
   }
 }
 
+void prepare_h(const Pass& p, int64_t r) {
+  prepare_h_op(p, r);
+  if (p.views) {
+    int_view_row(reinterpret_cast<const float*>(p.region<uint8_t>(p.lay.h_op) + r * p.n * p.ob), p.n,
+                 reinterpret_cast<int16_t*>(p.region<uint8_t>(p.lay.h_view) + r * int_view_bytes(p.n)));
+  }
+}
+
 // 5. GEMM2 for expert e, columns [32j, 32j+32) of K.
 void gemm2_task(const Pass& p, int64_t e, int64_t j) {
   const auto* offset = p.region<int64_t>(p.lay.expert_offset);
@@ -252,9 +277,15 @@ void gemm2_task(const Pass& p, int64_t e, int64_t j) {
   g.rows = rows;
   g.totals = totals;
   g.panel = p.thread_region(p.lay.pt_panel);
+  auto* views = reinterpret_cast<const int16_t**>(p.thread_region(p.lay.pt_views));
+  const uint8_t* h_view = p.region<uint8_t>(p.lay.h_view);
+  if (p.views) g.views = views;
   for (int64_t r0 = offset[e]; r0 < offset[e + 1]; r0 += kRowGroup) {
     const int64_t nr = offset[e + 1] - r0 < kRowGroup ? offset[e + 1] - r0 : kRowGroup;
     for (int64_t i = 0; i < nr; ++i) rows[i] = h_op + (r0 + i) * p.n * p.ob;
+    if (p.views) {
+      for (int64_t i = 0; i < nr; ++i) views[i] = reinterpret_cast<const int16_t*>(h_view + (r0 + i) * int_view_bytes(p.n));
+    }
     g.num_rows = nr;
     p.gemm(g);
     if (const auto inf = p.w.inf_blocks(2, e, j); !inf.empty()) {
@@ -470,6 +501,7 @@ Status run_pipeline(const MoePlan& plan, const PackedWeights& weights, const Moe
          bf16 ? tile_gemm_bf16() : tile_gemm_fp32(plan.isa),
          elementwise(plan.isa),
          bf16,
+         uses_int_views(plan.isa),
          k,
          pr.shape.intermediate,
          pr.shape.top_k,
