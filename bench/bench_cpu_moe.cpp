@@ -10,6 +10,7 @@
 #include "cpu/moe/elementwise.hpp"
 #include "cpu/moe/layout.hpp"
 #include "k3/formats.hpp"
+#include "k3/mx.hpp"
 #include "k3/system.hpp"
 
 namespace {
@@ -43,7 +44,9 @@ struct Operands {
   std::vector<std::vector<int16_t>> view_rows;  // AVX2 kernel: integer views, made as run() does
   std::vector<const int16_t*> views;
 };
-Operands random_rows(int64_t rows, int64_t len, bool bf16) {
+// Gaussian operand rows: BF16 values (W4A16), or with mxfp8 the MXFP8 (RCEIL) values of the same
+// Gaussians (W4A8).
+Operands random_rows(int64_t rows, int64_t len, bool bf16, bool mxfp8 = false) {
   Operands o;
   std::mt19937 rng(3);
   std::normal_distribution<float> nd;
@@ -52,6 +55,16 @@ Operands random_rows(int64_t rows, int64_t len, bool bf16) {
   for (size_t i = 0; i < o.bf16.size(); ++i) {
     o.bf16[i] = k3::bf16_from_f32(nd(rng));
     o.f32[i] = k3::bf16_to_f32(o.bf16[i]);
+  }
+  if (mxfp8) {
+    for (size_t b = 0; b < o.f32.size(); b += k3::kMxBlock) {
+      uint8_t codes[k3::kMxBlock];
+      const uint8_t s = k3::mx_quantize_block(o.f32.data() + b, k3::MxElement::kE4M3, k3::ScaleRule::kRceil, codes);
+      for (int i = 0; i < k3::kMxBlock; ++i) {
+        o.f32[b + static_cast<size_t>(i)] = k3::mx_decode_element(codes[i], s, k3::MxElement::kE4M3);
+        o.bf16[b + static_cast<size_t>(i)] = k3::bf16_from_f32(o.f32[b + static_cast<size_t>(i)]);
+      }
+    }
   }
   for (int64_t r = 0; r < rows; ++r) {
     o.rows.push_back(bf16 ? static_cast<const void*>(o.bf16.data() + r * len) : o.f32.data() + r * len);
@@ -70,10 +83,10 @@ TileGemmFn gemm_fn() { return level() == k3::IsaLevel::kAvx512Bf16 ? tile_gemm_b
 
 // Decode: rows over FC1 tiles (K = 3584) taken in turn from `tiles` of them. Counter: MXFP4
 // bytes per second.
-void dequant_dot(benchmark::State& state, int64_t rows, int64_t tiles) {
+void dequant_dot(benchmark::State& state, int64_t rows, int64_t tiles, bool mxfp8) {
   const int64_t blocks = 3584 / kBlock, tile = blocks * record_bytes(kFc1Groups);
   const auto rec = random_records(tiles, blocks, kFc1Groups);
-  auto ops = random_rows(rows, 3584, level() == k3::IsaLevel::kAvx512Bf16);
+  auto ops = random_rows(rows, 3584, level() == k3::IsaLevel::kAvx512Bf16, mxfp8);
   std::vector<float> totals(static_cast<size_t>(kRowGroup * 64));
   std::vector<uint8_t> panel(kPanelScratchBytes + 64);
   const TileGemmFn fn = gemm_fn();
@@ -88,15 +101,16 @@ void dequant_dot(benchmark::State& state, int64_t rows, int64_t tiles) {
   state.SetBytesProcessed(state.iterations() * tile);
 }
 
-// Streamed from a 256 MiB buffer (far beyond the LLC).
+// Streamed from a 256 MiB buffer (far beyond the LLC). mx: 0 = BF16 operand values, 1 = MXFP8.
 void BM_DequantDotStream(benchmark::State& state) {
-  dequant_dot(state, state.range(0), (int64_t{256} << 20) / ((3584 / kBlock) * record_bytes(kFc1Groups)));
+  dequant_dot(state, state.range(0), (int64_t{256} << 20) / ((3584 / kBlock) * record_bytes(kFc1Groups)),
+              state.range(1) != 0);
 }
-BENCHMARK(BM_DequantDotStream)->Arg(1)->Arg(2)->Arg(4)->ArgNames({"rows"});
+BENCHMARK(BM_DequantDotStream)->ArgsProduct({{1, 2, 3, 4, 5, 6}, {0, 1}})->ArgNames({"rows", "mx"});
 
 // The same kernel without the memory system: 8 tiles (L2-resident).
-void BM_DequantDotCached(benchmark::State& state) { dequant_dot(state, state.range(0), 8); }
-BENCHMARK(BM_DequantDotCached)->Arg(1)->Arg(2)->Arg(3)->Arg(4)->Arg(5)->Arg(6)->ArgNames({"rows"});
+void BM_DequantDotCached(benchmark::State& state) { dequant_dot(state, state.range(0), 8, state.range(1) != 0); }
+BENCHMARK(BM_DequantDotCached)->ArgsProduct({{1, 2, 3, 4, 5, 6}, {0, 1}})->ArgNames({"rows", "mx"});
 
 // Prefill: many rows against one cache-resident tile (FC1: G = 4, K = 3584; FC2: G = 2,
 // N = 3072). Counter: FLOP per second (2 per multiply-add).

@@ -382,31 +382,41 @@ TEST(CpuMoeKernels, Fp32TileKernelsMatchThePortableKernelBitForBit) {
       }
       const int64_t len = blocks * kBlock;
       const std::vector<float> ops = fp32_operand_rows(rng, kRowGroup, len);
-      std::vector<const void*> rows(kRowGroup);
+      // Row orders: all rows from the first, from the last, and the rows that are not plain FP32
+      // (so that 4..6-row tasks mix blocks with and without views).
+      std::vector<std::vector<int64_t>> orders(3);
+      for (int64_t r = 0; r < kRowGroup; ++r) {
+        orders[0].push_back(r);
+        orders[1].push_back(kRowGroup - 1 - r);
+        if (r % 4 != 0) orders[2].push_back(r);
+      }
       std::vector<std::vector<int16_t>> view_rows(kRowGroup);
-      std::vector<const int16_t*> views(kRowGroup);
-      for (int64_t r = 0; r < kRowGroup; ++r) rows[static_cast<size_t>(r)] = ops.data() + r * len;
       const int64_t width = groups * kLanes;
       for (IsaLevel l : levels()) {
         if (l == IsaLevel::kScalar || l == IsaLevel::kAvx512Bf16) continue;
         for (int64_t r = 0; r < kRowGroup; ++r) {
           view_rows[static_cast<size_t>(r)].resize(static_cast<size_t>(int_view_bytes(len) / 2));
           int_view_row(ops.data() + r * len, len, view_rows[static_cast<size_t>(r)].data());
-          views[static_cast<size_t>(r)] = view_rows[static_cast<size_t>(r)].data();
         }
-        for (int64_t nr = 1; nr <= kRowGroup; ++nr) {
-          for (int64_t first : {int64_t{0}, kRowGroup - nr}) {  // different mixes of row kinds
+        for (size_t o = 0; o < orders.size(); ++o) {
+          std::vector<const void*> rows;
+          std::vector<const int16_t*> views;
+          for (int64_t r : orders[o]) {
+            rows.push_back(ops.data() + r * len);
+            views.push_back(view_rows[static_cast<size_t>(r)].data());
+          }
+          for (int64_t nr = 1; nr <= static_cast<int64_t>(rows.size()); ++nr) {
             std::vector<float> want(static_cast<size_t>(nr * width), -1.f), got(want.size(), -2.f);
             alignas(64) static uint8_t panel[kPanelScratchBytes];
-            TileGemm g{rec.data(), blocks, groups, rows.data() + first, nr, want.data(), panel};
+            TileGemm g{rec.data(), blocks, groups, rows.data(), nr, want.data(), panel};
             tile_gemm_fp32(IsaLevel::kScalar)(g);
             for (bool given : {false, true}) {
               g.totals = got.data();
-              g.views = given ? views.data() + first : nullptr;
+              g.views = given ? views.data() : nullptr;
               tile_gemm_fp32(l)(g);
               ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
-                  << isa_level_name(l) << " groups " << groups << " blocks " << blocks << " rows " << nr << " from "
-                  << first << (given ? " (views given)" : "");
+                  << isa_level_name(l) << " groups " << groups << " blocks " << blocks << " rows " << nr << " order "
+                  << o << (given ? " (views given)" : "");
             }
           }
         }

@@ -15,10 +15,12 @@
 // ("halves"); accumulators, scales and totals use that order and the totals are put back in
 // lane order at the end of the tile.
 //
-// Two weight sources with identical arithmetic (results do not depend on which one runs):
+// Weight sources with identical arithmetic (results do not depend on which one runs):
 //   direct  <= kDirectMaxRowsAvx2 rows (decode): weights expanded in registers, used by every
-//           row at once, up to 8 accumulators (blocks / group pairs / nibble planes in flight); the tile streams
-//           from memory once, with software prefetch a few records ahead.
+//           row at once; the tile streams from memory once, with software prefetch a few records
+//           ahead. Blocks whose operand rows all have an integer view (below) take exact int16
+//           dot products (up to 6 rows, in subgroups of at most 3 while the record is in L1);
+//           the others the FP32 FMA chain (up to 3 rows; 4-6 rows: the panel).
 //   panel   more rows: kPanelBlocksAvx2 blocks are dequantized once into an FP32 panel in L1
 //           ([block][k][2G vectors of 8]), then streamed by register tiles of up to 6 rows x
 //           16 lanes (12 accumulators + 2 weight vectors + 1 broadcast = 15 YMM registers).
@@ -215,6 +217,7 @@ K3_TARGET_AVX2 void direct_tile(const TileGemm& a, int64_t b0, int64_t b1, const
 // FP32 kernel); VPMADDWD with the broadcast int16 pair (xi[2kp], xi[2kp+1]) adds both products
 // into the lane's int32 accumulator. 21 instructions per 64 weights for one row instead of 30.
 inline constexpr int kIntViewMaxExp = 100;
+inline constexpr int kDirectMaxRowsFp32 = 3;  // FP32 direct kernel: up to 4 rows (8 accumulators)
 inline constexpr int64_t kIntViewChunk = 64;  // blocks whose integer views are made at once
 
 alignas(32) constexpr int8_t kTwiceE2M1[32] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
@@ -279,86 +282,110 @@ void int_view_row(const float* row, int64_t len, int16_t* view) {
 
 namespace {
 
-// Integer direct: MR rows over blocks [b_begin, b_end), all with integer views: xi[m] holds the
-// row's int16 elements and half[m] its T/2 per block, both indexed from block `base`. One pass
-// per (group pair, PL nibble planes); MR * PL * 2 int32 accumulators.
-template <int MR, int G, int PL>
-__attribute__((noinline)) K3_TARGET_AVX2 void int_rows(const TileGemm& a, int64_t b_begin, int64_t b_end, int64_t base,
-                                                       const int16_t* const* xi, const float* const* half,
-                                                       float* totals) {
-  static_assert(MR * PL * 2 <= 8 && (PL == 1 || PL == 2), "register budget");
+// Integer direct, one record: CNT rows (xi[m], half[m], totals row m at totals + m * G * 16)
+// over the lanes of group pair p0, nibble planes [n0, n0 + PL); CNT * PL * 2 int32 accumulators.
+template <int CNT, int G, int PL>
+__attribute__((always_inline)) K3_TARGET_AVX2 inline void int_record_rows(const uint8_t* r, int64_t xo, int64_t hb, int p0,
+                                                                         int n0, const int16_t* const* xi,
+                                                                         const float* const* half, float* totals) {
+  static_assert(CNT * PL * 2 <= 8 && (PL == 1 || PL == 2), "register budget");
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i tab_w = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTwiceE2M1));
   const __m256i tab_s = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTwiceE2M1Sign));
-  const int64_t rec = record_bytes(G);
-  constexpr int kAhead = 4;
-  for (int64_t b = b_begin; b < b_end; ++b) {
-    const uint8_t* r = a.records + b * rec;
-    if (b + kAhead < a.blocks) prefetch_record(r + kAhead * rec, rec);
-    const int64_t xo = (b - base) * kBlock;
-    for (int pp = 0; pp < G / 2 * (2 / PL); ++pp) {  // (group pair, nibble-plane pass)
-      const int p0 = PL == 2 ? pp : pp / 2, n0 = PL == 2 ? 0 : pp % 2;
-      __m256i acc[MR * PL * 2];  // [row][plane][half]
-      for (auto& v : acc) v = _mm256_setzero_si256();
+  __m256i acc[CNT * PL * 2];  // [row][plane][half]
+  for (auto& v : acc) v = _mm256_setzero_si256();
 #pragma GCC unroll 4
-      for (int kp = 0; kp < kPairs; ++kp) {
-        __m256i xp[MR];
+  for (int kp = 0; kp < kPairs; ++kp) {
+    __m256i xp[CNT];
 #pragma GCC unroll 4
-        for (int m = 0; m < MR; ++m) {
-          int32_t pair;
-          std::memcpy(&pair, xi[m] + xo + 2 * kp, sizeof(pair));
-          xp[m] = _mm256_set1_epi32(pair);
-        }
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + (kp * (G / 2) + p0) * 32));
+    for (int m = 0; m < CNT; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, xi[m] + xo + 2 * kp, sizeof(pair));
+      xp[m] = _mm256_set1_epi32(pair);
+    }
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + (kp * (G / 2) + p0) * 32));
 #pragma GCC unroll 2
-        for (int n = n0; n < n0 + PL; ++n) {
-          const __m256i codes = _mm256_and_si256(n == 0 ? raw : _mm256_srli_epi16(raw, 4), nibble);
-          const __m256i wv = _mm256_shuffle_epi8(tab_w, codes), ws = _mm256_shuffle_epi8(tab_s, codes);
+    for (int n = n0; n < n0 + PL; ++n) {
+      const __m256i codes = _mm256_and_si256(n == 0 ? raw : _mm256_srli_epi16(raw, 4), nibble);
+      const __m256i wv = _mm256_shuffle_epi8(tab_w, codes), ws = _mm256_shuffle_epi8(tab_s, codes);
 #pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h) {
-            const __m256i w16 = h == 0 ? _mm256_unpacklo_epi8(wv, ws) : _mm256_unpackhi_epi8(wv, ws);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w16 = h == 0 ? _mm256_unpacklo_epi8(wv, ws) : _mm256_unpackhi_epi8(wv, ws);
 #pragma GCC unroll 4
-            for (int m = 0; m < MR; ++m) {
-              __m256i& acc_ = acc[(m * PL + (n - n0)) * 2 + h];
-              acc_ = _mm256_add_epi32(acc_, _mm256_madd_epi16(w16, xp[m]));
-            }
-          }
+        for (int m = 0; m < CNT; ++m) {
+          __m256i& acc_ = acc[(m * PL + (n - n0)) * 2 + h];
+          acc_ = _mm256_add_epi32(acc_, _mm256_madd_epi16(w16, xp[m]));
         }
       }
-      const uint8_t* sc = r + record_code_bytes(G);
+    }
+  }
+  const uint8_t* sc = r + record_code_bytes(G);
 #pragma GCC unroll 2
-      for (int n = n0; n < n0 + PL; ++n) {
-        const int g = 2 * p0 + n;
-        __m256 s[2];
-        group_scales(sc + g * kLanes, s);
+  for (int n = n0; n < n0 + PL; ++n) {
+    const int g = 2 * p0 + n;
+    __m256 s[2];
+    group_scales(sc + g * kLanes, s);
 #pragma GCC unroll 4
-        for (int m = 0; m < MR; ++m) {
-          const __m256 hv = _mm256_set1_ps(half[m][b - base]);
+    for (int m = 0; m < CNT; ++m) {
+      const __m256 hv = _mm256_set1_ps(half[m][hb]);
 #pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h) {
-            float* t = totals + m * G * kLanes + (g * 2 + h) * 8;
-            const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[(m * PL + (n - n0)) * 2 + h]), hv);
-            _mm256_storeu_ps(t, _mm256_fmadd_ps(partial, s[h], _mm256_loadu_ps(t)));
-          }
-        }
+      for (int h = 0; h < 2; ++h) {
+        float* t = totals + m * G * kLanes + (g * 2 + h) * 8;
+        const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[(m * PL + (n - n0)) * 2 + h]), hv);
+        _mm256_storeu_ps(t, _mm256_fmadd_ps(partial, s[h], _mm256_loadu_ps(t)));
       }
     }
   }
 }
 
+// Integer direct: MR rows over blocks [b_begin, b_end), all with integer views (xi[m], half[m],
+// indexed from block `base`). Per record and (group pair, PL nibble planes) pass, the rows go in
+// subgroups of SUB (the last one smaller) while the record stays in L1.
+template <int MR, int G, int PL, int SUB = MR>
+__attribute__((noinline)) K3_TARGET_AVX2 void int_rows(const TileGemm& a, int64_t b_begin, int64_t b_end, int64_t base,
+                                                       const int16_t* const* xi, const float* const* half,
+                                                       float* totals) {
+  const int64_t rec = record_bytes(G);
+  constexpr int kAhead = 4;  // records prefetched ahead (without: slower, `k3 bench moe` at M = 1)
+  constexpr int kFull = MR / SUB, kRest = MR % SUB;
+  for (int64_t b = b_begin; b < b_end; ++b) {
+    const uint8_t* r = a.records + b * rec;
+    if (b + kAhead < a.blocks) prefetch_record(r + kAhead * rec, rec);
+    const int64_t xo = (b - base) * kBlock, hb = b - base;
+    for (int pp = 0; pp < G / 2 * (2 / PL); ++pp) {  // (group pair, nibble-plane pass)
+      const int p0 = PL == 2 ? pp : pp / 2, n0 = PL == 2 ? 0 : pp % 2;
+#pragma GCC unroll 1
+      for (int q = 0; q < kFull; ++q) {
+        int_record_rows<SUB, G, PL>(r, xo, hb, p0, n0, xi + q * SUB, half + q * SUB, totals + q * SUB * G * kLanes);
+      }
+      if constexpr (kRest > 0) {
+        int_record_rows<kRest, G, PL>(r, xo, hb, p0, n0, xi + kFull * SUB, half + kFull * SUB,
+                                      totals + kFull * SUB * G * kLanes);
+      }
+    }
+  }
+}
+
+// The integer configuration of MR rows: one row takes both nibble planes per pass; more rows one
+// plane, in subgroups of at most 3 rows (4 rows: 2 + 2).
 template <int MR, int G>
 K3_TARGET_AVX2 void int_tile(const TileGemm& a, int64_t b0, int64_t b1, int64_t base, const int16_t* const* xi,
                              const float* const* half, float* totals) {
   if constexpr (MR == 1) {
     int_rows<1, G, 2>(a, b0, b1, base, xi, half, totals);
+  } else if constexpr (MR == 4) {
+    int_rows<4, G, 1, 2>(a, b0, b1, base, xi, half, totals);
   } else {
-    int_rows<MR, G, 1>(a, b0, b1, base, xi, half, totals);
+    int_rows<MR, G, 1, 3>(a, b0, b1, base, xi, half, totals);
   }
 }
 
+template <int G>
+void panel_range(const TileGemm& a, int64_t rows, int64_t b0, int64_t b1, const float* const* r, float* t);
+
 // Direct path of MR rows over blocks [c0, c1) with the rows' integer views (xi[m], half[m],
 // indexed from block `base`): each run of blocks in which every row has a view takes the integer
-// kernel, every other run the FP32 kernel.
+// kernel; every other run the FP32 kernel (direct up to kDirectMaxRowsFp32 rows, else the panel).
 template <int MR, int G>
 K3_TARGET_AVX2 void direct_runs(const TileGemm& a, int64_t c0, int64_t c1, int64_t base, const int16_t* const* xi,
                                 const float* const* half, const float* const* rows, float* totals) {
@@ -374,8 +401,10 @@ K3_TARGET_AVX2 void direct_runs(const TileGemm& a, int64_t c0, int64_t c1, int64
     while (e < c1 && viewed(e) == v) ++e;
     if (v) {
       int_tile<MR, G>(a, b, e, base, xi, half, totals);
-    } else {
+    } else if constexpr (MR <= kDirectMaxRowsFp32) {
       direct_tile<MR, G>(a, b, e, rows, totals);
+    } else {
+      panel_range<G>(a, MR, b, e, rows, totals);
     }
     b = e;
   }
@@ -502,6 +531,27 @@ K3_TARGET_AVX2 void unpermute_totals(float* totals, int64_t rows, int groups) {
   }
 }
 
+// Panel path over blocks [b0, b1) for `rows` rows: kPanelBlocksAvx2 blocks at a time, near-equal
+// register tiles (13 rows: 4 + 4 + 5, not 6 + 6 + 1, so that no tile streams the panel for one or
+// two rows of work).
+template <int G>
+K3_TARGET_AVX2 void panel_range(const TileGemm& a, int64_t rows, int64_t b0, int64_t b1, const float* const* r,
+                                float* t) {
+  auto* panel = static_cast<float*>(a.panel);
+  const int64_t width = G * kLanes;
+  const int64_t tiles = (rows + kPanelMrAvx2<G> - 1) / kPanelMrAvx2<G>;
+  for (int64_t p0 = b0; p0 < b1; p0 += kPanelBlocksAvx2) {
+    const int64_t p1 = p0 + kPanelBlocksAvx2 < b1 ? p0 + kPanelBlocksAvx2 : b1;
+    if (p1 < a.blocks) prefetch_record(a.records + p1 * record_bytes(G), record_bytes(G));
+    fill_panel<G>(a, p0, p1, panel);
+    for (int64_t i = 0, m0 = 0; i < tiles; ++i) {
+      const int64_t mr = (rows - m0) / (tiles - i);
+      panel_dispatch<G>(a, mr, p0, p1, panel, r + m0, t + m0 * width);
+      m0 += mr;
+    }
+  }
+}
+
 template <int G>
 K3_TARGET_AVX2 void tile_gemm(const TileGemm& a) {
   const float* rows[kRowGroup];
@@ -511,20 +561,7 @@ K3_TARGET_AVX2 void tile_gemm(const TileGemm& a) {
   if (a.num_rows <= kDirectMaxRowsAvx2) {
     direct_dispatch<G>(a, a.num_rows, rows, a.totals);
   } else {
-    auto* panel = static_cast<float*>(a.panel);
-    // Near-equal register tiles (13 rows: 4 + 4 + 5, not 6 + 6 + 1), so that no tile streams
-    // the panel for one or two rows of work.
-    const int64_t tiles = (a.num_rows + kPanelMrAvx2<G> - 1) / kPanelMrAvx2<G>;
-    for (int64_t b0 = 0; b0 < a.blocks; b0 += kPanelBlocksAvx2) {
-      const int64_t b1 = b0 + kPanelBlocksAvx2 < a.blocks ? b0 + kPanelBlocksAvx2 : a.blocks;
-      if (b1 < a.blocks) prefetch_record(a.records + b1 * record_bytes(G), record_bytes(G));
-      fill_panel<G>(a, b0, b1, panel);
-      for (int64_t i = 0, m0 = 0; i < tiles; ++i) {
-        const int64_t mr = (a.num_rows - m0) / (tiles - i);
-        panel_dispatch<G>(a, mr, b0, b1, panel, rows + m0, a.totals + m0 * width);
-        m0 += mr;
-      }
-    }
+    panel_range<G>(a, a.num_rows, 0, a.blocks, rows, a.totals);
   }
   unpermute_totals(a.totals, a.num_rows, G);
 }

@@ -28,7 +28,7 @@ inline constexpr int kFc1Groups = 4;
 inline constexpr int kFc2Groups = 2;
 inline constexpr int kDirectMaxRows = 4;    // up to this many rows: dequantize FP4 in registers
 inline constexpr int kPanelBlocks = 4;      // else: a BF16 panel of 4 blocks (G=4: 16 KiB, in L1)
-inline constexpr int kDirectMaxRowsAvx2 = 3;  // AVX2 (FP32 operands): direct up to 3 rows,
+inline constexpr int kDirectMaxRowsAvx2 = 6;  // AVX2 (FP32 operands): direct up to 6 rows,
 inline constexpr int kPanelBlocksAvx2 = 2;    // else an FP32 panel of 2 blocks (G=4: 16 KiB)
 inline constexpr int kRowGroup = 48;        // rows per panel pass; totals [48, 64] FP32 = 12 KiB
 
