@@ -234,6 +234,47 @@ K3_LIN_BF16 void bf16_rows(const uint32_t* const* panel, const uint8_t* const* s
   }
 }
 
+// The same with the R x G totals held in registers across the blocks (loaded once, stored once):
+// R * G accumulators + R * G totals.
+template <int R, int G>
+K3_LIN_BF16 void bf16_rows_reg(const uint32_t* const* panel, const uint8_t* const* scales, const Operand& x, int r0,
+                               int64_t b0, int64_t nb, float* tot) {
+  __m512 tv[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) tv[r][g] = _mm512_loadu_ps(tot + static_cast<int64_t>(r0 + r) * G * kLanes + g * kLanes);
+  const uint32_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x.xb + static_cast<int64_t>(r0 + r) * x.ldb + b0 * (kBlock / 2);
+  for (int64_t bb = 0; bb < nb; ++bb) {
+    __m512 acc[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int p = 0; p < kBlock / 2; ++p) {
+      __m512i wv[G];
+      for (int g = 0; g < G; ++g) wv[g] = _mm512_loadu_si512(panel[g] + (bb * (kBlock / 2) + p) * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[r][bb * (kBlock / 2) + p]));
+        for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)wv[g], xb);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 sc = avx512::scale16(scales[g] + (b0 + bb) * kLanes);
+      for (int r = 0; r < R; ++r) tv[r][g] = _mm512_fmadd_ps(acc[r][g], sc, tv[r][g]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(tot + static_cast<int64_t>(r0 + r) * G * kLanes + g * kLanes, tv[r][g]);
+}
+
+template <int R, int G>
+K3_LIN_BF16 void bf16_dispatch_reg(int rr, const uint32_t* const* panel, const uint8_t* const* scales, const Operand& x,
+                                   int r0, int64_t b0, int64_t nb, float* tot) {
+  if constexpr (R > 1) {
+    if (rr < R) return bf16_dispatch_reg<R - 1, G>(rr, panel, scales, x, r0, b0, nb, tot);
+  }
+  bf16_rows_reg<R, G>(panel, scales, x, r0, b0, nb, tot);
+}
+
 template <int R, int G>
 K3_LIN_BF16 void bf16_dispatch(int rr, const uint32_t* const* panel, const uint8_t* const* scales, const Operand& x,
                                int r0, int64_t b0, int64_t nb, float* tot) {
@@ -260,7 +301,13 @@ K3_LIN_BF16 void panel_bf16_tiles(const PackedLinear& w, const Operand& x, int64
       build_panel_bf16(d, w.tile_codes(tile + g), b0, nb, pan + g * kPanelBlocks * (kBlock / 2) * kLanes);
     for (int r0 = 0; r0 < x.rows; r0 += RT) {
       const int rr = x.rows - r0 < RT ? x.rows - r0 : RT;
-      bf16_dispatch<RT, G>(rr, panels, scales, x, r0, b0, nb, tot);
+      // Two tiles: the totals stay in registers (6 rows x 2 tiles: 12 accumulators + 12 totals);
+      // at M = 256 this moved the kernel from 56-71 % to 72-80 % of the VDPBF16PS peak.
+      if constexpr (G == 2 && RT <= 7) {
+        bf16_dispatch_reg<RT, G>(rr, panels, scales, x, r0, b0, nb, tot);
+      } else {
+        bf16_dispatch<RT, G>(rr, panels, scales, x, r0, b0, nb, tot);
+      }
     }
   }
 }
@@ -286,7 +333,7 @@ K3_LIN_BF16 void stream_bf16(const PackedLinear& w, const Operand& x, int64_t t0
 K3_LIN_BF16 void panel_bf16(const PackedLinear& w, const Operand& x, int64_t tile, int tiles, void* panel_mem,
                             float* tot) {
   auto* pan = static_cast<uint32_t*>(panel_mem);
-  if (tiles == 2) panel_bf16_tiles<2, 12>(w, x, tile, pan, tot);
+  if (tiles == 2) panel_bf16_tiles<2, 6>(w, x, tile, pan, tot);  // 6 rows: register totals
   else panel_bf16_tiles<1, kBf16Rows>(w, x, tile, pan, tot);
 }
 

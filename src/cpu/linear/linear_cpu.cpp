@@ -110,7 +110,7 @@ const char* stream_kernel_name(IsaLevel l, bool pairs, bool b16) {
   }
 }
 const char* panel_kernel_name(IsaLevel l, bool pairs, bool b16) {
-  if (pairs) return "avx512bf16 vdpbf16ps, 16x16 register tile";
+  if (pairs) return "avx512bf16 vdpbf16ps, 6x32 register tile, totals in registers";
   switch (l) {
     case IsaLevel::kScalar: return "portable";
     case IsaLevel::kAvx2: return b16 ? "avx2 fp32 fma (bf16 weights), 6x16 register tile" : "avx2 fp32 fma, 6x16 register tile";
