@@ -4,6 +4,7 @@
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -83,10 +84,16 @@ TileGemmFn gemm_fn() { return level() == k3::IsaLevel::kAvx512Bf16 ? tile_gemm_b
 
 // Decode: rows over FC1 tiles (K = 3584) taken in turn from `tiles` of them. Counter: MXFP4
 // bytes per second.
-void dequant_dot(benchmark::State& state, int64_t rows, int64_t tiles, bool mxfp8) {
+// operand: 0 = BF16 values, 1 = MXFP8 values, 2 = BF16 values with no integer view (the AVX2
+// kernel's FP32 path only).
+void dequant_dot(benchmark::State& state, int64_t rows, int64_t tiles, int operand) {
+  const bool mxfp8 = operand == 1;
   const int64_t blocks = 3584 / kBlock, tile = blocks * record_bytes(kFc1Groups);
   const auto rec = random_records(tiles, blocks, kFc1Groups);
   auto ops = random_rows(rows, 3584, level() == k3::IsaLevel::kAvx512Bf16, mxfp8);
+  if (operand == 2) {
+    for (auto& v : ops.view_rows) std::fill(v.begin() + 3584, v.end(), int16_t{0});  // T/2 = 0: no view
+  }
   std::vector<float> totals(static_cast<size_t>(kRowGroup * 64));
   std::vector<uint8_t> panel(kPanelScratchBytes + 64);
   const TileGemmFn fn = gemm_fn();
@@ -101,16 +108,18 @@ void dequant_dot(benchmark::State& state, int64_t rows, int64_t tiles, bool mxfp
   state.SetBytesProcessed(state.iterations() * tile);
 }
 
-// Streamed from a 256 MiB buffer (far beyond the LLC). mx: 0 = BF16 operand values, 1 = MXFP8.
+// Streamed from a 256 MiB buffer (far beyond the LLC). op: the operand kind of dequant_dot.
 void BM_DequantDotStream(benchmark::State& state) {
   dequant_dot(state, state.range(0), (int64_t{256} << 20) / ((3584 / kBlock) * record_bytes(kFc1Groups)),
-              state.range(1) != 0);
+              static_cast<int>(state.range(1)));
 }
-BENCHMARK(BM_DequantDotStream)->ArgsProduct({{1, 2, 3, 4, 5, 6}, {0, 1}})->ArgNames({"rows", "mx"});
+BENCHMARK(BM_DequantDotStream)->ArgsProduct({{1, 2, 3, 4, 5, 6}, {0, 1, 2}})->ArgNames({"rows", "op"});
 
 // The same kernel without the memory system: 8 tiles (L2-resident).
-void BM_DequantDotCached(benchmark::State& state) { dequant_dot(state, state.range(0), 8, state.range(1) != 0); }
-BENCHMARK(BM_DequantDotCached)->ArgsProduct({{1, 2, 3, 4, 5, 6}, {0, 1}})->ArgNames({"rows", "mx"});
+void BM_DequantDotCached(benchmark::State& state) {
+  dequant_dot(state, state.range(0), 8, static_cast<int>(state.range(1)));
+}
+BENCHMARK(BM_DequantDotCached)->ArgsProduct({{1, 2, 3, 4, 5, 6}, {0, 1, 2}})->ArgNames({"rows", "op"});
 
 // Prefill: many rows against one cache-resident tile (FC1: G = 4, K = 3584; FC2: G = 2,
 // N = 3072). Counter: FLOP per second (2 per multiply-add).

@@ -90,106 +90,59 @@ K3_TARGET_AVX2 inline void prefetch_record(const uint8_t* r, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(r + o), _MM_HINT_T0);
 }
 
-// Direct: MR rows over blocks [b_begin, b_end), NB blocks and NP group pairs in flight
-// (NB * NP * MR * 4 <= 8 accumulators: enough independent FMA chains to hide the FMA latency,
-// since each chain takes two dependent FMAs per k-pair). Blocks are applied to the totals in
-// order, so the result is the same for every NB / NP.
-template <int MR, int G, int NB, int NP, int PL = 2>
-__attribute__((noinline)) K3_TARGET_AVX2 void direct_rows(const TileGemm& a, int64_t b_begin, int64_t b_end,
-                                                          const float* const* rows, float* totals) {
-  static_assert(NB * NP * MR * PL * 2 <= 8 && (G / 2) % NP == 0 && (PL == 1 || PL == 2), "register budget");
+// FP32 direct, one record: MR rows over the lanes of group pair p0, nibble planes [n0, n0 + PL):
+// MR * PL * 2 accumulators of two dependent FMAs per k-pair (at most 8: enough independent chains
+// for the FMA latency); each nibble plane is expanded and consumed at once (2 weight vectors
+// live), broadcasts of x once per k-pair; every accumulator sees its odd element before its even.
+template <int MR, int G, int PL>
+__attribute__((always_inline)) K3_TARGET_AVX2 inline void fp32_record_rows(const uint8_t* r, int64_t b, int p0, int n0,
+                                                                          const float* const* rows, float* totals) {
+  static_assert(MR * PL * 2 <= 8 && (PL == 1 || PL == 2), "register budget");
   const Decoder d;
-  const int64_t rec = record_bytes(G);
-  constexpr int kAhead = 4;  // records prefetched ahead (4 x 1088 bytes for FC1)
-  for (int64_t b = b_begin; b < b_end; b += NB) {
-    const uint8_t* r = a.records + b * rec;
-    for (int bi = 0; bi < NB; ++bi) {
-      if (b + bi + kAhead < a.blocks) prefetch_record(r + (bi + kAhead) * rec, rec);
-    }
-    for (int pp = 0; pp < G / 2 * (2 / PL); pp += NP) {  // (group pair, nibble-plane pass)
-      const int p0 = PL == 2 ? pp : pp / 2, n0 = PL == 2 ? 0 : pp % 2;
-      __m256 acc[NB * NP * MR * PL * 2];  // [block][pair][row][plane][half]
-      for (auto& v : acc) v = _mm256_setzero_ps();
+  __m256 acc[MR * PL * 2];  // [row][plane][half]
+  for (auto& v : acc) v = _mm256_setzero_ps();
 #pragma GCC unroll 1
-      for (int kp = 0; kp < kPairs; ++kp) {
-#pragma GCC unroll 2
-        for (int bi = 0; bi < NB; ++bi) {
-          __m256 x_odd[MR], x_even[MR];  // broadcast once per k-pair
+  for (int kp = 0; kp < kPairs; ++kp) {
+    __m256 x_odd[MR], x_even[MR];
 #pragma GCC unroll 8
-          for (int m = 0; m < MR; ++m) {
-            const float* x = rows[m] + (b + bi) * kBlock + 2 * kp;
-            x_odd[m] = _mm256_broadcast_ss(x + 1);
-            x_even[m] = _mm256_broadcast_ss(x);
-          }
+    for (int m = 0; m < MR; ++m) {
+      const float* x = rows[m] + b * kBlock + 2 * kp;
+      x_odd[m] = _mm256_broadcast_ss(x + 1);
+      x_even[m] = _mm256_broadcast_ss(x);
+    }
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + (kp * (G / 2) + p0) * 32));
 #pragma GCC unroll 2
-          for (int pi = 0; pi < NP; ++pi) {
-            // Each nibble plane is expanded and consumed at once (2 weight vectors live);
-            // every accumulator sees its odd element before its even one.
-            const __m256i raw =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + bi * rec + (kp * (G / 2) + p0 + pi) * 32));
+    for (int n = n0; n < n0 + PL; ++n) {
+      const __m256i codes = _mm256_and_si256(n == 0 ? raw : _mm256_srli_epi16(raw, 4), d.nibble);
+      const __m256i b_lo = _mm256_shuffle_epi8(d.lo, codes), b_hi = _mm256_shuffle_epi8(d.hi, codes);
 #pragma GCC unroll 2
-            for (int n = n0; n < n0 + PL; ++n) {
-              const __m256i codes = _mm256_and_si256(n == 0 ? raw : _mm256_srli_epi16(raw, 4), d.nibble);
-              const __m256i b_lo = _mm256_shuffle_epi8(d.lo, codes), b_hi = _mm256_shuffle_epi8(d.hi, codes);
-#pragma GCC unroll 2
-              for (int h = 0; h < 2; ++h) {
-                const __m256i words = h == 0 ? _mm256_unpacklo_epi8(b_lo, b_hi) : _mm256_unpackhi_epi8(b_lo, b_hi);
-                const __m256 w_odd = _mm256_castsi256_ps(_mm256_and_si256(words, d.odd));
-                const __m256 w_even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i words = h == 0 ? _mm256_unpacklo_epi8(b_lo, b_hi) : _mm256_unpackhi_epi8(b_lo, b_hi);
+        const __m256 w_odd = _mm256_castsi256_ps(_mm256_and_si256(words, d.odd));
+        const __m256 w_even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
 #pragma GCC unroll 8
-                for (int m = 0; m < MR; ++m) {
-                  __m256& acc_ = acc[(((bi * NP + pi) * MR + m) * PL + (n - n0)) * 2 + h];
-                  acc_ = _mm256_fmadd_ps(w_odd, x_odd[m], acc_);
-                  acc_ = _mm256_fmadd_ps(w_even, x_even[m], acc_);
-                }
-              }
-            }
-          }
-        }
-      }
-#pragma GCC unroll 2
-      for (int bi = 0; bi < NB; ++bi) {  // block order
-        const uint8_t* sc = r + bi * rec + record_code_bytes(G);
-#pragma GCC unroll 2
-        for (int pi = 0; pi < NP; ++pi) {
-#pragma GCC unroll 2
-          for (int n = n0; n < n0 + PL; ++n) {
-            const int g = 2 * (p0 + pi) + n;
-            __m256 s[2];
-            group_scales(sc + g * kLanes, s);
-#pragma GCC unroll 8
-            for (int m = 0; m < MR; ++m) {
-#pragma GCC unroll 2
-              for (int h = 0; h < 2; ++h) {
-                float* t = totals + m * G * kLanes + (g * 2 + h) * 8;
-                _mm256_storeu_ps(
-                    t, _mm256_fmadd_ps(acc[(((bi * NP + pi) * MR + m) * PL + (n - n0)) * 2 + h], s[h],
-                                       _mm256_loadu_ps(t)));
-              }
-            }
-          }
+        for (int m = 0; m < MR; ++m) {
+          __m256& acc_ = acc[(m * PL + (n - n0)) * 2 + h];
+          acc_ = _mm256_fmadd_ps(w_odd, x_odd[m], acc_);
+          acc_ = _mm256_fmadd_ps(w_even, x_even[m], acc_);
         }
       }
     }
   }
-}
-
-// The direct configuration of (MR, G) over blocks [b0, b1): FC1 with one row keeps both nibble
-// planes of one group pair in flight, FC2 with one row two blocks; two rows fill the 8
-// accumulators with one pair of one block; three rows take one nibble plane (one group of 16
-// lanes) per pass over the records.
-template <int MR, int G>
-K3_TARGET_AVX2 void direct_tile(const TileGemm& a, int64_t b0, int64_t b1, const float* const* rows, float* totals) {
-  if constexpr (MR == 1 && G == 4) {
-    direct_rows<1, 4, 1, 1>(a, b0, b1, rows, totals);
-  } else if constexpr (MR == 1 && G == 2) {
-    const int64_t even = b0 + ((b1 - b0) & ~int64_t{1});
-    direct_rows<1, 2, 2, 1>(a, b0, even, rows, totals);
-    if (even < b1) direct_rows<1, 2, 1, 1>(a, even, b1, rows, totals);
-  } else if constexpr (MR == 2) {
-    direct_rows<2, G, 1, 1>(a, b0, b1, rows, totals);
-  } else {  // 3 rows: one nibble plane (one group) per pass, 2 accumulators per row
-    direct_rows<MR, G, 1, 1, 1>(a, b0, b1, rows, totals);
+  const uint8_t* sc = r + record_code_bytes(G);
+#pragma GCC unroll 2
+  for (int n = n0; n < n0 + PL; ++n) {
+    const int g = 2 * p0 + n;
+    __m256 s[2];
+    group_scales(sc + g * kLanes, s);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        float* t = totals + m * G * kLanes + (g * 2 + h) * 8;
+        _mm256_storeu_ps(t, _mm256_fmadd_ps(acc[(m * PL + (n - n0)) * 2 + h], s[h], _mm256_loadu_ps(t)));
+      }
+    }
   }
 }
 
@@ -338,75 +291,60 @@ __attribute__((always_inline)) K3_TARGET_AVX2 inline void int_record_rows(const 
   }
 }
 
-// Integer direct: MR rows over blocks [b_begin, b_end), all with integer views (xi[m], half[m],
-// indexed from block `base`). Per record and (group pair, PL nibble planes) pass, the rows go in
-// subgroups of SUB (the last one smaller) while the record stays in L1.
-template <int MR, int G, int PL, int SUB = MR>
-__attribute__((noinline)) K3_TARGET_AVX2 void int_rows(const TileGemm& a, int64_t b_begin, int64_t b_end, int64_t base,
-                                                       const int16_t* const* xi, const float* const* half,
-                                                       float* totals) {
-  const int64_t rec = record_bytes(G);
-  constexpr int kAhead = 4;  // records prefetched ahead (without: slower, `k3 bench moe` at M = 1)
-  constexpr int kFull = MR / SUB, kRest = MR % SUB;
-  for (int64_t b = b_begin; b < b_end; ++b) {
-    const uint8_t* r = a.records + b * rec;
-    if (b + kAhead < a.blocks) prefetch_record(r + kAhead * rec, rec);
-    const int64_t xo = (b - base) * kBlock, hb = b - base;
-    for (int pp = 0; pp < G / 2 * (2 / PL); ++pp) {  // (group pair, nibble-plane pass)
-      const int p0 = PL == 2 ? pp : pp / 2, n0 = PL == 2 ? 0 : pp % 2;
-#pragma GCC unroll 1
-      for (int q = 0; q < kFull; ++q) {
-        int_record_rows<SUB, G, PL>(r, xo, hb, p0, n0, xi + q * SUB, half + q * SUB, totals + q * SUB * G * kLanes);
-      }
-      if constexpr (kRest > 0) {
-        int_record_rows<kRest, G, PL>(r, xo, hb, p0, n0, xi + kFull * SUB, half + kFull * SUB,
-                                      totals + kFull * SUB * G * kLanes);
-      }
-    }
-  }
-}
-
-// The integer configuration of MR rows: one row takes both nibble planes per pass; more rows one
-// plane, in subgroups of at most 3 rows (4 rows: 2 + 2).
-template <int MR, int G>
-K3_TARGET_AVX2 void int_tile(const TileGemm& a, int64_t b0, int64_t b1, int64_t base, const int16_t* const* xi,
-                             const float* const* half, float* totals) {
-  if constexpr (MR == 1) {
-    int_rows<1, G, 2>(a, b0, b1, base, xi, half, totals);
-  } else if constexpr (MR == 4) {
-    int_rows<4, G, 1, 2>(a, b0, b1, base, xi, half, totals);
-  } else {
-    int_rows<MR, G, 1, 3>(a, b0, b1, base, xi, half, totals);
-  }
-}
-
 template <int G>
 void panel_range(const TileGemm& a, int64_t rows, int64_t b0, int64_t b1, const float* const* r, float* t);
 
-// Direct path of MR rows over blocks [c0, c1) with the rows' integer views (xi[m], half[m],
-// indexed from block `base`): each run of blocks in which every row has a view takes the integer
-// kernel; every other run the FP32 kernel (direct up to kDirectMaxRowsFp32 rows, else the panel).
+// Direct path of MR rows over blocks [c0, c1), with the rows' integer views (xi[m], half[m],
+// indexed from block `base`): one loop over the records, each streamed from memory once (software
+// prefetch kAhead records ahead; without it `k3 bench moe` at M = 1 was slower). A record whose
+// rows all have a view takes the integer kernel (one row: both nibble planes per pass; more
+// rows: one plane per pass, in subgroups of at most 3, 4 rows as 2 + 2, while the record stays in
+// L1); any other the FP32 kernel: directly for up to 3 rows, through the panel for 4-6 (the FP32
+// direct kernel with 4 rows was slower than the panel), one call per run of such records.
 template <int MR, int G>
-K3_TARGET_AVX2 void direct_runs(const TileGemm& a, int64_t c0, int64_t c1, int64_t base, const int16_t* const* xi,
-                                const float* const* half, const float* const* rows, float* totals) {
-  auto viewed = [&](int64_t b) {
-    for (int m = 0; m < MR; ++m) {
-      if (half[m][b - base] == 0.f) return false;
-    }
-    return true;
-  };
-  for (int64_t b = c0; b < c1;) {
-    const bool v = viewed(b);
-    int64_t e = b + 1;
-    while (e < c1 && viewed(e) == v) ++e;
-    if (v) {
-      int_tile<MR, G>(a, b, e, base, xi, half, totals);
+__attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, int64_t c0, int64_t c1, int64_t base,
+                                                           const int16_t* const* xi, const float* const* half,
+                                                           const float* const* rows, float* totals) {
+  constexpr int kAhead = 4;
+  constexpr int kPlInt = MR == 1 ? 2 : 1, kSub = MR == 4 ? 2 : (MR < 3 ? MR : 3);
+  constexpr int kFull = MR / kSub, kRest = MR % kSub;
+  constexpr int kPlFp32 = MR == 3 ? 1 : 2;
+  const int64_t rec = record_bytes(G);
+  int64_t fp32_run = -1;  // 4-6 rows: first record of a run waiting for the panel
+  for (int64_t b = c0; b < c1; ++b) {
+    const uint8_t* r = a.records + b * rec;
+    if (b + kAhead < a.blocks) prefetch_record(r + kAhead * rec, rec);
+    const int64_t hb = b - base;
+    bool viewed = true;
+    for (int m = 0; m < MR; ++m) viewed = viewed && half[m][hb] != 0.f;
+    if (viewed) {
+      if constexpr (MR > kDirectMaxRowsFp32) {
+        if (fp32_run >= 0) panel_range<G>(a, MR, fp32_run, b, rows, totals);
+        fp32_run = -1;
+      }
+      for (int pp = 0; pp < G / 2 * (2 / kPlInt); ++pp) {  // (group pair, nibble-plane pass)
+        const int p0 = kPlInt == 2 ? pp : pp / 2, n0 = kPlInt == 2 ? 0 : pp % 2;
+#pragma GCC unroll 1
+        for (int q = 0; q < kFull; ++q) {
+          int_record_rows<kSub, G, kPlInt>(r, hb * kBlock, hb, p0, n0, xi + q * kSub, half + q * kSub,
+                                           totals + q * kSub * G * kLanes);
+        }
+        if constexpr (kRest > 0) {
+          int_record_rows<kRest, G, kPlInt>(r, hb * kBlock, hb, p0, n0, xi + kFull * kSub, half + kFull * kSub,
+                                            totals + kFull * kSub * G * kLanes);
+        }
+      }
     } else if constexpr (MR <= kDirectMaxRowsFp32) {
-      direct_tile<MR, G>(a, b, e, rows, totals);
+      for (int pp = 0; pp < G / 2 * (2 / kPlFp32); ++pp) {
+        const int p0 = kPlFp32 == 2 ? pp : pp / 2, n0 = kPlFp32 == 2 ? 0 : pp % 2;
+        fp32_record_rows<MR, G, kPlFp32>(r, b, p0, n0, rows, totals);
+      }
     } else {
-      panel_range<G>(a, MR, b, e, rows, totals);
+      if (fp32_run < 0) fp32_run = b;
     }
-    b = e;
+  }
+  if constexpr (MR > kDirectMaxRowsFp32) {
+    if (fp32_run >= 0) panel_range<G>(a, MR, fp32_run, c1, rows, totals);
   }
 }
 
@@ -421,7 +359,7 @@ K3_TARGET_AVX2 void direct_rows_any(const TileGemm& a, const float* const* rows,
       xi[m] = a.views[m];
       half[m] = reinterpret_cast<const float*>(a.views[m] + a.blocks * kBlock);
     }
-    direct_runs<MR, G>(a, 0, a.blocks, 0, xi, half, rows, totals);
+    direct_mixed<MR, G>(a, 0, a.blocks, 0, xi, half, rows, totals);
     return;
   }
   alignas(32) int16_t xi_buf[MR][kIntViewChunk * kBlock];
@@ -437,7 +375,7 @@ K3_TARGET_AVX2 void direct_rows_any(const TileGemm& a, const float* const* rows,
         half_buf[m][b - c0] = int_view_block(rows[m] + b * kBlock, xi_buf[m] + (b - c0) * kBlock);
       }
     }
-    direct_runs<MR, G>(a, c0, c1, c0, xi, half, rows, totals);
+    direct_mixed<MR, G>(a, c0, c1, c0, xi, half, rows, totals);
   }
 }
 
