@@ -165,18 +165,20 @@ __attribute__((always_inline)) K3_TARGET_AVX2 inline void fp32_record_rows(const
 // Blocks without a view run the FP32 kernel above; both give the same bits by construction, and
 // tests compare them with the portable kernel for both kinds of blocks.
 //
-// Weights: one VPSHUFB gives wi as int8 and one its sign byte; VPUNPCK{L,H}BW interleaves them
-// into int16 words (word pair = the even and odd k of one lane, in the halves' lane order of the
-// FP32 kernel); VPMADDWD with the broadcast int16 pair (xi[2kp], xi[2kp+1]) adds both products
-// into the lane's int32 accumulator. 21 instructions per 64 weights for one row instead of 30.
+// Weights: one VPSHUFB gives wi + 12 as an unsigned byte and VPUNPCK{L,H}BW with zero widens it to
+// int16 words (word pair = the even and odd k of one lane, in the halves' lane order of the FP32
+// kernel); VPMADDWD with the broadcast int16 pair (xi[2kp], xi[2kp+1]) adds both products into
+// the lane's int32 accumulator, and 12 * sum(xi) of the block (kept with the view) is subtracted
+// once per record. 19 instructions per 64 weights for one row instead of 30.
 inline constexpr int kIntViewMaxExp = 100;
 inline constexpr int kDirectMaxRowsFp32 = 3;  // FP32 direct kernel: up to 4 rows (8 accumulators)
 inline constexpr int64_t kIntViewChunk = 64;  // blocks whose integer views are made at once
 
-alignas(32) constexpr int8_t kTwiceE2M1[32] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                                               0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-alignas(32) constexpr int8_t kTwiceE2M1Sign[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1,
-                                                   0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1};
+// 2w + 12 for every E2M1 code (w = +-0, 0.5, ..., 6): a nonnegative byte, so that a zero byte
+// widens it to an int16 word; the kernel subtracts 12 * sum(xi) of the block afterwards.
+alignas(32) constexpr uint8_t kTwiceE2M1Plus12[32] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                                      12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+inline constexpr int32_t kWeightOffset = 12;
 
 // 2^p as an FP32 (p in [-149, 127], subnormal below -126).
 inline float exp2_f32(int p) {
@@ -228,23 +230,39 @@ K3_TARGET_AVX2 float int_view_block(const float* x, int16_t* xi) {
   return exp2_f32(e - 15);
 }
 
+K3_TARGET_AVX2 int32_t int_view_offset(const int16_t* xi) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi)), ones),
+                               _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + 16)), ones));
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  return kWeightOffset * _mm_cvtsi128_si32(h);  // |sum| <= 32 * 32767: no overflow
+}
+
 void int_view_row(const float* row, int64_t len, int16_t* view) {
   auto* half = reinterpret_cast<float*>(view + len);
-  for (int64_t b = 0; b < len / kBlock; ++b) half[b] = int_view_block(row + b * kBlock, view + b * kBlock);
+  auto* offset = reinterpret_cast<int32_t*>(half + len / kBlock);
+  for (int64_t b = 0; b < len / kBlock; ++b) {
+    half[b] = int_view_block(row + b * kBlock, view + b * kBlock);
+    offset[b] = half[b] != 0.f ? int_view_offset(view + b * kBlock) : 0;
+  }
 }
 
 namespace {
 
-// Integer direct, one record: CNT rows (xi[m], half[m], totals row m at totals + m * G * 16)
-// over the lanes of group pair p0, nibble planes [n0, n0 + PL); CNT * PL * 2 int32 accumulators.
+// Integer direct, one record: CNT rows (xi[m], half[m], offset[m], totals row m at totals +
+// m * G * 16) over the lanes of group pair p0, nibble planes [n0, n0 + PL); CNT * PL * 2 int32
+// accumulators of sum (2w + 12) * xi, minus the row's 12 * sum(xi) of the block at the end.
 template <int CNT, int G, int PL>
 __attribute__((always_inline)) K3_TARGET_AVX2 inline void int_record_rows(const uint8_t* r, int64_t xo, int64_t hb, int p0,
                                                                          int n0, const int16_t* const* xi,
-                                                                         const float* const* half, float* totals) {
+                                                                         const float* const* half,
+                                                                         const int32_t* const* offset, float* totals) {
   static_assert(CNT * PL * 2 <= 8 && (PL == 1 || PL == 2), "register budget");
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i tab_w = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTwiceE2M1));
-  const __m256i tab_s = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTwiceE2M1Sign));
+  const __m256i tab_w = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTwiceE2M1Plus12));
+  const __m256i zero = _mm256_setzero_si256();
   __m256i acc[CNT * PL * 2];  // [row][plane][half]
   for (auto& v : acc) v = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -260,10 +278,10 @@ __attribute__((always_inline)) K3_TARGET_AVX2 inline void int_record_rows(const 
 #pragma GCC unroll 2
     for (int n = n0; n < n0 + PL; ++n) {
       const __m256i codes = _mm256_and_si256(n == 0 ? raw : _mm256_srli_epi16(raw, 4), nibble);
-      const __m256i wv = _mm256_shuffle_epi8(tab_w, codes), ws = _mm256_shuffle_epi8(tab_s, codes);
+      const __m256i wv = _mm256_shuffle_epi8(tab_w, codes);
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
-        const __m256i w16 = h == 0 ? _mm256_unpacklo_epi8(wv, ws) : _mm256_unpackhi_epi8(wv, ws);
+        const __m256i w16 = h == 0 ? _mm256_unpacklo_epi8(wv, zero) : _mm256_unpackhi_epi8(wv, zero);
 #pragma GCC unroll 4
         for (int m = 0; m < CNT; ++m) {
           __m256i& acc_ = acc[(m * PL + (n - n0)) * 2 + h];
@@ -281,10 +299,12 @@ __attribute__((always_inline)) K3_TARGET_AVX2 inline void int_record_rows(const 
 #pragma GCC unroll 4
     for (int m = 0; m < CNT; ++m) {
       const __m256 hv = _mm256_set1_ps(half[m][hb]);
+      const __m256i off = _mm256_set1_epi32(offset[m][hb]);
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         float* t = totals + m * G * kLanes + (g * 2 + h) * 8;
-        const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[(m * PL + (n - n0)) * 2 + h]), hv);
+        const __m256i dot = _mm256_sub_epi32(acc[(m * PL + (n - n0)) * 2 + h], off);
+        const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), hv);
         _mm256_storeu_ps(t, _mm256_fmadd_ps(partial, s[h], _mm256_loadu_ps(t)));
       }
     }
@@ -304,7 +324,8 @@ void panel_range(const TileGemm& a, int64_t rows, int64_t b0, int64_t b1, const 
 template <int MR, int G>
 __attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, int64_t c0, int64_t c1, int64_t base,
                                                            const int16_t* const* xi, const float* const* half,
-                                                           const float* const* rows, float* totals) {
+                                                           const int32_t* const* offset, const float* const* rows,
+                                                           float* totals) {
   constexpr int kAhead = 4;
   constexpr int kPlInt = MR == 1 ? 2 : 1, kSub = MR == 4 ? 2 : (MR < 3 ? MR : 3);
   constexpr int kFull = MR / kSub, kRest = MR % kSub;
@@ -327,11 +348,11 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, in
 #pragma GCC unroll 1
         for (int q = 0; q < kFull; ++q) {
           int_record_rows<kSub, G, kPlInt>(r, hb * kBlock, hb, p0, n0, xi + q * kSub, half + q * kSub,
-                                           totals + q * kSub * G * kLanes);
+                                           offset + q * kSub, totals + q * kSub * G * kLanes);
         }
         if constexpr (kRest > 0) {
           int_record_rows<kRest, G, kPlInt>(r, hb * kBlock, hb, p0, n0, xi + kFull * kSub, half + kFull * kSub,
-                                            totals + kFull * kSub * G * kLanes);
+                                            offset + kFull * kSub, totals + kFull * kSub * G * kLanes);
         }
       }
     } else if constexpr (MR <= kDirectMaxRowsFp32) {
@@ -354,28 +375,34 @@ template <int MR, int G>
 K3_TARGET_AVX2 void direct_rows_any(const TileGemm& a, const float* const* rows, float* totals) {
   const int16_t* xi[MR];
   const float* half[MR];
+  const int32_t* offset[MR];
   if (a.views != nullptr) {
     for (int m = 0; m < MR; ++m) {
       xi[m] = a.views[m];
       half[m] = reinterpret_cast<const float*>(a.views[m] + a.blocks * kBlock);
+      offset[m] = reinterpret_cast<const int32_t*>(half[m] + a.blocks);
     }
-    direct_mixed<MR, G>(a, 0, a.blocks, 0, xi, half, rows, totals);
+    direct_mixed<MR, G>(a, 0, a.blocks, 0, xi, half, offset, rows, totals);
     return;
   }
   alignas(32) int16_t xi_buf[MR][kIntViewChunk * kBlock];
   float half_buf[MR][kIntViewChunk];
+  int32_t offset_buf[MR][kIntViewChunk];
   for (int m = 0; m < MR; ++m) {
     xi[m] = xi_buf[m];
     half[m] = half_buf[m];
+    offset[m] = offset_buf[m];
   }
   for (int64_t c0 = 0; c0 < a.blocks; c0 += kIntViewChunk) {
     const int64_t c1 = c0 + kIntViewChunk < a.blocks ? c0 + kIntViewChunk : a.blocks;
     for (int m = 0; m < MR; ++m) {
       for (int64_t b = c0; b < c1; ++b) {
-        half_buf[m][b - c0] = int_view_block(rows[m] + b * kBlock, xi_buf[m] + (b - c0) * kBlock);
+        int16_t* v = xi_buf[m] + (b - c0) * kBlock;
+        half_buf[m][b - c0] = int_view_block(rows[m] + b * kBlock, v);
+        offset_buf[m][b - c0] = half_buf[m][b - c0] != 0.f ? int_view_offset(v) : 0;
       }
     }
-    direct_mixed<MR, G>(a, c0, c1, c0, xi, half, rows, totals);
+    direct_mixed<MR, G>(a, c0, c1, c0, xi, half, offset, rows, totals);
   }
 }
 

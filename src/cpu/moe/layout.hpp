@@ -72,9 +72,10 @@ TileGemmFn tile_gemm_fp32(IsaLevel);  // the kernel of an FP32 level: scalar (po
 // and |xi[k]| < 2^15, stores xi and returns 2^(e-15); else returns 0 (xi unspecified). An
 // all-zero block gives xi = 0 and 1.
 float int_view_block(const float* x, int16_t* xi);
-// Integer view of a row of len (a multiple of 32) elements: int16 [len], then FP32 [len/32] (the
-// block's 2^(e-15), 0 for a block without a view). int_view_bytes(len) bytes, 4-byte aligned.
-constexpr int64_t int_view_bytes(int64_t len) { return len * 2 + len / kBlock * 4; }
+// Integer view of a row of len (a multiple of 32) elements: int16 [len], then per block FP32
+// [len/32] (the block's 2^(e-15), 0 for a block without a view), then int32 [len/32] (12 times the
+// sum of the block's int16 elements, for the kernel's offset weights). int_view_bytes(len) bytes.
+constexpr int64_t int_view_bytes(int64_t len) { return len * 2 + len / kBlock * 8; }
 void int_view_row(const float* row, int64_t len, int16_t* view);
 // Whether the level's tile kernel reads integer views (the AVX2 kernel).
 constexpr bool uses_int_views(IsaLevel l) { return l == IsaLevel::kAvx2 || l == IsaLevel::kAvx512; }
