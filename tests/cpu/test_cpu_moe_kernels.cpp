@@ -355,6 +355,11 @@ TEST(CpuMoeKernels, IntegerViewsAreExactAndExistExactlyWithinTheirRange) {
   EXPECT_EQ(halves[1], 0.f);
   EXPECT_EQ(halves[2], std::ldexp(1.f, -16));
   EXPECT_EQ(rv[0], 16384);
+  int32_t offsets[3];  // 12 * sum(xi) per block (the kernel's 2w + 12 weights), 0 without a view
+  std::memcpy(offsets, rv.data() + 3 * kBlock + 2 * 3, sizeof(offsets));
+  EXPECT_EQ(offsets[0], 12 * 32 * 16384);
+  EXPECT_EQ(offsets[1], 0);
+  EXPECT_EQ(offsets[2], 12 * 32 * 16384);
 }
 
 // Every FP32 tile kernel (AVX2 + FMA: direct for 1-3 rows, integer or FP32 per block, panel with
