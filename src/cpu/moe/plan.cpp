@@ -116,7 +116,7 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
       p.blocking.kernel = "avx512bf16 vdpbf16ps";
       p.blocking.direct_max_rows = detail::kDirectMaxRows;
       p.blocking.panel_blocks = detail::kPanelBlocks;
-      p.blocking.register_tile = "6x64 / 12x32";
+      p.blocking.register_tile = "3x64 / 6x32";
       break;
     case IsaLevel::kAvx512:  // FP32 operands: the AVX2 kernel (gemm_avx2.cpp)
     case IsaLevel::kAvx2:
