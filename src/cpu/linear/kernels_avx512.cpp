@@ -84,7 +84,7 @@ bool bf16_kernels_available() {
 
 namespace {
 
-constexpr int kBf16Rows = 16;  // panel: 16 accumulators + 1 weight vector + 1 broadcast
+constexpr int kBf16Rows = 12;  // panel, one tile: 12 accumulators + 12 totals + 1 weight vector + 1 broadcast
 
 // Low and high byte of the BF16 pattern of each E4M3 magnitude (0 .. 127; 127 is NaN, never
 // present after prepack), for VPERMT2B: [0, 64) in the first register, [64, 128) in the second.
@@ -205,39 +205,12 @@ K3_LIN_BF16 void build_panel_bf16(const Decoder& d, const uint8_t* codes, int64_
 }
 
 // R rows x G tiles (G panels side by side), blocks [b0, b0 + nb): R x G accumulators, one weight
-// vector per tile and one broadcast per row and pair (G = 2: a broadcast feeds two dot products).
+// vector per tile and one broadcast per row and pair (G = 2: a broadcast feeds two dot products),
+// and the R x G totals held in registers across the blocks (loaded once, stored once; with 12 x 2
+// tiles and the totals loaded and stored every block, M = 256 ran at 56-71 % of the VDPBF16PS
+// peak, with 6 x 2 and register totals at 72-80 %).
 template <int R, int G>
 K3_LIN_BF16 void bf16_rows(const uint32_t* const* panel, const uint8_t* const* scales, const Operand& x, int r0,
-                           int64_t b0, int64_t nb, float* tot) {
-  for (int64_t bb = 0; bb < nb; ++bb) {
-    __m512 acc[R][G];
-    for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
-    const uint32_t* xr[R];
-    for (int r = 0; r < R; ++r) xr[r] = x.xb + static_cast<int64_t>(r0 + r) * x.ldb + (b0 + bb) * (kBlock / 2);
-#pragma GCC unroll 2
-    for (int p = 0; p < kBlock / 2; ++p) {
-      __m512i wv[G];
-      for (int g = 0; g < G; ++g) wv[g] = _mm512_loadu_si512(panel[g] + (bb * (kBlock / 2) + p) * kLanes);
-      for (int r = 0; r < R; ++r) {
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[r][p]));
-        for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)wv[g], xb);
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      const __m512 sc = avx512::scale16(scales[g] + (b0 + bb) * kLanes);
-      for (int r = 0; r < R; ++r) {
-        float* t = tot + static_cast<int64_t>(r0 + r) * G * kLanes + g * kLanes;
-        _mm512_storeu_ps(t, _mm512_fmadd_ps(acc[r][g], sc, _mm512_loadu_ps(t)));
-      }
-    }
-  }
-}
-
-// The same with the R x G totals held in registers across the blocks (loaded once, stored once):
-// R * G accumulators + R * G totals.
-template <int R, int G>
-K3_LIN_BF16 void bf16_rows_reg(const uint32_t* const* panel, const uint8_t* const* scales, const Operand& x, int r0,
                                int64_t b0, int64_t nb, float* tot) {
   __m512 tv[R][G];
   for (int r = 0; r < R; ++r)
@@ -267,15 +240,6 @@ K3_LIN_BF16 void bf16_rows_reg(const uint32_t* const* panel, const uint8_t* cons
 }
 
 template <int R, int G>
-K3_LIN_BF16 void bf16_dispatch_reg(int rr, const uint32_t* const* panel, const uint8_t* const* scales, const Operand& x,
-                                   int r0, int64_t b0, int64_t nb, float* tot) {
-  if constexpr (R > 1) {
-    if (rr < R) return bf16_dispatch_reg<R - 1, G>(rr, panel, scales, x, r0, b0, nb, tot);
-  }
-  bf16_rows_reg<R, G>(panel, scales, x, r0, b0, nb, tot);
-}
-
-template <int R, int G>
 K3_LIN_BF16 void bf16_dispatch(int rr, const uint32_t* const* panel, const uint8_t* const* scales, const Operand& x,
                                int r0, int64_t b0, int64_t nb, float* tot) {
   if constexpr (R > 1) {
@@ -301,13 +265,7 @@ K3_LIN_BF16 void panel_bf16_tiles(const PackedLinear& w, const Operand& x, int64
       build_panel_bf16(d, w.tile_codes(tile + g), b0, nb, pan + g * kPanelBlocks * (kBlock / 2) * kLanes);
     for (int r0 = 0; r0 < x.rows; r0 += RT) {
       const int rr = x.rows - r0 < RT ? x.rows - r0 : RT;
-      // Two tiles: the totals stay in registers (6 rows x 2 tiles: 12 accumulators + 12 totals);
-      // at M = 256 this moved the kernel from 56-71 % to 72-80 % of the VDPBF16PS peak.
-      if constexpr (G == 2 && RT <= 7) {
-        bf16_dispatch_reg<RT, G>(rr, panels, scales, x, r0, b0, nb, tot);
-      } else {
-        bf16_dispatch<RT, G>(rr, panels, scales, x, r0, b0, nb, tot);
-      }
+      bf16_dispatch<RT, G>(rr, panels, scales, x, r0, b0, nb, tot);
     }
   }
 }
@@ -333,7 +291,7 @@ K3_LIN_BF16 void stream_bf16(const PackedLinear& w, const Operand& x, int64_t t0
 K3_LIN_BF16 void panel_bf16(const PackedLinear& w, const Operand& x, int64_t tile, int tiles, void* panel_mem,
                             float* tot) {
   auto* pan = static_cast<uint32_t*>(panel_mem);
-  if (tiles == 2) panel_bf16_tiles<2, 6>(w, x, tile, pan, tot);  // 6 rows: register totals
+  if (tiles == 2) panel_bf16_tiles<2, 6>(w, x, tile, pan, tot);  // 12 accumulators + 12 totals
   else panel_bf16_tiles<1, kBf16Rows>(w, x, tile, pan, tot);
 }
 

@@ -90,6 +90,28 @@ K3_TARGET_AVX2 inline void prefetch_record(const uint8_t* r, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(r + o), _MM_HINT_T0);
 }
 
+// End of a record's pass: totals[m][lanes of group g, half h] = fma(partial[m][n - n0][h], scale,
+// totals), for the groups of nibble planes [n0, n0 + PL) of pair p0, in block order.
+template <int MR, int G, int PL>
+__attribute__((always_inline)) K3_TARGET_AVX2 inline void add_scaled(const uint8_t* r, int p0, int n0, float* totals,
+                                                                    const __m256 (&partial)[MR * PL * 2]) {
+  const uint8_t* sc = r + record_code_bytes(G);
+#pragma GCC unroll 2
+  for (int n = n0; n < n0 + PL; ++n) {
+    const int g = 2 * p0 + n;
+    __m256 s[2];
+    group_scales(sc + g * kLanes, s);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        float* t = totals + m * G * kLanes + (g * 2 + h) * 8;
+        _mm256_storeu_ps(t, _mm256_fmadd_ps(partial[(m * PL + (n - n0)) * 2 + h], s[h], _mm256_loadu_ps(t)));
+      }
+    }
+  }
+}
+
 // FP32 direct, one record: MR rows over the lanes of group pair p0, nibble planes [n0, n0 + PL):
 // MR * PL * 2 accumulators of two dependent FMAs per k-pair (at most 8: enough independent chains
 // for the FMA latency); each nibble plane is expanded and consumed at once (2 weight vectors
@@ -129,21 +151,7 @@ __attribute__((always_inline)) K3_TARGET_AVX2 inline void fp32_record_rows(const
       }
     }
   }
-  const uint8_t* sc = r + record_code_bytes(G);
-#pragma GCC unroll 2
-  for (int n = n0; n < n0 + PL; ++n) {
-    const int g = 2 * p0 + n;
-    __m256 s[2];
-    group_scales(sc + g * kLanes, s);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        float* t = totals + m * G * kLanes + (g * 2 + h) * 8;
-        _mm256_storeu_ps(t, _mm256_fmadd_ps(acc[(m * PL + (n - n0)) * 2 + h], s[h], _mm256_loadu_ps(t)));
-      }
-    }
-  }
+  add_scaled<MR, G, PL>(r, p0, n0, totals, acc);
 }
 
 // ---- Exact integer block dots (direct path) ------------------------------------------------
@@ -290,25 +298,17 @@ __attribute__((always_inline)) K3_TARGET_AVX2 inline void int_record_rows(const 
       }
     }
   }
-  const uint8_t* sc = r + record_code_bytes(G);
-#pragma GCC unroll 2
-  for (int n = n0; n < n0 + PL; ++n) {
-    const int g = 2 * p0 + n;
-    __m256 s[2];
-    group_scales(sc + g * kLanes, s);
+  __m256 partial[CNT * PL * 2];  // the FP32 chain's partial sums: (acc - 12 * sum(xi)) * T/2, exact
+#pragma GCC unroll 8
+  for (int m = 0; m < CNT; ++m) {
+    const __m256i off = _mm256_set1_epi32(offset[m][hb]);
+    const __m256 hv = _mm256_set1_ps(half[m][hb]);
 #pragma GCC unroll 4
-    for (int m = 0; m < CNT; ++m) {
-      const __m256 hv = _mm256_set1_ps(half[m][hb]);
-      const __m256i off = _mm256_set1_epi32(offset[m][hb]);
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        float* t = totals + m * G * kLanes + (g * 2 + h) * 8;
-        const __m256i dot = _mm256_sub_epi32(acc[(m * PL + (n - n0)) * 2 + h], off);
-        const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), hv);
-        _mm256_storeu_ps(t, _mm256_fmadd_ps(partial, s[h], _mm256_loadu_ps(t)));
-      }
+    for (int i = 0; i < PL * 2; ++i) {
+      partial[m * PL * 2 + i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[m * PL * 2 + i], off)), hv);
     }
   }
+  add_scaled<CNT, G, PL>(r, p0, n0, totals, partial);
 }
 
 template <int G>
