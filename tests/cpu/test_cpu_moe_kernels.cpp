@@ -465,6 +465,152 @@ TEST(CpuMoeKernels, Avx2DirectKernelReadsTheIntegerViews) {
   EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
 }
 
+// BF16 operand rows as the avx512bf16 level prepares them (every nonzero finite magnitude in
+// [2^-118, 2^120), see run.cpp): Gaussians (most blocks have an integer view), magnitudes at the
+// shift's lower and upper ends, E4M3 values, rows whose blocks mix magnitudes 2^20 apart (no
+// view), blocks at the view's limit (|xi| = 2^15 - 128, the largest sums with +-6 weights) and
+// zeros of both signs.
+std::vector<uint16_t> bf16_operand_rows(std::mt19937_64& rng, int64_t rows, int64_t len) {
+  std::vector<uint16_t> ops(static_cast<size_t>(rows * len));
+  std::normal_distribution<float> nd;
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* x = ops.data() + r * len;
+    for (int64_t i = 0; i < len; ++i) {
+      const float v = nd(rng);
+      const float sign = v < 0 ? -1.f : 1.f;
+      const float m = 1.f + static_cast<float>(rng() % 128) / 128.f;  // 8 significant bits
+      float f = v;
+      switch (r % 6) {
+        case 0: f = v; break;
+        case 1: f = sign * std::ldexp(m, -118 + static_cast<int>(rng() % 12)); break;  // low end
+        case 2: f = sign * std::ldexp(m, 108 + static_cast<int>(rng() % 12)); break;   // high end
+        case 3: f = e4m3_to_f32(static_cast<uint8_t>(rng() & 0x7E)) * sign; break;
+        case 4: f = sign * std::ldexp(m, (i % 7 == 3) ? -20 : 0); break;  // no view where both meet
+        default: f = sign * std::ldexp(1.9921875f, 3); break;  // every xi = +-32640
+      }
+      x[i] = bf16_from_f32(f);
+    }
+  }
+  ops[static_cast<size_t>(5)] = 0x0000;
+  ops[static_cast<size_t>(6)] = 0x8000;
+  return ops;
+}
+
+// The avx512bf16 tile kernel with the rows' integer views (VPDPWSSD on the blocks viewed in every
+// row of a direct task) gives exactly the bits of its VDPBF16PS-only form, and both give the
+// portable FP32 kernel's bits on the same values, for every row count (direct <= 4 rows, panel
+// above), both tile shapes, all codes, scale codes 1..254, a zero block with code 0 and blocks
+// of +-6 codes only.
+TEST(CpuMoeKernels, Bf16TileKernelGivesTheSameBitsWithIntegerViews) {
+  if (best_isa_level() != IsaLevel::kAvx512Bf16) GTEST_SKIP() << "no AVX512-BF16";
+  if (!uses_int_views(IsaLevel::kAvx512Bf16)) GTEST_SKIP() << "no AVX512-VNNI: the BF16 kernel reads no views";
+  std::mt19937_64 rng(23);
+  for (int groups : {kFc1Groups, kFc2Groups}) {
+    for (int64_t blocks : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{67}}) {
+      std::vector<uint8_t> rec(static_cast<size_t>(blocks * record_bytes(groups)));
+      for (auto& b : rec) b = static_cast<uint8_t>(rng());
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* sc = rec.data() + b * record_bytes(groups) + record_code_bytes(groups);
+        for (int i = 0; i < groups * kLanes; ++i) sc[i] = static_cast<uint8_t>(1 + rng() % 254);
+      }
+      if (blocks > 1) {
+        std::memset(rec.data(), 0, static_cast<size_t>(record_code_bytes(groups)));
+        std::memset(rec.data() + record_code_bytes(groups), 0, static_cast<size_t>(groups * kLanes));
+      }
+      if (blocks > 2) {
+        uint8_t* c = rec.data() + 2 * record_bytes(groups);
+        for (int64_t i = 0; i < record_code_bytes(groups); ++i) c[i] = (i % 3) ? 0x77 : 0xF7;
+      }
+      const int64_t len = blocks * kBlock;
+      const std::vector<uint16_t> ops = bf16_operand_rows(rng, kRowGroup, len);
+      std::vector<float> f32(ops.size());
+      for (size_t i = 0; i < ops.size(); ++i) f32[i] = bf16_to_f32(ops[i]);
+      std::vector<std::vector<int16_t>> view_rows(kRowGroup);
+      int64_t viewed = 0, unviewed = 0;
+      for (int64_t r = 0; r < kRowGroup; ++r) {
+        view_rows[static_cast<size_t>(r)].resize(static_cast<size_t>(int_view_bytes(len) / 2));
+        int_view_row_bf16(ops.data() + r * len, len, view_rows[static_cast<size_t>(r)].data());
+        const auto* half = reinterpret_cast<const float*>(view_rows[static_cast<size_t>(r)].data() + len);
+        for (int64_t b = 0; b < blocks; ++b) (half[b] != 0.f ? viewed : unviewed) += 1;
+      }
+      ASSERT_GT(viewed, 0);
+      if (blocks > 1) {
+        ASSERT_GT(unviewed, 0);
+      }
+      const int64_t width = groups * kLanes;
+      // Row orders: in turn, reversed, and the rows with views in every block first.
+      std::vector<std::vector<int64_t>> orders(3);
+      for (int64_t r = 0; r < kRowGroup; ++r) {
+        orders[0].push_back(r);
+        orders[1].push_back(kRowGroup - 1 - r);
+        if (r % 6 != 4) orders[2].push_back(r);
+      }
+      for (size_t o = 0; o < orders.size(); ++o) {
+        std::vector<const void*> rows, frows;
+        std::vector<const int16_t*> views;
+        for (int64_t r : orders[o]) {
+          rows.push_back(ops.data() + r * len);
+          frows.push_back(f32.data() + r * len);
+          views.push_back(view_rows[static_cast<size_t>(r)].data());
+        }
+        for (int64_t nr = 1; nr <= static_cast<int64_t>(rows.size()); ++nr) {
+          std::vector<float> want(static_cast<size_t>(nr * width), -1.f), plain(want.size(), -2.f),
+              got(want.size(), -3.f);
+          alignas(64) static uint8_t panel[kPanelScratchBytes];
+          TileGemm g{rec.data(), blocks, groups, frows.data(), nr, want.data(), panel};
+          tile_gemm_fp32(IsaLevel::kScalar)(g);
+          g.rows = rows.data();
+          g.totals = plain.data();
+          tile_gemm_bf16()(g);
+          g.totals = got.data();
+          g.views = views.data();
+          tile_gemm_bf16()(g);
+          ASSERT_EQ(0, std::memcmp(plain.data(), got.data(), got.size() * sizeof(float)))
+              << "views vs none: groups " << groups << " blocks " << blocks << " rows " << nr << " order " << o;
+          ASSERT_EQ(0, std::memcmp(want.data(), got.data(), got.size() * sizeof(float)))
+              << "vs portable: groups " << groups << " blocks " << blocks << " rows " << nr << " order " << o;
+        }
+      }
+    }
+  }
+}
+
+// The avx512bf16 direct kernel computes viewed blocks from the views: one integer off changes the
+// result; with no block viewed it reads the BF16 row itself.
+TEST(CpuMoeKernels, Bf16DirectKernelReadsTheIntegerViews) {
+  if (best_isa_level() != IsaLevel::kAvx512Bf16) GTEST_SKIP() << "no AVX512-BF16";
+  if (!uses_int_views(IsaLevel::kAvx512Bf16)) GTEST_SKIP() << "no AVX512-VNNI: the BF16 kernel reads no views";
+  const int64_t blocks = 4, len = blocks * kBlock;
+  std::mt19937_64 rng(5);
+  std::vector<uint8_t> rec(static_cast<size_t>(blocks * record_bytes(kFc2Groups)));
+  for (auto& b : rec) b = static_cast<uint8_t>(rng());
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint8_t* sc = rec.data() + b * record_bytes(kFc2Groups) + record_code_bytes(kFc2Groups);
+    for (int i = 0; i < kFc2Groups * kLanes; ++i) sc[i] = 127;
+  }
+  std::vector<uint16_t> x(static_cast<size_t>(len));
+  for (auto& v : x) v = bf16_from_f32(std::normal_distribution<float>()(rng));
+  std::vector<int16_t> view(static_cast<size_t>(int_view_bytes(len) / 2));
+  int_view_row_bf16(x.data(), len, view.data());
+  float halves[blocks];
+  std::memcpy(halves, view.data() + len, sizeof(halves));
+  ASSERT_NE(halves[2], 0.f) << "block 2 of a BF16 Gaussian row should have a view";
+  const void* row = x.data();
+  const int16_t* vrow = view.data();
+  std::vector<float> want(32), got(32);
+  alignas(64) static uint8_t panel[kPanelScratchBytes];
+  TileGemm g{rec.data(), blocks, kFc2Groups, &row, 1, want.data(), panel};
+  g.views = &vrow;
+  tile_gemm_bf16()(g);
+  view[2 * kBlock + 9] = static_cast<int16_t>(view[2 * kBlock + 9] + 1);
+  g.totals = got.data();
+  tile_gemm_bf16()(g);
+  EXPECT_NE(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  std::memset(view.data() + len, 0, sizeof(halves));
+  tile_gemm_bf16()(g);
+  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+}
+
 TEST(CpuMoeKernels, PlanDescribesTheBlockingOfEachLevel) {
   MoeProblem p;
   p.shape = {3584, 3072, 896, 16, 32, 7};
@@ -481,6 +627,9 @@ TEST(CpuMoeKernels, PlanDescribesTheBlockingOfEachLevel) {
       EXPECT_EQ(plan->blocking.direct_max_rows, kDirectMaxRowsAvx2);
       EXPECT_EQ(plan->blocking.panel_blocks, kPanelBlocksAvx2);
       EXPECT_STREQ(plan->blocking.kernel, "avx2 fma + int16 madd");
+    }
+    if (l == IsaLevel::kAvx512Bf16) {
+      EXPECT_STREQ(plan->blocking.kernel, uses_int_views(l) ? "avx512bf16 vdpbf16ps + int16 vpdpwssd" : "avx512bf16 vdpbf16ps");
     }
   }
 }

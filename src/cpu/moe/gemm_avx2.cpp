@@ -257,6 +257,25 @@ void int_view_row(const float* row, int64_t len, int16_t* view) {
   }
 }
 
+void int_view_row_bf16(const uint16_t* row, int64_t len, int16_t* view) {
+  auto* half = reinterpret_cast<float*>(view + len);
+  auto* offset = reinterpret_cast<int32_t*>(half + len / kBlock);
+  float x[kBlock];
+  for (int64_t b = 0; b < len / kBlock; ++b) {
+    for (int i = 0; i < kBlock; ++i) {
+      const uint32_t bits = uint32_t{row[b * kBlock + i]} << 16;
+      std::memcpy(&x[i], &bits, sizeof(float));
+    }
+    half[b] = int_view_block(x, view + b * kBlock);
+    offset[b] = half[b] != 0.f ? int_view_offset(view + b * kBlock) : 0;
+  }
+}
+
+bool uses_int_views(IsaLevel l) {
+  return l == IsaLevel::kAvx2 || l == IsaLevel::kAvx512 ||
+         (l == IsaLevel::kAvx512Bf16 && cpu_info().features.avx512_vnni);
+}
+
 namespace {
 
 // Integer direct, one record: CNT rows (xi[m], half[m], offset[m], totals row m at totals +

@@ -13,6 +13,16 @@
 //           of BF16 vectors, then streamed by MR x G register tiles (MR*G accumulators).
 // VDPBF16PS treats BF16 subnormal inputs as zero and flushes subnormal results (DAZ/FTZ): the
 // caller scales operand rows so that no nonzero product or partial sum is subnormal (run.cpp).
+//
+// Exact integer blocks (direct path, CPUs with AVX512-VNNI): when the task carries the rows'
+// integer views (int_view_row_bf16: x[k] = xi[k] * 2^(e-14), |xi| < 2^15) and every row has one
+// for block b, the block takes VPDPWSSD on int16 weights 2w (the same VPERMW lookup with an
+// integer table) instead of VDPBF16PS. Then no product and no partial sum of the VDPBF16PS chain
+// rounds (each is an integer multiple of 2^(e-15) below 2^24 of them; with the row shift no
+// nonzero one is subnormal), so the chain's result is the exact block dot, which the int32 sum
+// gives: (float)sum * 2^(e-15) is exact and gives the same bits. VPDPWSSD does the VDPBF16PS
+// step's 32 multiply-adds in one instruction at twice its rate on Intel Xeon (Emerald Rapids:
+// VDPBF16PS zmm about one per 2 cycles, VPDPWSSD zmm one per cycle).
 #include <immintrin.h>
 
 #include <cstring>
@@ -26,6 +36,7 @@
 #endif
 
 #define K3_TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+#define K3_TARGET_BF16_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,fma")))
 
 
 
@@ -41,6 +52,10 @@ alignas(64) constexpr uint16_t kE2M1Bf16[32] = {
     0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
     0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
 K3_TARGET_BF16 inline __m512i e2m1_bf16_table() { return _mm512_load_si512(kE2M1Bf16); }
+
+// 2w as an int16 for the E2M1 value w of (index & 15) (w = +-0, 0.5 .. 6), stored twice as above.
+alignas(64) constexpr int16_t kTwiceE2M1[32] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                                0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // 32 code bytes -> the weight vectors of groups 2p (low nibbles) and 2p+1 (high nibbles).
 K3_TARGET_BF16 inline void expand_pair(const uint8_t* codes, __m512i table, __m512i& lo, __m512i& hi) {
@@ -75,6 +90,53 @@ K3_TARGET_BF16 inline void apply_scales(const uint8_t* scales, __m512 (&acc)[MR]
   }
 }
 
+// Direct path: records are streamed from memory once; software prefetch kAhead records ahead.
+inline constexpr int64_t kAhead = 4;
+K3_TARGET_BF16 inline void prefetch_record(const uint8_t* r, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(r + o), _MM_HINT_T0);
+}
+
+// Direct, one block by VDPBF16PS: acc[m][g] = the block's partial sums.
+template <int MR, int G>
+__attribute__((always_inline)) K3_TARGET_BF16 inline void block_bf16(const uint8_t* r, int64_t b, __m512i table,
+                                                                     const uint16_t* const* rows, __m512 (&acc)[MR][G]) {
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < G; ++g) acc[m][g] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int kp = 0; kp < kPairs; ++kp) {
+    __m512i w[G];
+    for (int p = 0; p < G / 2; ++p) expand_pair(r + (kp * (G / 2) + p) * 32, table, w[2 * p], w[2 * p + 1]);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh x = (__m512bh)broadcast_pair(rows[m], b * kBlock + 2 * kp);
+      for (int g = 0; g < G; ++g) acc[m][g] = _mm512_dpbf16_ps(acc[m][g], (__m512bh)w[g], x);
+    }
+  }
+}
+
+// Direct, one block whose rows all have an integer view: the same partial sums, exactly, from
+// int32 sums of 2w * xi (VPDPWSSD) times each row's 2^(e-15).
+template <int MR, int G>
+__attribute__((always_inline)) K3_TARGET_BF16_VNNI inline void block_int(const uint8_t* r, int64_t b, __m512i table,
+                                                                         const uint16_t* const* xi,
+                                                                         const float* const* half, __m512 (&acc)[MR][G]) {
+  __m512i iacc[MR][G];
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < G; ++g) iacc[m][g] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+  for (int kp = 0; kp < kPairs; ++kp) {
+    __m512i w[G];
+    for (int p = 0; p < G / 2; ++p) expand_pair(r + (kp * (G / 2) + p) * 32, table, w[2 * p], w[2 * p + 1]);
+    for (int m = 0; m < MR; ++m) {
+      const __m512i x = broadcast_pair(xi[m], b * kBlock + 2 * kp);
+      for (int g = 0; g < G; ++g) iacc[m][g] = _mm512_dpwssd_epi32(iacc[m][g], w[g], x);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    const __m512 h = _mm512_set1_ps(half[m][b]);
+    for (int g = 0; g < G; ++g) acc[m][g] = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[m][g]), h);
+  }
+}
+
 // Direct: MR rows, every block of the tile, weights expanded in registers.
 template <int MR, int G>
 K3_TARGET_BF16 void direct_rows(const TileGemm& a, const uint16_t* const* rows, float* totals) {
@@ -82,17 +144,37 @@ K3_TARGET_BF16 void direct_rows(const TileGemm& a, const uint16_t* const* rows, 
   const int64_t rec = record_bytes(G);
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* r = a.records + b * rec;
+    if (b + kAhead < a.blocks) prefetch_record(r + kAhead * rec, rec);
     __m512 acc[MR][G];
-    for (int m = 0; m < MR; ++m)
-      for (int g = 0; g < G; ++g) acc[m][g] = _mm512_setzero_ps();
-#pragma GCC unroll 16
-    for (int kp = 0; kp < kPairs; ++kp) {
-      __m512i w[G];
-      for (int p = 0; p < G / 2; ++p) expand_pair(r + (kp * (G / 2) + p) * 32, table, w[2 * p], w[2 * p + 1]);
-      for (int m = 0; m < MR; ++m) {
-        const __m512bh x = (__m512bh)broadcast_pair(rows[m], b * kBlock + 2 * kp);
-        for (int g = 0; g < G; ++g) acc[m][g] = _mm512_dpbf16_ps(acc[m][g], (__m512bh)w[g], x);
-      }
+    block_bf16<MR, G>(r, b, table, rows, acc);
+    float* t = totals;  // opaque: see panel_rows
+    __asm__("" : "+r"(t));
+    apply_scales<MR, G>(r + record_code_bytes(G), acc, t);
+  }
+}
+
+// The same with the rows' integer views (a.views): a block viewed in every row takes block_int.
+template <int MR, int G>
+K3_TARGET_BF16_VNNI void direct_rows_int(const TileGemm& a, const uint16_t* const* rows, float* totals) {
+  const __m512i table = e2m1_bf16_table();
+  const __m512i itable = _mm512_load_si512(kTwiceE2M1);
+  const int64_t rec = record_bytes(G);
+  const uint16_t* xi[MR];
+  const float* half[MR];
+  for (int m = 0; m < MR; ++m) {
+    xi[m] = reinterpret_cast<const uint16_t*>(a.views[m]);
+    half[m] = reinterpret_cast<const float*>(a.views[m] + a.blocks * kBlock);
+  }
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* r = a.records + b * rec;
+    if (b + kAhead < a.blocks) prefetch_record(r + kAhead * rec, rec);
+    __m512 acc[MR][G];
+    bool viewed = true;
+    for (int m = 0; m < MR; ++m) viewed = viewed && half[m][b] != 0.f;
+    if (viewed) {
+      block_int<MR, G>(r, b, itable, xi, half, acc);
+    } else {
+      block_bf16<MR, G>(r, b, table, rows, acc);
     }
     float* t = totals;  // opaque: see panel_rows
     __asm__("" : "+r"(t));
@@ -158,12 +240,16 @@ K3_TARGET_BF16 void panel_rows(const TileGemm& a, int64_t b0, int64_t b1, const 
 template <int G>
 constexpr int kPanelMr = G == 4 ? 3 : 6;
 
-template <int G, int MR = 1>
+template <int G, bool kInt, int MR = 1>
 K3_TARGET_BF16 void direct_dispatch(const TileGemm& a, int64_t rows, const uint16_t* const* r, float* t) {
   if constexpr (MR < kDirectMaxRows) {
-    if (rows != MR) return direct_dispatch<G, MR + 1>(a, rows, r, t);
+    if (rows != MR) return direct_dispatch<G, kInt, MR + 1>(a, rows, r, t);
   }
-  direct_rows<MR, G>(a, r, t);
+  if constexpr (kInt) {
+    direct_rows_int<MR, G>(a, r, t);
+  } else {
+    direct_rows<MR, G>(a, r, t);
+  }
 }
 
 template <int G, int MR = 1>
@@ -175,14 +261,18 @@ K3_TARGET_BF16 void panel_dispatch(const TileGemm& a, int64_t rows, int64_t b0, 
   panel_rows<MR, G>(a, b0, b1, panel, r, t);
 }
 
-template <int G>
+template <int G, bool kVnni>
 K3_TARGET_BF16 void tile_gemm(const TileGemm& a) {
   const uint16_t* rows[kRowGroup];  // [num_rows] BF16 operand rows
   for (int64_t i = 0; i < a.num_rows; ++i) rows[i] = static_cast<const uint16_t*>(a.rows[i]);
   const int64_t width = G * kLanes;
   std::memset(a.totals, 0, static_cast<size_t>(a.num_rows * width) * sizeof(float));
   if (a.num_rows <= kDirectMaxRows) {
-    direct_dispatch<G>(a, a.num_rows, rows, a.totals);
+    if (kVnni && a.views != nullptr) {
+      direct_dispatch<G, true>(a, a.num_rows, rows, a.totals);
+    } else {
+      direct_dispatch<G, false>(a, a.num_rows, rows, a.totals);
+    }
     return;
   }
   auto* panel = static_cast<uint16_t*>(a.panel);
@@ -200,16 +290,21 @@ K3_TARGET_BF16 void tile_gemm(const TileGemm& a) {
   }
 }
 
+template <bool kVnni>
 void tile_gemm_entry(const TileGemm& a) {
   if (a.groups == kFc1Groups) {
-    tile_gemm<kFc1Groups>(a);
+    tile_gemm<kFc1Groups, kVnni>(a);
   } else {
-    tile_gemm<kFc2Groups>(a);
+    tile_gemm<kFc2Groups, kVnni>(a);
   }
 }
 
 }  // namespace
 
-TileGemmFn tile_gemm_bf16() { return tile_gemm_entry; }
+// With AVX512-VNNI the kernel reads the integer views a task carries; without, it never does
+// (and uses_int_views() makes none).
+TileGemmFn tile_gemm_bf16() {
+  return cpu_info().features.avx512_vnni ? tile_gemm_entry<true> : tile_gemm_entry<false>;
+}
 
 }  // namespace k3::cpu::detail

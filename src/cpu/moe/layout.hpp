@@ -56,8 +56,9 @@ struct TileGemm {
   int64_t num_rows = 0;              // 1 .. kRowGroup
   float* totals = nullptr;           // [num_rows, groups*16] FP32, overwritten
   void* panel = nullptr;             // scratch, panel_scratch_bytes()
-  // AVX2 kernel (FP32 levels) only, optional: per row, its integer view (int_view_row); nullptr:
-  // the kernel makes the views it needs itself.
+  // Optional: per row, its integer view (int_view_row / int_view_row_bf16). AVX2 kernel (FP32
+  // levels): nullptr makes the kernel make the views it needs itself. AVX512-BF16 kernel with
+  // AVX512-VNNI: viewed blocks take exact VPDPWSSD dots; nullptr: VDPBF16PS only.
   const int16_t* const* views = nullptr;
 };
 inline constexpr int64_t kPanelScratchBytes = int64_t{kPanelBlocks} * kPairs * kFc1Groups * 64;
@@ -77,8 +78,11 @@ float int_view_block(const float* x, int16_t* xi);
 // sum of the block's int16 elements, for the kernel's offset weights). int_view_bytes(len) bytes.
 constexpr int64_t int_view_bytes(int64_t len) { return len * 2 + len / kBlock * 8; }
 void int_view_row(const float* row, int64_t len, int16_t* view);
-// Whether the level's tile kernel reads integer views (the AVX2 kernel).
-constexpr bool uses_int_views(IsaLevel l) { return l == IsaLevel::kAvx2 || l == IsaLevel::kAvx512; }
+// The same view of a BF16 row (the avx512bf16 level's operands).
+void int_view_row_bf16(const uint16_t* row, int64_t len, int16_t* view);
+// Whether the level's tile kernel reads integer views: the AVX2 kernel (FP32 levels), and the
+// AVX512-BF16 kernel on a CPU with AVX512-VNNI (every AVX512-BF16 CPU known so far has it).
+bool uses_int_views(IsaLevel l);
 
 // Bytes per operand element on a level.
 constexpr int operand_bytes(IsaLevel l) { return l == IsaLevel::kAvx512Bf16 ? 2 : 4; }

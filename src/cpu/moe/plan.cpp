@@ -112,8 +112,8 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
   p.blocking.gemm1_tiles = problem.shape.intermediate / detail::kBlock;
   p.blocking.gemm2_tiles = problem.shape.hidden / detail::kBlock;
   switch (isa) {
-    case IsaLevel::kAvx512Bf16:  // VDPBF16PS on BF16 operands (gemm_bf16.cpp)
-      p.blocking.kernel = "avx512bf16 vdpbf16ps";
+    case IsaLevel::kAvx512Bf16:  // VDPBF16PS on BF16 operands (gemm_bf16.cpp); VNNI: exact int16 blocks
+      p.blocking.kernel = detail::uses_int_views(isa) ? "avx512bf16 vdpbf16ps + int16 vpdpwssd" : "avx512bf16 vdpbf16ps";
       p.blocking.direct_max_rows = detail::kDirectMaxRows;
       p.blocking.panel_blocks = detail::kPanelBlocks;
       p.blocking.register_tile = "3x64 / 6x32";

@@ -49,7 +49,7 @@ struct Pass {
   TileGemmFn gemm;
   const Elementwise& ew;
   bool bf16;          // operands BF16 (with row shifts) rather than FP32
-  bool views;         // the kernel reads integer views of the FP32 operand rows (AVX2)
+  bool views;         // the kernel reads integer views of the operand rows (uses_int_views)
   int64_t k, n, topk, e_local, first_expert, ob;
   int64_t t0 = 0, tokens = 0;  // this chunk: tokens [t0, t0 + tokens)
 
@@ -112,12 +112,20 @@ void prepare_x_op(const Pass& p, int64_t t) {
   }
 }
 
+// The integer view of one prepared operand row (BF16 on avx512bf16, else FP32).
+void make_view(const Pass& p, const uint8_t* row, int64_t len, uint8_t* view) {
+  auto* v = reinterpret_cast<int16_t*>(view);
+  if (p.bf16) {
+    int_view_row_bf16(reinterpret_cast<const uint16_t*>(row), len, v);
+  } else {
+    int_view_row(reinterpret_cast<const float*>(row), len, v);
+  }
+}
+
 void prepare_x(const Pass& p, int64_t t) {
   prepare_x_op(p, t);
-  if (p.views) {
-    int_view_row(reinterpret_cast<const float*>(p.region<uint8_t>(p.lay.x_op) + t * p.k * p.ob), p.k,
-                 reinterpret_cast<int16_t*>(p.region<uint8_t>(p.lay.x_view) + t * int_view_bytes(p.k)));
-  }
+  if (p.views) make_view(p, p.region<uint8_t>(p.lay.x_op) + t * p.k * p.ob, p.k,
+                         p.region<uint8_t>(p.lay.x_view) + t * int_view_bytes(p.k));
 }
 
 // A GEMM result of a scaled-down row (shift < 0) is multiplied back by 2^-shift. When that
@@ -255,10 +263,8 @@ void prepare_h_op(const Pass& p, int64_t r) {
 
 void prepare_h(const Pass& p, int64_t r) {
   prepare_h_op(p, r);
-  if (p.views) {
-    int_view_row(reinterpret_cast<const float*>(p.region<uint8_t>(p.lay.h_op) + r * p.n * p.ob), p.n,
-                 reinterpret_cast<int16_t*>(p.region<uint8_t>(p.lay.h_view) + r * int_view_bytes(p.n)));
-  }
+  if (p.views) make_view(p, p.region<uint8_t>(p.lay.h_op) + r * p.n * p.ob, p.n,
+                         p.region<uint8_t>(p.lay.h_view) + r * int_view_bytes(p.n));
 }
 
 // 5. GEMM2 for expert e, columns [32j, 32j+32) of K.

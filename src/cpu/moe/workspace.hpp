@@ -18,12 +18,12 @@ struct WorkspaceLayout {
   int64_t used_experts = 0;   // int32 [E_local]   the local experts with rows, ascending
   int64_t x_op = 0;           // [C, K] operand (BF16 on avx512bf16, FP32 otherwise)
   int64_t x_shift = 0;        // int32 [C]         x_op row = x row * 2^shift (BF16 range)
-  int64_t x_view = 0;         // [C, int_view_bytes(K)] AVX2 kernel: integer views of x_op rows
+  int64_t x_view = 0;         // [C, int_view_bytes(K)] integer views of x_op rows (uses_int_views)
   int64_t h_q = 0;            // uint8 [S, N]      W4A8: MXFP8 codes of the activation output
   int64_t h_s = 0;            // uint8 [S, N/32]   W4A8: their E8M0 scales
   int64_t h_op = 0;           // [S, N] GEMM2 operand (BF16 / FP32)
   int64_t h_shift = 0;        // int32 [S]
-  int64_t h_view = 0;         // [S, int_view_bytes(N)] AVX2 kernel: integer views of h_op rows
+  int64_t h_view = 0;         // [S, int_view_bytes(N)] integer views of h_op rows (uses_int_views)
   int64_t y = 0;              // float [S, K]      expert outputs before the routing weights
   // per-thread regions: thread t's start = per_thread + t * per_thread_bytes
   int64_t per_thread = 0, per_thread_bytes = 0;
