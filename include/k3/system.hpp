@@ -21,6 +21,7 @@ struct CpuFeatures {
 
 struct CpuInfo {
   std::string model;     // brand string, e.g. "AMD EPYC 9654 96-Core Processor"
+  std::string vendor;    // CPUID vendor, e.g. "GenuineIntel", "AuthenticAMD" ("unknown" elsewhere)
   CpuFeatures features;  // usable features: CPUID bits and OS support (XGETBV) together
   int logical_cpus = 0;  // std::thread::hardware_concurrency()
 };

@@ -49,6 +49,7 @@ nlohmann::json info_json() {
             : "not built (needs the CUTLASS headers and sm_120a in K3_CUDA_ARCHS)";
   }
   j["cpu"]["model"] = cpu.model;
+  j["cpu"]["vendor"] = cpu.vendor;
   j["cpu"]["logical_cpus"] = cpu.logical_cpus;
   j["cpu"]["features"] = {{"avx2", f.avx2},         {"fma", f.fma},
                           {"avx512f", f.avx512f},   {"avx512bw", f.avx512bw},
@@ -94,8 +95,8 @@ void print_text(const nlohmann::json& j) {
     std::printf("cuda kda:      %s\n", j["cuda"]["kda_status"].get<std::string>().c_str());
     std::printf("cuda sm120:    %s\n", j["cuda"]["sm120_blockscaled_gemm"].get<std::string>().c_str());
   }
-  std::printf("cpu:           %s, %d logical CPUs\n", j["cpu"]["model"].get<std::string>().c_str(),
-              j["cpu"]["logical_cpus"].get<int>());
+  std::printf("cpu:           %s (%s), %d logical CPUs\n", j["cpu"]["model"].get<std::string>().c_str(),
+              j["cpu"]["vendor"].get<std::string>().c_str(), j["cpu"]["logical_cpus"].get<int>());
   std::string feats;
   for (const auto& [name, on] : j["cpu"]["features"].items()) feats += "  " + name + (on.get<bool>() ? "+" : "-");
   std::printf("simd:         %s\n", feats.c_str());

@@ -30,6 +30,12 @@ CpuInfo detect() {
   info.logical_cpus = static_cast<int>(std::thread::hardware_concurrency());
 #ifdef K3_X86
   unsigned a = 0, b = 0, c = 0, d = 0;
+  char vendor[13] = {};
+  __get_cpuid(0, &a, &b, &c, &d);
+  std::memcpy(vendor, &b, 4);
+  std::memcpy(vendor + 4, &d, 4);
+  std::memcpy(vendor + 8, &c, 4);
+  info.vendor = vendor;
   char brand[49] = {};
   if (static_cast<unsigned>(__get_cpuid_max(0x80000000u, nullptr)) >= 0x80000004u) {
     for (unsigned i = 0; i < 3; ++i) {
@@ -72,6 +78,7 @@ CpuInfo detect() {
   info.model = "unknown (non-x86 CPU)";
 #endif
   if (info.model.empty()) info.model = "unknown";
+  if (info.vendor.empty()) info.vendor = "unknown";
   return info;
 }
 
