@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include "cpu/linear/kernels.hpp"
+#include "cpu/prefetch.hpp"
 #include "k3/formats.hpp"
 #include "k3/system.hpp"
 
@@ -146,6 +147,7 @@ template <int R, int G>
 K3_LIN_BF16 void stream_rows_bf16(const PackedLinear& w, const Operand& x, int64_t t_begin, int64_t t_end,
                                   int64_t t_base, float* tot, int64_t ldt) {
   const Decoder d;
+  const bool prefetch = k3::cpu::detail::prefetch_single_streams();
   const int64_t blocks = w.k() / kBlock;
   for (int64_t t = t_begin; t < t_end; t += G) {
     float* trow[R];
@@ -163,11 +165,12 @@ K3_LIN_BF16 void stream_rows_bf16(const PackedLinear& w, const Operand& x, int64
       const uint8_t* codes[G];
       for (int g = 0; g < G; ++g) {
         codes[g] = tc[g] + b * (kBlock * kLanes);
-        // Software prefetch only with two tiles in flight (M >= 3: about 5 % faster at M = 8).
-        // With one stream per thread (M <= 2) the hardware prefetcher does better alone: on the
-        // Zen 4 guest M = 1 went from 31 to 33 GB/s, and from 35-38 to 42-44 GB/s in the minutes
-        // when the read-bandwidth probe reads 45-50 GB/s, without it.
-        if (G == 2 && b + 4 < blocks)
+        // Software prefetch with two tiles in flight (M >= 3: about 5 % faster at M = 8), and on
+        // Intel with one (cpu/prefetch.hpp). With one stream per thread (M <= 2) the Zen 4
+        // guest's hardware prefetcher did better alone: M = 1 went from 31 to 33 GB/s, and from
+        // 35-38 to 42-44 GB/s in the minutes when the read-bandwidth probe reads 45-50 GB/s,
+        // without it.
+        if ((G == 2 || prefetch) && b + 4 < blocks)
           for (int l = 0; l < kBlock * kLanes; l += 64) __builtin_prefetch(codes[g] + 4 * kBlock * kLanes + l);
       }
       const uint32_t* xr[R];

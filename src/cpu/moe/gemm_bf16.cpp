@@ -28,6 +28,7 @@
 #include <cstring>
 
 #include "cpu/moe/layout.hpp"
+#include "cpu/prefetch.hpp"
 
 // GCC 12 reports its own _mm512_undefined_* helpers as "used uninitialized" (avx512fintrin.h).
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -90,17 +91,14 @@ K3_TARGET_BF16 inline void apply_scales(const uint8_t* scales, __m512 (&acc)[MR]
   }
 }
 
-// Direct path: records are streamed from memory once. On Intel CPUs with software prefetch
-// kAhead records ahead: on a 2-vCPU Intel Xeon (Emerald Rapids) guest `k3 bench moe --m 1,8
-// --recipe both` took 6.9 ms at M = 1 (W4A8) with it against 8.8 ms without, M = 8 32.9 against
-// 39.5 ms (three alternated runs each). On AMD Zen 4 it is left to the hardware prefetcher:
-// prefetching 8 records ahead made M = 1 (W4A16) 4.65 ms against 4.12 ms without (five
-// alternated runs, 2026-12-05).
+// Direct path: records are streamed from memory once, with software prefetch kAhead records
+// ahead on Intel CPUs (cpu/prefetch.hpp): on a 2-vCPU Intel Xeon (Emerald Rapids) guest `k3 bench
+// moe --m 1,8 --recipe both` took 6.9 ms at M = 1 (W4A8) with it against 8.8 ms without, M = 8
+// 32.9 against 39.5 ms (three alternated runs each). On AMD Zen 4 the hardware prefetcher alone
+// was faster: prefetching 8 records ahead made M = 1 (W4A16) 4.65 ms against 4.12 ms without
+// (five alternated runs, 2026-12-05).
 inline constexpr int64_t kAhead = 4;
-bool prefetch_direct_records() {
-  static const bool intel = cpu_info().vendor == "GenuineIntel";
-  return intel;
-}
+inline bool prefetch_direct_records() { return prefetch_single_streams(); }
 K3_TARGET_BF16 inline void prefetch_record(const uint8_t* r, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(r + o), _MM_HINT_T0);
 }
