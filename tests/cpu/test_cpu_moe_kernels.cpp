@@ -450,19 +450,23 @@ TEST(CpuMoeKernels, Avx2DirectKernelReadsTheIntegerViews) {
   std::memcpy(halves, view.data() + len, sizeof(halves));
   ASSERT_NE(halves[1], 0.f) << "block 1 of a BF16 Gaussian row should have a view";
   const void* row = x.data();
-  const int16_t* vrow = view.data();
-  std::vector<float> want(64), got(64);
-  alignas(64) static uint8_t panel[kPanelScratchBytes];
-  TileGemm g{rec.data(), blocks, kFc1Groups, &row, 1, want.data(), panel};
-  g.views = &vrow;
-  tile_gemm_avx2()(g);
-  view[kBlock + 3] = static_cast<int16_t>(view[kBlock + 3] + 1);  // block 1: one integer off
-  g.totals = got.data();
-  tile_gemm_avx2()(g);
-  EXPECT_NE(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
-  std::memset(view.data() + len, 0, sizeof(halves));  // no block viewed: the FP32 kernel, x itself
-  tile_gemm_avx2()(g);
-  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  // Both forms of the integer kernel: VPMADDWD + VPADDD, and VPDPWSSD where the CPU has it.
+  for (bool vnni : {false, true}) {
+    std::vector<int16_t> v = view;
+    const int16_t* vrow = v.data();
+    std::vector<float> want(64), got(64);
+    alignas(64) static uint8_t panel[kPanelScratchBytes];
+    TileGemm g{rec.data(), blocks, kFc1Groups, &row, 1, want.data(), panel};
+    g.views = &vrow;
+    tile_gemm_avx2(vnni)(g);
+    v[kBlock + 3] = static_cast<int16_t>(v[kBlock + 3] + 1);  // block 1: one integer off
+    g.totals = got.data();
+    tile_gemm_avx2(vnni)(g);
+    EXPECT_NE(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float))) << vnni;
+    std::memset(v.data() + len, 0, sizeof(halves));  // no block viewed: the FP32 kernel, x itself
+    tile_gemm_avx2(vnni)(g);
+    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float))) << vnni;
+  }
 }
 
 // BF16 operand rows as the avx512bf16 level prepares them (every nonzero finite magnitude in
@@ -626,7 +630,8 @@ TEST(CpuMoeKernels, PlanDescribesTheBlockingOfEachLevel) {
     if (l == IsaLevel::kAvx2 || l == IsaLevel::kAvx512) {
       EXPECT_EQ(plan->blocking.direct_max_rows, kDirectMaxRowsAvx2);
       EXPECT_EQ(plan->blocking.panel_blocks, kPanelBlocksAvx2);
-      EXPECT_STREQ(plan->blocking.kernel, "avx2 fma + int16 madd");
+      const bool vnni = l == IsaLevel::kAvx512 && cpu_info().features.avx512_vnni;
+      EXPECT_STREQ(plan->blocking.kernel, vnni ? "avx2 fma + int16 vpdpwssd" : "avx2 fma + int16 madd");
     }
     if (l == IsaLevel::kAvx512Bf16) {
       EXPECT_STREQ(plan->blocking.kernel, uses_int_views(l) ? "avx512bf16 vdpbf16ps + int16 vpdpwssd" : "avx512bf16 vdpbf16ps");

@@ -281,7 +281,21 @@ namespace {
 // Integer direct, one record: CNT rows (xi[m], half[m], offset[m], totals row m at totals +
 // m * G * 16) over the lanes of group pair p0, nibble planes [n0, n0 + PL); CNT * PL * 2 int32
 // accumulators of sum (2w + 12) * xi, minus the row's 12 * sum(xi) of the block at the end.
-template <int CNT, int G, int PL>
+// One int16 multiply-add step of the integer kernel: acc += (w[2i] * x[2i] + w[2i+1] * x[2i+1]) per
+// int32 lane. kVnni (AVX512-VNNI + AVX512-VL CPUs on the AVX-512 FP32 level): one EVEX VPDPWSSD
+// instead of VPMADDWD + VPADDD, the same integers. Inline assembly, because this file is compiled
+// for AVX2 + FMA (the encoding is fixed to EVEX, which GCC 12, clang 14 and binutils accept).
+template <bool kVnni>
+__attribute__((always_inline)) K3_TARGET_AVX2 inline __m256i int_mac(__m256i acc, __m256i w, __m256i x) {
+  if constexpr (kVnni) {
+    __asm__("%{evex%} vpdpwssd %[x], %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "v"(x));
+    return acc;
+  } else {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+  }
+}
+
+template <int CNT, int G, int PL, bool kVnni>
 __attribute__((always_inline)) K3_TARGET_AVX2 inline void int_record_rows(const uint8_t* r, int64_t xo, int64_t hb, int p0,
                                                                          int n0, const int16_t* const* xi,
                                                                          const float* const* half,
@@ -312,7 +326,7 @@ __attribute__((always_inline)) K3_TARGET_AVX2 inline void int_record_rows(const 
 #pragma GCC unroll 4
         for (int m = 0; m < CNT; ++m) {
           __m256i& acc_ = acc[(m * PL + (n - n0)) * 2 + h];
-          acc_ = _mm256_add_epi32(acc_, _mm256_madd_epi16(w16, xp[m]));
+          acc_ = int_mac<kVnni>(acc_, w16, xp[m]);
         }
       }
     }
@@ -340,7 +354,7 @@ void panel_range(const TileGemm& a, int64_t rows, int64_t b0, int64_t b1, const 
 // rows: one plane per pass, in subgroups of at most 3, 4 rows as 2 + 2, while the record stays in
 // L1); any other the FP32 kernel: directly for up to 3 rows, through the panel for 4-6 (the FP32
 // direct kernel with 4 rows was slower than the panel), one call per run of such records.
-template <int MR, int G>
+template <int MR, int G, bool kVnni>
 __attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, int64_t c0, int64_t c1, int64_t base,
                                                            const int16_t* const* xi, const float* const* half,
                                                            const int32_t* const* offset, const float* const* rows,
@@ -366,11 +380,11 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, in
         const int p0 = kPlInt == 2 ? pp : pp / 2, n0 = kPlInt == 2 ? 0 : pp % 2;
 #pragma GCC unroll 1
         for (int q = 0; q < kFull; ++q) {
-          int_record_rows<kSub, G, kPlInt>(r, hb * kBlock, hb, p0, n0, xi + q * kSub, half + q * kSub,
+          int_record_rows<kSub, G, kPlInt, kVnni>(r, hb * kBlock, hb, p0, n0, xi + q * kSub, half + q * kSub,
                                            offset + q * kSub, totals + q * kSub * G * kLanes);
         }
         if constexpr (kRest > 0) {
-          int_record_rows<kRest, G, kPlInt>(r, hb * kBlock, hb, p0, n0, xi + kFull * kSub, half + kFull * kSub,
+          int_record_rows<kRest, G, kPlInt, kVnni>(r, hb * kBlock, hb, p0, n0, xi + kFull * kSub, half + kFull * kSub,
                                             offset + kFull * kSub, totals + kFull * kSub * G * kLanes);
         }
       }
@@ -390,7 +404,7 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, in
 
 // Direct path of MR rows: the integer views given with the task, or made here kIntViewChunk
 // blocks at a time.
-template <int MR, int G>
+template <int MR, int G, bool kVnni>
 K3_TARGET_AVX2 void direct_rows_any(const TileGemm& a, const float* const* rows, float* totals) {
   const int16_t* xi[MR];
   const float* half[MR];
@@ -401,7 +415,7 @@ K3_TARGET_AVX2 void direct_rows_any(const TileGemm& a, const float* const* rows,
       half[m] = reinterpret_cast<const float*>(a.views[m] + a.blocks * kBlock);
       offset[m] = reinterpret_cast<const int32_t*>(half[m] + a.blocks);
     }
-    direct_mixed<MR, G>(a, 0, a.blocks, 0, xi, half, offset, rows, totals);
+    direct_mixed<MR, G, kVnni>(a, 0, a.blocks, 0, xi, half, offset, rows, totals);
     return;
   }
   alignas(32) int16_t xi_buf[MR][kIntViewChunk * kBlock];
@@ -421,7 +435,7 @@ K3_TARGET_AVX2 void direct_rows_any(const TileGemm& a, const float* const* rows,
         offset_buf[m][b - c0] = half_buf[m][b - c0] != 0.f ? int_view_offset(v) : 0;
       }
     }
-    direct_mixed<MR, G>(a, c0, c1, c0, xi, half, offset, rows, totals);
+    direct_mixed<MR, G, kVnni>(a, c0, c1, c0, xi, half, offset, rows, totals);
   }
 }
 
@@ -488,12 +502,12 @@ __attribute__((noinline)) K3_TARGET_AVX2 void panel_rows(const TileGemm& a, int6
 template <int G>
 constexpr int kPanelMrAvx2 = 6;
 
-template <int G, int MR = 1>
+template <int G, bool kVnni, int MR = 1>
 K3_TARGET_AVX2 void direct_dispatch(const TileGemm& a, int64_t rows, const float* const* r, float* t) {
   if constexpr (MR < kDirectMaxRowsAvx2) {
-    if (rows != MR) return direct_dispatch<G, MR + 1>(a, rows, r, t);
+    if (rows != MR) return direct_dispatch<G, kVnni, MR + 1>(a, rows, r, t);
   }
-  direct_rows_any<MR, G>(a, r, t);
+  direct_rows_any<MR, G, kVnni>(a, r, t);
 }
 
 template <int G, int MR = 1>
@@ -536,30 +550,34 @@ K3_TARGET_AVX2 void panel_range(const TileGemm& a, int64_t rows, int64_t b0, int
   }
 }
 
-template <int G>
+template <int G, bool kVnni>
 K3_TARGET_AVX2 void tile_gemm(const TileGemm& a) {
   const float* rows[kRowGroup];
   for (int64_t i = 0; i < a.num_rows; ++i) rows[i] = static_cast<const float*>(a.rows[i]);
   const int64_t width = G * kLanes;
   std::memset(a.totals, 0, static_cast<size_t>(a.num_rows * width) * sizeof(float));
   if (a.num_rows <= kDirectMaxRowsAvx2) {
-    direct_dispatch<G>(a, a.num_rows, rows, a.totals);
+    direct_dispatch<G, kVnni>(a, a.num_rows, rows, a.totals);
   } else {
     panel_range<G>(a, a.num_rows, 0, a.blocks, rows, a.totals);
   }
   unpermute_totals(a.totals, a.num_rows, G);
 }
 
+template <bool kVnni>
 void tile_gemm_entry(const TileGemm& a) {
   if (a.groups == kFc1Groups) {
-    tile_gemm<kFc1Groups>(a);
+    tile_gemm<kFc1Groups, kVnni>(a);
   } else {
-    tile_gemm<kFc2Groups>(a);
+    tile_gemm<kFc2Groups, kVnni>(a);
   }
 }
 
 }  // namespace
 
-TileGemmFn tile_gemm_avx2() { return tile_gemm_entry; }
+TileGemmFn tile_gemm_avx2(bool vnni) {
+  const auto& f = cpu_info().features;
+  return vnni && f.avx512_vnni && f.avx512vl ? tile_gemm_entry<true> : tile_gemm_entry<false>;
+}
 
 }  // namespace k3::cpu::detail

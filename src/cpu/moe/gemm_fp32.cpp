@@ -60,9 +60,9 @@ void tile_gemm_scalar(const TileGemm& a) {
 
 TileGemmFn tile_gemm_fp32(IsaLevel level) {
   switch (level) {
-    case IsaLevel::kAvx2:
+    case IsaLevel::kAvx2: return tile_gemm_avx2(false);
     case IsaLevel::kAvx512:
-    case IsaLevel::kAvx512Bf16: return tile_gemm_avx2();
+    case IsaLevel::kAvx512Bf16: return tile_gemm_avx2(true);  // VPDPWSSD where the CPU has AVX512-VNNI
     case IsaLevel::kScalar: break;
   }
   return tile_gemm_scalar;

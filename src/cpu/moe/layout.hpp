@@ -65,7 +65,10 @@ inline constexpr int64_t kPanelScratchBytes = int64_t{kPanelBlocks} * kPairs * k
 
 using TileGemmFn = void (*)(const TileGemm&);
 TileGemmFn tile_gemm_bf16();          // AVX512-BF16 (operands BF16)
-TileGemmFn tile_gemm_avx2();          // AVX2+FMA, also the AVX-512 FP32 level (operands FP32)
+// AVX2+FMA, also the AVX-512 FP32 level (operands FP32). vnni: the integer blocks use VPDPWSSD
+// when the CPU has AVX512-VNNI and AVX512-VL (the AVX-512 levels; the AVX2 level never does, so
+// that it runs what an AVX2-only CPU runs).
+TileGemmFn tile_gemm_avx2(bool vnni = false);
 TileGemmFn tile_gemm_fp32(IsaLevel);  // the kernel of an FP32 level: scalar (portable) or AVX2+FMA
 
 // AVX2 kernel's integer view of one FP32 operand block of 32 elements (gemm_avx2.cpp; call only

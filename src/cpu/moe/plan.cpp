@@ -118,9 +118,11 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
       p.blocking.panel_blocks = detail::kPanelBlocks;
       p.blocking.register_tile = "3x64 / 6x32";
       break;
-    case IsaLevel::kAvx512:  // FP32 operands: the AVX2 kernel (gemm_avx2.cpp)
+    case IsaLevel::kAvx512:  // FP32 operands: the AVX2 kernel (gemm_avx2.cpp); AVX512-VNNI: VPDPWSSD
     case IsaLevel::kAvx2:
-      p.blocking.kernel = "avx2 fma + int16 madd";
+      p.blocking.kernel = isa == IsaLevel::kAvx512 && cpu_info().features.avx512_vnni && cpu_info().features.avx512vl
+                              ? "avx2 fma + int16 vpdpwssd"
+                              : "avx2 fma + int16 madd";
       p.blocking.direct_max_rows = detail::kDirectMaxRowsAvx2;
       p.blocking.panel_blocks = detail::kPanelBlocksAvx2;
       p.blocking.register_tile = "6x16";
