@@ -4,6 +4,7 @@
 // Measured both ways (2 threads, 2-vCPU guests): on Intel Xeon (Emerald Rapids) prefetching a
 // few blocks ahead made the avx512bf16 MoE decode 1.3x faster; on AMD Zen 4 the hardware
 // prefetcher alone streamed faster (docs/cpu_moe.md, docs/linear.md). So: Intel on, others off.
+// With it on, the linear VDPBF16PS stream kernel also keeps two tiles in flight at M = 1 and 2.
 #pragma once
 
 #include "k3/system.hpp"
