@@ -289,8 +289,16 @@ def test_batch_with_padding_and_a_one_token_prompt(pair):
                   return_dict_in_generate=True)
         want = stock.generate(ids, **kw)
         got = patched.generate(ids, **kw)
-        diffs = [score_diff(s_w, s_g) for s_w, s_g in zip(want.scores, got.scores)]
-        assert max(diffs) <= LOGIT_BOUND and sum(d <= LOGIT_TIGHT for d in diffs) >= 0.75 * len(diffs), diffs
+        # Per sequence and step. Both sides round the experts' activations to BF16 (the W4A16
+        # contract), from FP32 inputs that differ in the last bits (transformers' KDA and attention
+        # against k3's, and torch's GEMM order, which depends on the CPU): where an element lies at
+        # a BF16 rounding boundary the two round it apart, and that step's logits differ by up to
+        # about 1e-2 (LOGIT_BOUND) while the next steps agree again. On an Intel Xeon (Emerald
+        # Rapids) 2 of the 8 steps of the unpadded sequence did so, with no routing difference at
+        # any step; MKL_CBWR=COMPATIBLE moved them to 4 other steps. So half of the (sequence,
+        # step) pairs must agree to FP32 order here, every one within LOGIT_BOUND.
+        diffs = [score_diff(s_w[r], s_g[r]) for s_w, s_g in zip(want.scores, got.scores) for r in range(ids.shape[0])]
+        assert max(diffs) <= LOGIT_BOUND and sum(d <= LOGIT_TIGHT for d in diffs) >= 0.5 * len(diffs), diffs
         assert got.sequences.tolist() == want.sequences.tolist()
         one = torch.tensor([[77]])
         w1 = stock.generate(one, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_scores=True,
