@@ -34,9 +34,17 @@ constexpr const char* kLeakEnv = "ASAN_OPTIONS=detect_leaks=0 ";
 constexpr const char* kLeakEnv = "";
 #endif
 
+// Open MPI's consent for root, shared memory only, and a session directory of this test process's
+// own: under `ctest -j` two mpiruns sharing /tmp/ompi.<host>.<uid> race (one removes it at exit
+// while the other creates its pid.N inside: "orte_session_dir failed").
+std::string mpi_env() {
+  static const test::TempDir session{"ompi_session"};
+  return "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader OMPI_MCA_orte_tmpdir_base=" +
+         session.str() + " ";
+}
+
 std::string mpirun(int np, const std::string& args, const std::string& env = "") {
-  return "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader K3_NUM_THREADS=1 " +
-         std::string(kLeakEnv) + env +
+  return "env " + mpi_env() + "K3_NUM_THREADS=1 " + std::string(kLeakEnv) + env +
          " timeout 300 " + std::string(K3_MPIEXEC) + " --oversubscribe -np " + std::to_string(np) + " " +
          std::string(K3_CLI_PATH) + " " + args;
 }
@@ -143,8 +151,7 @@ TEST_F(MoeDistributed, StartUpRefusalsNameTheRank) {
   ASSERT_TRUE(write_synthetic_checkpoint(o).is_ok());
   std::string bad_other = args("o.safetensors", "--distributed");
   bad_other.replace(bad_other.find(ckpt_.str()), ckpt_.str().size(), other.str());
-  const std::string mpmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader " +
-                           std::string(kLeakEnv) + "timeout 300 " +
+  const std::string mpmd = "env " + mpi_env() + std::string(kLeakEnv) + "timeout 300 " +
                            std::string(K3_MPIEXEC) + " --oversubscribe -np 3 " + K3_CLI_PATH + " " +
                            args("o.safetensors", "--distributed") + " : -np 1 " + K3_CLI_PATH + " " + bad_other;
   r = run_sh(mpmd);
