@@ -299,7 +299,8 @@ template <int CNT, int G, int PL, bool kVnni>
 __attribute__((always_inline)) K3_TARGET_AVX2 inline void int_record_rows(const uint8_t* r, int64_t xo, int64_t hb, int p0,
                                                                          int n0, const int16_t* const* xi,
                                                                          const float* const* half,
-                                                                         const int32_t* const* offset, float* totals) {
+                                                                         const int32_t* const* offset, float* totals,
+                                                                         const uint8_t* prefetch) {
   static_assert(CNT * PL * 2 <= 8 && (PL == 1 || PL == 2), "register budget");
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i tab_w = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTwiceE2M1Plus12));
@@ -308,6 +309,9 @@ __attribute__((always_inline)) K3_TARGET_AVX2 inline void int_record_rows(const 
   for (auto& v : acc) v = _mm256_setzero_si256();
 #pragma GCC unroll 4
   for (int kp = 0; kp < kPairs; ++kp) {
+    if (prefetch != nullptr) {  // one line of a later record's codes per k-pair (see direct_mixed)
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + kp * (record_code_bytes(G) / kPairs)), _MM_HINT_T0);
+    }
     __m256i xp[CNT];
 #pragma GCC unroll 4
     for (int m = 0; m < CNT; ++m) {
@@ -348,8 +352,13 @@ template <int G>
 void panel_range(const TileGemm& a, int64_t rows, int64_t b0, int64_t b1, const float* const* r, float* t);
 
 // Direct path of MR rows over blocks [c0, c1), with the rows' integer views (xi[m], half[m],
-// indexed from block `base`): one loop over the records, each streamed from memory once (software
-// prefetch kAhead records ahead; without it `k3 bench moe` at M = 1 was slower). A record whose
+// indexed from block `base`): one loop over the records, each streamed from memory once, with
+// software prefetch kAhead records ahead (without it `k3 bench moe` at M = 1 was slower). The
+// prefetch runs past the tile's end, into the next tile of the expert, which follows in memory
+// (a prefetch never faults). A record taking the integer kernel spreads the prefetch of the later
+// record over its first pass, one line per k-pair, rather than issuing the 17 lines at once: on
+// the Intel Xeon guest `k3 bench moe --isa avx2` M = 1 W4A8 then took 7.4 against 8.1 ms (three
+// alternated runs; docs/cpu_moe.md). A record whose
 // rows all have a view takes the integer kernel (one row: both nibble planes per pass; more
 // rows: one plane per pass, in subgroups of at most 3, 4 rows as 2 + 2, while the record stays in
 // L1); any other the FP32 kernel: directly for up to 3 rows, through the panel for 4-6 (the FP32
@@ -367,11 +376,13 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, in
   int64_t fp32_run = -1;  // 4-6 rows: first record of a run waiting for the panel
   for (int64_t b = c0; b < c1; ++b) {
     const uint8_t* r = a.records + b * rec;
-    if (b + kAhead < a.blocks) prefetch_record(r + kAhead * rec, rec);
+    const uint8_t* ahead = r + kAhead * rec;
     const int64_t hb = b - base;
     bool viewed = true;
     for (int m = 0; m < MR; ++m) viewed = viewed && half[m][hb] != 0.f;
+    if (!viewed) prefetch_record(ahead, rec);
     if (viewed) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + record_code_bytes(G)), _MM_HINT_T0);  // its scales
       if constexpr (MR > kDirectMaxRowsFp32) {
         if (fp32_run >= 0) panel_range<G>(a, MR, fp32_run, b, rows, totals);
         fp32_run = -1;
@@ -381,11 +392,13 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, in
 #pragma GCC unroll 1
         for (int q = 0; q < kFull; ++q) {
           int_record_rows<kSub, G, kPlInt, kVnni>(r, hb * kBlock, hb, p0, n0, xi + q * kSub, half + q * kSub,
-                                           offset + q * kSub, totals + q * kSub * G * kLanes);
+                                           offset + q * kSub, totals + q * kSub * G * kLanes,
+                                           pp == 0 && q == 0 ? ahead : nullptr);
         }
         if constexpr (kRest > 0) {
           int_record_rows<kRest, G, kPlInt, kVnni>(r, hb * kBlock, hb, p0, n0, xi + kFull * kSub, half + kFull * kSub,
-                                            offset + kFull * kSub, totals + kFull * kSub * G * kLanes);
+                                            offset + kFull * kSub, totals + kFull * kSub * G * kLanes,
+                                            pp == 0 && kFull == 0 ? ahead : nullptr);
         }
       }
     } else if constexpr (MR <= kDirectMaxRowsFp32) {
