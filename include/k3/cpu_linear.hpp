@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "k3/linear.hpp"
+#include "k3/memory.hpp"
 #include "k3/status.hpp"
 #include "k3/system.hpp"
 
@@ -93,7 +94,8 @@ class PackedLinear {
   int64_t k_ = 0, n_ = 0;
   bool pair_layout_ = false;
   bool bf16_weights_ = false;
-  std::vector<uint8_t> codes_, scales_;
+  HugePageVector<uint8_t> codes_;  // k3/memory.hpp: 2 MiB aligned, advised for huge pages
+  std::vector<uint8_t> scales_;
   std::vector<float> bias_;
 };
 

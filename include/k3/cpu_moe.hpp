@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "k3/memory.hpp"
 #include "k3/moe.hpp"
 #include "k3/status.hpp"
 #include "k3/system.hpp"
@@ -107,7 +108,7 @@ class PackedWeights {
   friend Result<PackedWeights> prepack(const MoePlan& plan, const MoeWeightsView& weights);
   MoeShape shape_;
   int64_t fc1_expert_bytes_ = 0, fc2_expert_bytes_ = 0;
-  std::vector<uint8_t> fc1_, fc2_;
+  HugePageVector<uint8_t> fc1_, fc2_;  // k3/memory.hpp: 2 MiB aligned, advised for huge pages
   std::vector<float> situ_beta_, situ_linear_beta_;
   std::vector<InfBlock> fc1_inf_, fc2_inf_;  // sorted by (expert, tile, block, column)
 };

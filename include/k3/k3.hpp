@@ -10,6 +10,7 @@
 // Status, machine facts, number formats
 #include "k3/config.hpp"
 #include "k3/formats.hpp"
+#include "k3/memory.hpp"
 #include "k3/mx.hpp"
 #include "k3/portable_math.hpp"
 #include "k3/status.hpp"

@@ -3,6 +3,8 @@
 // attributes so one binary runs on any x86-64 and uses the best instructions present.
 #include "k3/harness/limits.hpp"
 
+#include "k3/memory.hpp"
+
 // GCC 12 reports its own _mm512_undefined_* helpers (used by _mm512_reduce_add_ps) as
 // "used uninitialized": a false positive inside avx512fintrin.h.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -173,7 +175,10 @@ MeasuredRate peak(int threads, Loop loop, double flop_per_iter, std::string what
 
 MeasuredRate measure_read_bandwidth(int threads, int64_t bytes) {
   const int64_t n = bytes / static_cast<int64_t>(sizeof(float));
-  auto* buf = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(n) * sizeof(float)));
+  // Allocated as the packed weights are (k3/memory.hpp: advised for huge pages), so that the probe
+  // streams under the same page size as the kernels it is the limit of.
+  const auto buf_bytes = static_cast<size_t>(n) * sizeof(float);
+  auto* buf = static_cast<float*>(detail::huge_page_allocate(buf_bytes));
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(i & 7);  // first touch by the reader
   const auto& f = cpu_info().features;
@@ -193,7 +198,7 @@ MeasuredRate measure_read_bandwidth(int threads, int64_t bytes) {
     sink = sink + acc;
     if (rep > 0) rates.push_back(static_cast<double>(bytes) / dt);  // rep 0 warms up
   }
-  std::free(buf);
+  detail::huge_page_deallocate(buf, buf_bytes);
   return summarize(rates, "read bandwidth, " + std::to_string(bytes >> 20) + " MiB buffer, " +
                               std::to_string(threads) + " thread(s)");
 }

@@ -3,6 +3,7 @@
 
 #include "k3/cuda_moe.hpp"
 #include "k3/cuda_sm120.hpp"
+#include "k3/memory.hpp"
 #include "tools/cli_run.hpp"
 
 #include <array>
@@ -23,6 +24,7 @@ TEST(Cli, InfoJsonHasTheFacts) {
   EXPECT_TRUE(j["cpu"]["features"].contains("avx512_bf16"));
   EXPECT_TRUE(j["cpu"]["features"].contains("avx2"));
   EXPECT_GE(j["threads"].get<int>(), 1);
+  EXPECT_EQ(j["huge_pages"].get<std::string>(), std::string(k3::huge_page_mode()));  // the kernel's THP mode
   EXPECT_TRUE(j["cuda"].contains("devices"));
   // A build with CUDA says, per op, where its kernels have run: sm_90 on one H200, sm_120 never.
   if (j["cuda"]["compiled"].get<bool>()) {

@@ -10,6 +10,7 @@
 #include "k3/cuda.hpp"
 #include "k3/cuda_moe.hpp"
 #include "k3/cuda_sm120.hpp"
+#include "k3/memory.hpp"
 #include "k3/system.hpp"
 
 namespace k3::tool {
@@ -56,6 +57,9 @@ nlohmann::json info_json() {
                           {"avx512vl", f.avx512vl}, {"avx512_bf16", f.avx512_bf16},
                           {"avx512_vnni", f.avx512_vnni}, {"avx512_vbmi", f.avx512_vbmi}};
   j["threads"] = default_thread_count();
+  // Packed weights are advised for transparent huge pages (k3/memory.hpp); the kernel's mode says
+  // whether that takes effect ("never": 4 KiB pages, slower decode streams).
+  j["huge_pages"] = huge_page_mode();
   // Transports of the multi-rank ops (docs/distributed.md).
   j["transports"]["self"] = "ok (one process)";
   j["transports"]["mpi"] = comm::mpi_available().is_ok() ? "ok (" + comm::mpi_library_version() + ")"
@@ -101,6 +105,10 @@ void print_text(const nlohmann::json& j) {
   for (const auto& [name, on] : j["cpu"]["features"].items()) feats += "  " + name + (on.get<bool>() ? "+" : "-");
   std::printf("simd:         %s\n", feats.c_str());
   std::printf("threads:       %d (K3_NUM_THREADS / OMP_NUM_THREADS override)\n", j["threads"].get<int>());
+  const std::string thp = j["huge_pages"].get<std::string>();
+  std::printf("huge pages:    transparent huge pages '%s'%s\n", thp.c_str(),
+              thp == "always" || thp == "madvise" ? " (packed weights use 2 MiB pages)"
+                                                  : " (packed weights stay on 4 KiB pages)");
   for (const auto& [name, what] : j["transports"].items()) {
     std::printf("transport %-4s %s\n", (name + ":").c_str(), what.get<std::string>().c_str());
   }
