@@ -145,11 +145,16 @@ TEST(CpuMoe, BitIdenticalAcrossThreadsRunsChunksAndBatchComposition) {
         EXPECT_EQ(r.value(), ref.value()) << recipe_name(rec) << " threads " << threads << " run " << rep;
       }
     }
+    // 8 passes of at most 8 tokens: about 24 rows over 5 experts, unevenly, each pass on the
+    // decode route (one contiguous range of tasks per thread, split by rows).
+    o.chunk_tokens = 8;
+    for (int threads : {2, 3}) {
+      o.threads = threads;
+      auto chunked = test::run_cpu(c, o);
+      ASSERT_TRUE(chunked.is_ok());
+      EXPECT_EQ(chunked.value(), ref.value()) << "chunk_tokens 8, threads " << threads;
+    }
     o.threads = 2;
-    o.chunk_tokens = 8;  // 8 passes of at most 8 tokens
-    auto chunked = test::run_cpu(c, o);
-    ASSERT_TRUE(chunked.is_ok());
-    EXPECT_EQ(chunked.value(), ref.value()) << "chunk_tokens 8";
     // Token 7 alone (its experts then have one row each: the direct path) gives the same bits.
     test::MoeCase one = c;
     one.m = 1;

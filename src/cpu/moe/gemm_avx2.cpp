@@ -19,8 +19,8 @@
 //   direct  <= kDirectMaxRowsAvx2 rows (decode): weights expanded in registers, used by every
 //           row at once; the tile streams from memory once, with software prefetch a few records
 //           ahead. Blocks whose operand rows all have an integer view (below) take exact int16
-//           dot products (up to 6 rows, in subgroups of at most 3 while the record is in L1);
-//           the others the FP32 FMA chain (up to 3 rows; 4-6 rows: the panel).
+//           dot products (up to 6 rows, in subgroups of at most 4 rows while the record is in
+//           L1); the others the FP32 FMA chain (up to 3 rows; 4-6 rows: the panel).
 //   panel   more rows: kPanelBlocksAvx2 blocks are dequantized once into an FP32 panel in L1
 //           ([block][k][2G vectors of 8]), then streamed by register tiles of up to 6 rows x
 //           16 lanes (12 accumulators + 2 weight vectors + 1 broadcast = 15 YMM registers).
@@ -301,7 +301,7 @@ __attribute__((always_inline)) K3_TARGET_AVX2 inline void int_record_rows(const 
                                                                          const float* const* half,
                                                                          const int32_t* const* offset, float* totals,
                                                                          const uint8_t* prefetch) {
-  static_assert(CNT * PL * 2 <= 8 && (PL == 1 || PL == 2), "register budget");
+  static_assert(CNT * PL * 2 <= 8 && (PL == 1 || PL == 2), "register budget");  // + 6 more: 14 of 16
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i tab_w = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTwiceE2M1Plus12));
   const __m256i zero = _mm256_setzero_si256();
@@ -312,27 +312,24 @@ __attribute__((always_inline)) K3_TARGET_AVX2 inline void int_record_rows(const 
     if (prefetch != nullptr) {  // one line of a later record's codes per k-pair (see direct_mixed)
       _mm_prefetch(reinterpret_cast<const char*>(prefetch + kp * (record_code_bytes(G) / kPairs)), _MM_HINT_T0);
     }
-    __m256i xp[CNT];
-#pragma GCC unroll 4
-    for (int m = 0; m < CNT; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, xi[m] + xo + 2 * kp, sizeof(pair));
-      xp[m] = _mm256_set1_epi32(pair);
-    }
+    // The weights of the k-pair first ([plane][half]), then per row one broadcast of its int16
+    // pair and its multiply-adds: one broadcast register live, so that 4 rows fit 16 registers.
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + (kp * (G / 2) + p0) * 32));
+    __m256i w16[PL * 2];
 #pragma GCC unroll 2
     for (int n = n0; n < n0 + PL; ++n) {
       const __m256i codes = _mm256_and_si256(n == 0 ? raw : _mm256_srli_epi16(raw, 4), nibble);
       const __m256i wv = _mm256_shuffle_epi8(tab_w, codes);
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const __m256i w16 = h == 0 ? _mm256_unpacklo_epi8(wv, zero) : _mm256_unpackhi_epi8(wv, zero);
+      w16[(n - n0) * 2] = _mm256_unpacklo_epi8(wv, zero);
+      w16[(n - n0) * 2 + 1] = _mm256_unpackhi_epi8(wv, zero);
+    }
 #pragma GCC unroll 4
-        for (int m = 0; m < CNT; ++m) {
-          __m256i& acc_ = acc[(m * PL + (n - n0)) * 2 + h];
-          acc_ = int_mac<kVnni>(acc_, w16, xp[m]);
-        }
-      }
+    for (int m = 0; m < CNT; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, xi[m] + xo + 2 * kp, sizeof(pair));
+      const __m256i xp = _mm256_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int i = 0; i < PL * 2; ++i) acc[m * PL * 2 + i] = int_mac<kVnni>(acc[m * PL * 2 + i], w16[i], xp);
     }
   }
   __m256 partial[CNT * PL * 2];  // the FP32 chain's partial sums: (acc - 12 * sum(xi)) * T/2, exact
@@ -360,8 +357,9 @@ void panel_range(const TileGemm& a, int64_t rows, int64_t b0, int64_t b1, const 
 // the Intel Xeon guest `k3 bench moe --isa avx2` M = 1 W4A8 then took 7.4 against 8.1 ms (three
 // alternated runs; docs/cpu_moe.md). A record whose
 // rows all have a view takes the integer kernel (one row: both nibble planes per pass; more
-// rows: one plane per pass, in subgroups of at most 3, 4 rows as 2 + 2, while the record stays in
-// L1); any other the FP32 kernel: directly for up to 3 rows, through the panel for 4-6 (the FP32
+// rows: one plane per pass, in subgroups of at most 4 rows (5, 6 rows: 3 + 2, 3 + 3; 4 rows in one
+// subgroup instead of 2 + 2: BM_DequantDotCached/rows:4 25.6 -> 22.7 us on the Intel Xeon guest),
+// while the record stays in L1); any other the FP32 kernel: directly for up to 3 rows, through the panel for 4-6 (the FP32
 // direct kernel with 4 rows was slower than the panel), one call per run of such records.
 template <int MR, int G, bool kVnni>
 __attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, int64_t c0, int64_t c1, int64_t base,
@@ -369,7 +367,7 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, in
                                                            const int32_t* const* offset, const float* const* rows,
                                                            float* totals) {
   constexpr int kAhead = 4;
-  constexpr int kPlInt = MR == 1 ? 2 : 1, kSub = MR == 4 ? 2 : (MR < 3 ? MR : 3);
+  constexpr int kPlInt = MR == 1 ? 2 : 1, kSub = MR <= 4 ? MR : 3;
   constexpr int kFull = MR / kSub, kRest = MR % kSub;
   constexpr int kPlFp32 = MR == 3 ? 1 : 2;
   const int64_t rec = record_bytes(G);

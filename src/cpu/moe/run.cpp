@@ -365,14 +365,27 @@ Status shift_error(const char* what, int64_t row, int64_t token, const char* rec
                     "); run it at the ISA level avx512 (FP32 operands; the k3 tool: K3_ISA=avx512)");
 }
 
-// Runs task(0 .. n-1), thread i of `threads` the contiguous range [n i / threads, n (i + 1) / threads).
-template <typename F>
-void run_ranges(int threads, int64_t n, const F& task) {
+// Runs task(0 .. n-1), thread i of the team one contiguous range of tasks, the ranges of near-equal
+// total cost (cost(j) >= 1; thread i starts at the first task whose cost prefix reaches
+// total * i / team). The decode tasks of one expert cost 1 + its rows: a tile streams the same
+// bytes whatever the rows, and each row adds about as much arithmetic again (docs/cpu_moe.md,
+// "Decode schedule"); with equal task counts per thread, a thread holding the experts with more
+// rows finished last.
+template <typename Cost, typename F>
+void run_ranges(int threads, int64_t n, const Cost& cost, const F& task) {
   const int team = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(n, 1)));
+  int64_t total = 0;
+  for (int64_t j = 0; j < n; ++j) total += cost(j);
 #pragma omp parallel num_threads(team)
   {
     const int64_t i = omp_get_thread_num(), t = omp_get_num_threads();
-    for (int64_t j = n * i / t; j < n * (i + 1) / t; ++j) task(j);
+    const int64_t lo = total * i / t, hi = total * (i + 1) / t;  // this thread's share of the cost
+    int64_t prefix = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      if (prefix >= hi) break;
+      if (prefix >= lo) task(j);
+      prefix += cost(j);
+    }
   }
 }
 
@@ -405,11 +418,13 @@ Status run_chunk(Pass& p) {
   const bool streams = rows_total <= kStreamMaxRows;
   int32_t* used = p.region<int32_t>(p.lay.used_experts);
   int64_t n_used = 0;
+  auto rows_of = [offset](int64_t e) { return offset[e + 1] - offset[e]; };
   for (int64_t e = 0; e < p.e_local; ++e) {
     if (offset[e + 1] > offset[e]) used[n_used++] = static_cast<int32_t>(e);
   }
   if (streams) {
-    run_ranges(threads, n_used * tiles1, [&](int64_t task) { gemm1_task(p, used[task / tiles1], task % tiles1); });
+    run_ranges(threads, n_used * tiles1, [&](int64_t task) { return 1 + rows_of(used[task / tiles1]); },
+               [&](int64_t task) { gemm1_task(p, used[task / tiles1], task % tiles1); });
   } else {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < n_used * tiles1; ++task) gemm1_task(p, used[task / tiles1], task % tiles1);
@@ -425,7 +440,8 @@ Status run_chunk(Pass& p) {
   }
 
   if (streams) {
-    run_ranges(threads, n_used * tiles2, [&](int64_t task) { gemm2_task(p, used[task / tiles2], task % tiles2); });
+    run_ranges(threads, n_used * tiles2, [&](int64_t task) { return 1 + rows_of(used[task / tiles2]); },
+               [&](int64_t task) { gemm2_task(p, used[task / tiles2], task % tiles2); });
   } else {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < n_used * tiles2; ++task) gemm2_task(p, used[task / tiles2], task % tiles2);
