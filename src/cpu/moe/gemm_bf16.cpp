@@ -96,21 +96,27 @@ K3_TARGET_BF16 inline void apply_scales(const uint8_t* scales, __m512 (&acc)[MR]
 // moe --m 1,8 --recipe both` took 6.9 ms at M = 1 (W4A8) with it against 8.8 ms without, M = 8
 // 32.9 against 39.5 ms (three alternated runs each). On AMD Zen 4 the hardware prefetcher alone
 // was faster: prefetching 8 records ahead made M = 1 (W4A16) 4.65 ms against 4.12 ms without
-// (five alternated runs, 2026-12-05).
+// (five alternated runs, 2026-12-05). The prefetch of the later record is spread over the block's
+// k-pairs, one line each (its scale line first), and runs on past the tile's end into the next
+// tile of the expert, which follows in memory (a prefetch never faults): M = 1 W4A8 then took
+// 5.66-5.82 against 5.90-6.30 ms on the Xeon (three alternated runs).
 inline constexpr int64_t kAhead = 4;
 inline bool prefetch_direct_records() { return prefetch_single_streams(); }
-K3_TARGET_BF16 inline void prefetch_record(const uint8_t* r, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(r + o), _MM_HINT_T0);
-}
+// Inline assembly: GCC 12 dropped _mm_prefetch / __builtin_prefetch calls from the fully unrolled
+// k-pair loops of the block kernels below (no prefetch instruction in the object; checked with
+// objdump), so the instruction is written out.
+inline void prefetch_line(const uint8_t* p) { __asm__ volatile("prefetcht0 %0" : : "m"(*p)); }
 
 // Direct, one block by VDPBF16PS: acc[m][g] = the block's partial sums.
 template <int MR, int G>
 __attribute__((always_inline)) K3_TARGET_BF16 inline void block_bf16(const uint8_t* r, int64_t b, __m512i table,
-                                                                     const uint16_t* const* rows, __m512 (&acc)[MR][G]) {
+                                                                     const uint16_t* const* rows, __m512 (&acc)[MR][G],
+                                                                     const uint8_t* prefetch) {
   for (int m = 0; m < MR; ++m)
     for (int g = 0; g < G; ++g) acc[m][g] = _mm512_setzero_ps();
 #pragma GCC unroll 16
   for (int kp = 0; kp < kPairs; ++kp) {
+    if (prefetch != nullptr) prefetch_line(prefetch + kp * (record_code_bytes(G) / kPairs));
     __m512i w[G];
     for (int p = 0; p < G / 2; ++p) expand_pair(r + (kp * (G / 2) + p) * 32, table, w[2 * p], w[2 * p + 1]);
     for (int m = 0; m < MR; ++m) {
@@ -125,12 +131,14 @@ __attribute__((always_inline)) K3_TARGET_BF16 inline void block_bf16(const uint8
 template <int MR, int G>
 __attribute__((always_inline)) K3_TARGET_BF16_VNNI inline void block_int(const uint8_t* r, int64_t b, __m512i table,
                                                                          const uint16_t* const* xi,
-                                                                         const float* const* half, __m512 (&acc)[MR][G]) {
+                                                                         const float* const* half, __m512 (&acc)[MR][G],
+                                                                         const uint8_t* prefetch) {
   __m512i iacc[MR][G];
   for (int m = 0; m < MR; ++m)
     for (int g = 0; g < G; ++g) iacc[m][g] = _mm512_setzero_si512();
 #pragma GCC unroll 16
   for (int kp = 0; kp < kPairs; ++kp) {
+    if (prefetch != nullptr) prefetch_line(prefetch + kp * (record_code_bytes(G) / kPairs));
     __m512i w[G];
     for (int p = 0; p < G / 2; ++p) expand_pair(r + (kp * (G / 2) + p) * 32, table, w[2 * p], w[2 * p + 1]);
     for (int m = 0; m < MR; ++m) {
@@ -152,9 +160,10 @@ K3_TARGET_BF16 void direct_rows(const TileGemm& a, const uint16_t* const* rows, 
   const int64_t rec = record_bytes(G);
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* r = a.records + b * rec;
-    if (prefetch && b + kAhead < a.blocks) prefetch_record(r + kAhead * rec, rec);
+    const uint8_t* ahead = prefetch ? r + kAhead * rec : nullptr;
+    if (ahead != nullptr) prefetch_line(ahead + record_code_bytes(G));  // its scales
     __m512 acc[MR][G];
-    block_bf16<MR, G>(r, b, table, rows, acc);
+    block_bf16<MR, G>(r, b, table, rows, acc, ahead);
     float* t = totals;  // opaque: see panel_rows
     __asm__("" : "+r"(t));
     apply_scales<MR, G>(r + record_code_bytes(G), acc, t);
@@ -176,14 +185,15 @@ K3_TARGET_BF16_VNNI void direct_rows_int(const TileGemm& a, const uint16_t* cons
   }
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* r = a.records + b * rec;
-    if (prefetch && b + kAhead < a.blocks) prefetch_record(r + kAhead * rec, rec);
+    const uint8_t* ahead = prefetch ? r + kAhead * rec : nullptr;
+    if (ahead != nullptr) prefetch_line(ahead + record_code_bytes(G));  // its scales
     __m512 acc[MR][G];
     bool viewed = true;
     for (int m = 0; m < MR; ++m) viewed = viewed && half[m][b] != 0.f;
     if (viewed) {
-      block_int<MR, G>(r, b, itable, xi, half, acc);
+      block_int<MR, G>(r, b, itable, xi, half, acc, ahead);
     } else {
-      block_bf16<MR, G>(r, b, table, rows, acc);
+      block_bf16<MR, G>(r, b, table, rows, acc, ahead);
     }
     float* t = totals;  // opaque: see panel_rows
     __asm__("" : "+r"(t));
