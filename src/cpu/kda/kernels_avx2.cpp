@@ -8,6 +8,7 @@
 
 #include "core/kda/kda_math.hpp"
 #include "cpu/kda/kernels.hpp"
+#include "cpu/prefetch.hpp"
 
 // GCC: a target pragma; clang (TSan and fuzz builds) has no GCC target pragma, it attaches the
 // same attribute to every function of the region.

@@ -9,6 +9,7 @@
 
 #include "core/kda/kda_math.hpp"
 #include "cpu/kda/kernels.hpp"
+#include "cpu/prefetch.hpp"
 
 // GCC 12 reports its own _mm512_undefined_* helpers (inside _mm512_reduce_add_ps) as
 // "used uninitialized": a false positive inside avx512fintrin.h.

@@ -153,7 +153,7 @@ inline float prep_token(const HeadCtx& x, int64_t t, const float* bias, float* q
       break;
     }
     case GateMode::kSoftplus:
-      for (int64_t d = 0; d < K; ++d) g[d] = detail::log_decay<float>(x.gate, f[d], x.a, bias[d], x.lower_bound);
+      for (int64_t d = 0; d < K; ++d) g[d] = k3::kda::detail::log_decay<float>(x.gate, f[d], x.a, bias[d], x.lower_bound);
       break;
   }
   for (int64_t d = K; d < kp; ++d) g[d] = 0.0f;
@@ -186,10 +186,7 @@ inline void poison_vnew(const HeadCtx& x, const TokenPoison& p, float* vnew, int
 // The rows of token t are H * K elements apart from those of token t - 1 (24 KiB at H = 96,
 // K = 128, BF16): too far for the hardware prefetcher, so the inputs of upcoming tokens are
 // prefetched explicitly (prep_token was bound by these misses: ~20 % of a chunked prefill).
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
-}
+using k3::cpu::detail::prefetch_bytes;  // inline assembly: GCC dropped __builtin_prefetch here
 inline void prefetch_token(const HeadCtx& x, int64_t t) {
   const int64_t qk = (t * x.num_heads + x.head) * x.head_k, vo = (t * x.num_heads + x.head) * x.head_v;
   if (x.q16 != nullptr) {

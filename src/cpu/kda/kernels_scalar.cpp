@@ -5,6 +5,7 @@
 
 #include "core/kda/kda_math.hpp"
 #include "cpu/kda/kernels.hpp"
+#include "cpu/prefetch.hpp"
 
 namespace k3::cpu::kda_detail {
 namespace scalar_impl {

@@ -171,7 +171,7 @@ K3_LIN_BF16 void stream_rows_bf16(const PackedLinear& w, const Operand& x, int64
         // 35-38 to 42-44 GB/s in the minutes when the read-bandwidth probe reads 45-50 GB/s,
         // without it.
         if ((G == 2 || prefetch) && b + 4 < blocks)
-          for (int l = 0; l < kBlock * kLanes; l += 64) __builtin_prefetch(codes[g] + 4 * kBlock * kLanes + l);
+          for (int l = 0; l < kBlock * kLanes; l += 64) k3::cpu::detail::prefetch_line(codes[g] + 4 * kBlock * kLanes + l);
       }
       const uint32_t* xr[R];
       for (int r = 0; r < R; ++r) xr[r] = x.xb + static_cast<int64_t>(r) * x.ldb + b * (kBlock / 2);

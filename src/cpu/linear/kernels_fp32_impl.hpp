@@ -85,8 +85,8 @@ K3_LIN_TARGET void stream_rows(const PackedLinear& w, const Operand& x, int r0, 
           ps = w.tile_scales(t + G + g) + (b + kAhead - blocks) * kLanes;
         }
         if (pf != nullptr) {
-          for (int l = 0; l < kBlock * kLanes * kEb<B16>; l += 64) __builtin_prefetch(pf + l);
-          if (((b + kAhead) & 3) == 0) __builtin_prefetch(ps);
+          for (int l = 0; l < kBlock * kLanes * kEb<B16>; l += 64) k3::cpu::detail::prefetch_line(pf + l);
+          if (((b + kAhead) & 3) == 0) k3::cpu::detail::prefetch_line(ps);
         }
       }
       const float* xr[R];

@@ -29,6 +29,7 @@
 #include <cstring>
 
 #include "cpu/moe/layout.hpp"
+#include "cpu/prefetch.hpp"
 
 #define K3_TARGET_AVX2 __attribute__((target("avx2,fma")))
 
@@ -86,9 +87,7 @@ K3_TARGET_AVX2 inline void group_scales(const uint8_t* s, __m256 (&out)[2]) {
   out[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(perm, 8)), 23));
 }
 
-K3_TARGET_AVX2 inline void prefetch_record(const uint8_t* r, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(r + o), _MM_HINT_T0);
-}
+inline void prefetch_record(const uint8_t* r, int64_t bytes) { prefetch_bytes(r, bytes); }
 
 // End of a record's pass: totals[m][lanes of group g, half h] = fma(partial[m][n - n0][h], scale,
 // totals), for the groups of nibble planes [n0, n0 + PL) of pair p0, in block order.
@@ -310,7 +309,7 @@ __attribute__((always_inline)) K3_TARGET_AVX2 inline void int_record_rows(const 
 #pragma GCC unroll 4
   for (int kp = 0; kp < kPairs; ++kp) {
     if (prefetch != nullptr) {  // one line of a later record's codes per k-pair (see direct_mixed)
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + kp * (record_code_bytes(G) / kPairs)), _MM_HINT_T0);
+      prefetch_line(prefetch + kp * (record_code_bytes(G) / kPairs));
     }
     // The weights of the k-pair first ([plane][half]), then per row one broadcast of its int16
     // pair and its multiply-adds: one broadcast register live, so that 4 rows fit 16 registers.
@@ -380,7 +379,7 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, in
     for (int m = 0; m < MR; ++m) viewed = viewed && half[m][hb] != 0.f;
     if (!viewed) prefetch_record(ahead, rec);
     if (viewed) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + record_code_bytes(G)), _MM_HINT_T0);  // its scales
+      prefetch_line(ahead + record_code_bytes(G));  // its scales
       if constexpr (MR > kDirectMaxRowsFp32) {
         if (fp32_run >= 0) panel_range<G>(a, MR, fp32_run, b, rows, totals);
         fp32_run = -1;

@@ -102,10 +102,7 @@ K3_TARGET_BF16 inline void apply_scales(const uint8_t* scales, __m512 (&acc)[MR]
 // 5.66-5.82 against 5.90-6.30 ms on the Xeon (three alternated runs).
 inline constexpr int64_t kAhead = 4;
 inline bool prefetch_direct_records() { return prefetch_single_streams(); }
-// Inline assembly: GCC 12 dropped _mm_prefetch / __builtin_prefetch calls from the fully unrolled
-// k-pair loops of the block kernels below (no prefetch instruction in the object; checked with
-// objdump), so the instruction is written out.
-inline void prefetch_line(const uint8_t* p) { __asm__ volatile("prefetcht0 %0" : : "m"(*p)); }
+
 
 // Direct, one block by VDPBF16PS: acc[m][g] = the block's partial sums.
 template <int MR, int G>
