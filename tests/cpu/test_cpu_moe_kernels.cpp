@@ -430,50 +430,55 @@ TEST(CpuMoeKernels, Fp32TileKernelsMatchThePortableKernelBitForBit) {
   }
 }
 
-// The AVX2 kernel computes viewed blocks from the views alone: a view with wrong integers changes
-// the result (so the bit-identity above covers the integer path), a row without views does not.
+// `blocks` records of random codes whose scales are all 127 (2^0).
+std::vector<uint8_t> unit_scale_records(std::mt19937_64& rng, int groups, int64_t blocks) {
+  std::vector<uint8_t> rec(static_cast<size_t>(blocks * record_bytes(groups)));
+  for (auto& b : rec) b = static_cast<uint8_t>(rng());
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint8_t* sc = rec.data() + b * record_bytes(groups) + record_code_bytes(groups);
+    for (int i = 0; i < groups * kLanes; ++i) sc[i] = 127;
+  }
+  return rec;
+}
+
+// A direct kernel computes viewed blocks from the row's integer view alone: the view with one
+// integer off (element `index`) changes the result; with no block viewed the kernel reads the
+// operand row itself and gives the first result again.
+void expect_kernel_reads_views(TileGemmFn fn, const std::vector<uint8_t>& rec, int groups, int64_t blocks,
+                               const void* row, std::vector<int16_t> view, int64_t index, const char* what) {
+  const int16_t* vrow = view.data();
+  std::vector<float> want(static_cast<size_t>(groups * kLanes)), got(want.size());
+  alignas(64) static uint8_t panel[kPanelScratchBytes];
+  TileGemm g{rec.data(), blocks, groups, &row, 1, want.data(), panel};
+  g.views = &vrow;
+  fn(g);
+  view[static_cast<size_t>(index)] = static_cast<int16_t>(view[static_cast<size_t>(index)] + 1);
+  g.totals = got.data();
+  fn(g);
+  EXPECT_NE(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float))) << what;
+  std::memset(view.data() + blocks * kBlock, 0, static_cast<size_t>(blocks) * sizeof(float));  // every 2^(e-15) = 0
+  fn(g);
+  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float))) << what;
+}
+
+// The AVX2 kernel reads the views (so the bit-identity above covers the integer path).
 TEST(CpuMoeKernels, Avx2DirectKernelReadsTheIntegerViews) {
   if (best_isa_level() < IsaLevel::kAvx2) GTEST_SKIP() << "no AVX2";
   const int64_t blocks = 4, len = blocks * kBlock;
   std::mt19937_64 rng(3);
-  std::vector<uint8_t> rec(static_cast<size_t>(blocks * record_bytes(kFc1Groups)));
-  for (auto& b : rec) b = static_cast<uint8_t>(rng());
-  for (int64_t b = 0; b < blocks; ++b) {
-    uint8_t* sc = rec.data() + b * record_bytes(kFc1Groups) + record_code_bytes(kFc1Groups);
-    for (int i = 0; i < kFc1Groups * kLanes; ++i) sc[i] = 127;
-  }
+  const auto rec = unit_scale_records(rng, kFc1Groups, blocks);
   std::vector<float> x(static_cast<size_t>(len));
   for (auto& v : x) v = bf16_to_f32(bf16_from_f32(std::normal_distribution<float>()(rng)));
   std::vector<int16_t> view(static_cast<size_t>(int_view_bytes(len) / 2));
   int_view_row(x.data(), len, view.data());
-  float halves[blocks];
-  std::memcpy(halves, view.data() + len, sizeof(halves));
-  ASSERT_NE(halves[1], 0.f) << "block 1 of a BF16 Gaussian row should have a view";
-  const void* row = x.data();
+  float half1;
+  std::memcpy(&half1, view.data() + len + 1 * 2, sizeof(half1));
+  ASSERT_NE(half1, 0.f) << "block 1 of a BF16 Gaussian row should have a view";
   // Both forms of the integer kernel: VPMADDWD + VPADDD, and VPDPWSSD where the CPU has it.
-  for (bool vnni : {false, true}) {
-    std::vector<int16_t> v = view;
-    const int16_t* vrow = v.data();
-    std::vector<float> want(64), got(64);
-    alignas(64) static uint8_t panel[kPanelScratchBytes];
-    TileGemm g{rec.data(), blocks, kFc1Groups, &row, 1, want.data(), panel};
-    g.views = &vrow;
-    tile_gemm_avx2(vnni)(g);
-    v[kBlock + 3] = static_cast<int16_t>(v[kBlock + 3] + 1);  // block 1: one integer off
-    g.totals = got.data();
-    tile_gemm_avx2(vnni)(g);
-    EXPECT_NE(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float))) << vnni;
-    std::memset(v.data() + len, 0, sizeof(halves));  // no block viewed: the FP32 kernel, x itself
-    tile_gemm_avx2(vnni)(g);
-    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float))) << vnni;
-  }
+  expect_kernel_reads_views(tile_gemm_avx2(false), rec, kFc1Groups, blocks, x.data(), view, kBlock + 3, "vpmaddwd");
+  expect_kernel_reads_views(tile_gemm_avx2(true), rec, kFc1Groups, blocks, x.data(), view, kBlock + 3, "vpdpwssd");
 }
 
-// BF16 operand rows as the avx512bf16 level prepares them (every nonzero finite magnitude in
-// [2^-118, 2^120), see run.cpp): Gaussians (most blocks have an integer view), magnitudes at the
-// shift's lower and upper ends, E4M3 values, rows whose blocks mix magnitudes 2^20 apart (no
-// view), blocks at the view's limit (|xi| = 2^15 - 128, the largest sums with +-6 weights) and
-// zeros of both signs.
 std::vector<uint16_t> bf16_operand_rows(std::mt19937_64& rng, int64_t rows, int64_t len) {
   std::vector<uint16_t> ops(static_cast<size_t>(rows * len));
   std::normal_distribution<float> nd;
@@ -579,40 +584,21 @@ TEST(CpuMoeKernels, Bf16TileKernelGivesTheSameBitsWithIntegerViews) {
   }
 }
 
-// The avx512bf16 direct kernel computes viewed blocks from the views: one integer off changes the
-// result; with no block viewed it reads the BF16 row itself.
+// The avx512bf16 direct kernel reads the views of BF16 rows too.
 TEST(CpuMoeKernels, Bf16DirectKernelReadsTheIntegerViews) {
   if (best_isa_level() != IsaLevel::kAvx512Bf16) GTEST_SKIP() << "no AVX512-BF16";
   if (!uses_int_views(IsaLevel::kAvx512Bf16)) GTEST_SKIP() << "no AVX512-VNNI: the BF16 kernel reads no views";
   const int64_t blocks = 4, len = blocks * kBlock;
   std::mt19937_64 rng(5);
-  std::vector<uint8_t> rec(static_cast<size_t>(blocks * record_bytes(kFc2Groups)));
-  for (auto& b : rec) b = static_cast<uint8_t>(rng());
-  for (int64_t b = 0; b < blocks; ++b) {
-    uint8_t* sc = rec.data() + b * record_bytes(kFc2Groups) + record_code_bytes(kFc2Groups);
-    for (int i = 0; i < kFc2Groups * kLanes; ++i) sc[i] = 127;
-  }
+  const auto rec = unit_scale_records(rng, kFc2Groups, blocks);
   std::vector<uint16_t> x(static_cast<size_t>(len));
   for (auto& v : x) v = bf16_from_f32(std::normal_distribution<float>()(rng));
   std::vector<int16_t> view(static_cast<size_t>(int_view_bytes(len) / 2));
   int_view_row_bf16(x.data(), len, view.data());
-  float halves[blocks];
-  std::memcpy(halves, view.data() + len, sizeof(halves));
-  ASSERT_NE(halves[2], 0.f) << "block 2 of a BF16 Gaussian row should have a view";
-  const void* row = x.data();
-  const int16_t* vrow = view.data();
-  std::vector<float> want(32), got(32);
-  alignas(64) static uint8_t panel[kPanelScratchBytes];
-  TileGemm g{rec.data(), blocks, kFc2Groups, &row, 1, want.data(), panel};
-  g.views = &vrow;
-  tile_gemm_bf16()(g);
-  view[2 * kBlock + 9] = static_cast<int16_t>(view[2 * kBlock + 9] + 1);
-  g.totals = got.data();
-  tile_gemm_bf16()(g);
-  EXPECT_NE(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
-  std::memset(view.data() + len, 0, sizeof(halves));
-  tile_gemm_bf16()(g);
-  EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
+  float half2;
+  std::memcpy(&half2, view.data() + len + 2 * 2, sizeof(half2));
+  ASSERT_NE(half2, 0.f) << "block 2 of a BF16 Gaussian row should have a view";
+  expect_kernel_reads_views(tile_gemm_bf16(), rec, kFc2Groups, blocks, x.data(), view, 2 * kBlock + 9, "bf16");
 }
 
 TEST(CpuMoeKernels, PlanDescribesTheBlockingOfEachLevel) {
