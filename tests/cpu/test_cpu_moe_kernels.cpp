@@ -362,6 +362,32 @@ TEST(CpuMoeKernels, IntegerViewsAreExactAndExistExactlyWithinTheirRange) {
   EXPECT_EQ(offsets[2], 12 * 32 * 16384);
 }
 
+// `blocks` records of random codes; scales random in 1..254, or all 127 (2^0).
+std::vector<uint8_t> random_records(std::mt19937_64& rng, int groups, int64_t blocks, bool unit_scales) {
+  std::vector<uint8_t> rec(static_cast<size_t>(blocks * record_bytes(groups)));
+  for (auto& b : rec) b = static_cast<uint8_t>(rng());
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint8_t* sc = rec.data() + b * record_bytes(groups) + record_code_bytes(groups);
+    for (int i = 0; i < groups * kLanes; ++i) sc[i] = unit_scales ? 127 : static_cast<uint8_t>(1 + rng() % 254);
+  }
+  return rec;
+}
+
+// Random records with, where the tile is long enough, an all-zero block with scale code 0 (block 0,
+// allowed by prepack) and a block of +-6 codes only (block 2: the largest integer sums).
+std::vector<uint8_t> records_with_edge_blocks(std::mt19937_64& rng, int groups, int64_t blocks) {
+  auto rec = random_records(rng, groups, blocks, false);
+  if (blocks > 1) {
+    std::memset(rec.data(), 0, static_cast<size_t>(record_code_bytes(groups)));
+    std::memset(rec.data() + record_code_bytes(groups), 0, static_cast<size_t>(groups * kLanes));
+  }
+  if (blocks > 2) {
+    uint8_t* c = rec.data() + 2 * record_bytes(groups);
+    for (int64_t i = 0; i < record_code_bytes(groups); ++i) c[i] = (i % 3) ? 0x77 : 0xF7;
+  }
+  return rec;
+}
+
 // Every FP32 tile kernel (AVX2 + FMA: direct for 1-3 rows, integer or FP32 per block, panel with
 // register tiles above) gives the portable kernel's bits for every row count 1..kRowGroup, both
 // tile shapes, all 16 codes, scale codes 1..254 and all-zero blocks with code 0, odd block counts
@@ -371,20 +397,7 @@ TEST(CpuMoeKernels, Fp32TileKernelsMatchThePortableKernelBitForBit) {
   std::mt19937_64 rng(11);
   for (int groups : {kFc1Groups, kFc2Groups}) {
     for (int64_t blocks : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{67}}) {
-      std::vector<uint8_t> rec(static_cast<size_t>(blocks * record_bytes(groups)));
-      for (auto& b : rec) b = static_cast<uint8_t>(rng());
-      for (int64_t b = 0; b < blocks; ++b) {
-        uint8_t* sc = rec.data() + b * record_bytes(groups) + record_code_bytes(groups);
-        for (int i = 0; i < groups * kLanes; ++i) sc[i] = static_cast<uint8_t>(1 + rng() % 254);
-      }
-      if (blocks > 1) {  // an all-zero block with scale code 0 (allowed by prepack)
-        std::memset(rec.data(), 0, static_cast<size_t>(record_code_bytes(groups)));
-        std::memset(rec.data() + record_code_bytes(groups), 0, static_cast<size_t>(groups * kLanes));
-      }
-      if (blocks > 2) {  // a block of +-6 codes only (the largest integer sums)
-        uint8_t* c = rec.data() + 2 * record_bytes(groups);
-        for (int64_t i = 0; i < record_code_bytes(groups); ++i) c[i] = (i % 3) ? 0x77 : 0xF7;
-      }
+      const auto rec = records_with_edge_blocks(rng, groups, blocks);
       const int64_t len = blocks * kBlock;
       const std::vector<float> ops = fp32_operand_rows(rng, kRowGroup, len);
       // Row orders: all rows from the first, from the last, and the rows that are not plain FP32
@@ -430,17 +443,6 @@ TEST(CpuMoeKernels, Fp32TileKernelsMatchThePortableKernelBitForBit) {
   }
 }
 
-// `blocks` records of random codes whose scales are all 127 (2^0).
-std::vector<uint8_t> unit_scale_records(std::mt19937_64& rng, int groups, int64_t blocks) {
-  std::vector<uint8_t> rec(static_cast<size_t>(blocks * record_bytes(groups)));
-  for (auto& b : rec) b = static_cast<uint8_t>(rng());
-  for (int64_t b = 0; b < blocks; ++b) {
-    uint8_t* sc = rec.data() + b * record_bytes(groups) + record_code_bytes(groups);
-    for (int i = 0; i < groups * kLanes; ++i) sc[i] = 127;
-  }
-  return rec;
-}
-
 // A direct kernel computes viewed blocks from the row's integer view alone: the view with one
 // integer off (element `index`) changes the result; with no block viewed the kernel reads the
 // operand row itself and gives the first result again.
@@ -466,7 +468,7 @@ TEST(CpuMoeKernels, Avx2DirectKernelReadsTheIntegerViews) {
   if (best_isa_level() < IsaLevel::kAvx2) GTEST_SKIP() << "no AVX2";
   const int64_t blocks = 4, len = blocks * kBlock;
   std::mt19937_64 rng(3);
-  const auto rec = unit_scale_records(rng, kFc1Groups, blocks);
+  const auto rec = random_records(rng, kFc1Groups, blocks, true);
   std::vector<float> x(static_cast<size_t>(len));
   for (auto& v : x) v = bf16_to_f32(bf16_from_f32(std::normal_distribution<float>()(rng)));
   std::vector<int16_t> view(static_cast<size_t>(int_view_bytes(len) / 2));
@@ -516,20 +518,7 @@ TEST(CpuMoeKernels, Bf16TileKernelGivesTheSameBitsWithIntegerViews) {
   std::mt19937_64 rng(23);
   for (int groups : {kFc1Groups, kFc2Groups}) {
     for (int64_t blocks : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{67}}) {
-      std::vector<uint8_t> rec(static_cast<size_t>(blocks * record_bytes(groups)));
-      for (auto& b : rec) b = static_cast<uint8_t>(rng());
-      for (int64_t b = 0; b < blocks; ++b) {
-        uint8_t* sc = rec.data() + b * record_bytes(groups) + record_code_bytes(groups);
-        for (int i = 0; i < groups * kLanes; ++i) sc[i] = static_cast<uint8_t>(1 + rng() % 254);
-      }
-      if (blocks > 1) {
-        std::memset(rec.data(), 0, static_cast<size_t>(record_code_bytes(groups)));
-        std::memset(rec.data() + record_code_bytes(groups), 0, static_cast<size_t>(groups * kLanes));
-      }
-      if (blocks > 2) {
-        uint8_t* c = rec.data() + 2 * record_bytes(groups);
-        for (int64_t i = 0; i < record_code_bytes(groups); ++i) c[i] = (i % 3) ? 0x77 : 0xF7;
-      }
+      const auto rec = records_with_edge_blocks(rng, groups, blocks);
       const int64_t len = blocks * kBlock;
       const std::vector<uint16_t> ops = bf16_operand_rows(rng, kRowGroup, len);
       std::vector<float> f32(ops.size());
@@ -590,7 +579,7 @@ TEST(CpuMoeKernels, Bf16DirectKernelReadsTheIntegerViews) {
   if (!uses_int_views(IsaLevel::kAvx512Bf16)) GTEST_SKIP() << "no AVX512-VNNI: the BF16 kernel reads no views";
   const int64_t blocks = 4, len = blocks * kBlock;
   std::mt19937_64 rng(5);
-  const auto rec = unit_scale_records(rng, kFc2Groups, blocks);
+  const auto rec = random_records(rng, kFc2Groups, blocks, true);
   std::vector<uint16_t> x(static_cast<size_t>(len));
   for (auto& v : x) v = bf16_from_f32(std::normal_distribution<float>()(rng));
   std::vector<int16_t> view(static_cast<size_t>(int_view_bytes(len) / 2));
