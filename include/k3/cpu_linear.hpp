@@ -80,13 +80,22 @@ class PackedLinear {
   }
   // W16A16: the weights are BF16 values (2 bytes each, FP32 layout, every scale code 127).
   bool bf16_weights() const { return bf16_weights_; }
-  int64_t bytes() const { return static_cast<int64_t>(codes_.size() + scales_.size() + bias_.size() * 4); }
+  int64_t bytes() const {
+    return static_cast<int64_t>(codes_.size() + scales_.size() + normal_.size() + bias_.size() * 4);
+  }
   // Tile t: 16 K weights; FP32 layout: [K/32 blocks][32 k (pair-swapped: k = 1, 0, 3, 2, ...)][16
   // columns] E4M3 codes (W16A16: BF16 values, 2 bytes each); pair layout: see pair_layout().
   // code_offset() counts elements.
   const uint8_t* tile_codes(int64_t t) const { return codes_.data() + t * k_ * 16 * (bf16_weights_ ? 2 : 1); }
   // Tile t: [K/32 blocks][16 columns] E8M0 codes (padding columns: 127).
   const uint8_t* tile_scales(int64_t t) const { return scales_.data() + t * (k_ / 32) * 16; }
+  // Pair layout only: tile t: [K/32 blocks] 1 where every code of the block (32 k x 16 columns)
+  // has a nonzero exponent field (a normal E4M3 number), else 0 (a zero or subnormal code, or a
+  // padding column). The avx512bf16 kernels expand such blocks with bit moves alone
+  // (docs/linear.md); the others through a lookup table. nullptr in the FP32 layout.
+  const uint8_t* tile_normal(int64_t t) const { return normal_.empty() ? nullptr : normal_.data() + t * (k_ / 32); }
+  // How many (tile, block) pairs are all normal (pair layout; 0 otherwise), for tests and describe.
+  int64_t normal_blocks() const;
   const float* bias() const { return bias_.empty() ? nullptr : bias_.data(); }
 
  private:
@@ -96,6 +105,7 @@ class PackedLinear {
   bool bf16_weights_ = false;
   HugePageVector<uint8_t> codes_;  // k3/memory.hpp: 2 MiB aligned, advised for huge pages
   std::vector<uint8_t> scales_;
+  std::vector<uint8_t> normal_;  // pair layout: [tiles][K/32] (tile_normal)
   std::vector<float> bias_;
 };
 

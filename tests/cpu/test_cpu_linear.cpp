@@ -3,6 +3,7 @@
 // oracle (an error bound), non-finite inputs, the W8A8 quantizer, and every error path.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -41,7 +42,7 @@ uint8_t random_code(std::mt19937& rng) {
   }
 }
 
-// Weights: every non-NaN E4M3 code, scales around 2^0 with a few extremes (codes 0 and 254 only
+// Weights: non-NaN E4M3 codes (whole blocks of normal codes among them), scales around 2^0 with a few extremes (codes 0 and 254 only
 // where asked); W16A16: BF16 weights of magnitude 2^-12 .. 2^4, some zeros and (extreme) some
 // subnormals and +-Inf; x: BF16 values of magnitude 2^-8 .. 2^8 with random signs and some zeros.
 Case make_case(int64_t k, int64_t n, int64_t m, LinearRecipe recipe, OutDType out, bool bias, uint32_t seed,
@@ -59,8 +60,27 @@ Case make_case(int64_t k, int64_t n, int64_t m, LinearRecipe recipe, OutDType ou
       if (extreme_scales && rng() % 64 == 0) v = static_cast<uint16_t>(rng() % 2 ? 0x0003 : 0x8041);  // subnormals
     }
   } else {
+    // Per (tile of 16 rows, block of 32 k): any non-NaN code, normal codes only (nonzero
+    // exponent field: the avx512bf16 level's bit-move expansion), or normal codes with one zero or
+    // subnormal among them (the lookup again).
+    const int64_t blocks = k / 32, tiles = (n + 15) / 16;
+    std::vector<uint8_t> kind(static_cast<size_t>(tiles * blocks));
+    for (auto& v : kind) v = static_cast<uint8_t>(rng() % 4);
     c.codes.resize(static_cast<size_t>(n * k));
-    for (auto& v : c.codes) v = random_code(rng);
+    for (int64_t row = 0; row < n; ++row)
+      for (int64_t kk = 0; kk < k; ++kk) {
+        uint8_t v = random_code(rng);
+        if (kind[static_cast<size_t>((row / 16) * blocks + kk / 32)] != 0)
+          while ((v & 0x78) == 0) v = random_code(rng);
+        c.codes[static_cast<size_t>(row * k + kk)] = v;
+      }
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t b = 0; b < blocks; ++b)
+        if (kind[static_cast<size_t>(t * blocks + b)] == 3) {
+          const int64_t row = std::min(n - 1, t * 16 + static_cast<int64_t>(rng() % 16));
+          c.codes[static_cast<size_t>(row * k + b * 32 + static_cast<int64_t>(rng() % 32))] =
+              static_cast<uint8_t>((rng() % 2 ? 0x80 : 0) | rng() % 8);
+        }
     c.scales.resize(static_cast<size_t>(n * k / 32));
     for (auto& s : c.scales) {
       s = static_cast<uint8_t>(118 + rng() % 12);
@@ -158,6 +178,48 @@ TEST(CpuLinear, BitIdenticalToTheContractOnEveryLevelRouteAndThreadCount) {
       }
     }
   }
+}
+
+// The pair layout marks each (tile, block) whose 32 x 16 codes all have a nonzero exponent field:
+// those blocks take the bit-move expansion, the others the lookup (both checked for bits above, as
+// make_case mixes them). Padding columns are zero codes, so a partial last tile is never marked.
+TEST(CpuLinear, PairLayoutMarksTheBlocksOfNormalCodes) {
+  const Case c = make_case(288, 129, 1, LinearRecipe::kW8A16, OutDType::kBF16, false, 11);
+  cpu::LinearOptions o;
+  o.isa = IsaLevel::kAvx2;
+  if (best_isa_level() >= IsaLevel::kAvx2) {
+    auto plan = cpu::plan(c.p, o);
+    ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+    auto packed = cpu::prepack(plan.value(), c.view());
+    ASSERT_TRUE(packed.is_ok());
+    EXPECT_EQ(packed.value().tile_normal(0), nullptr);
+    EXPECT_EQ(packed.value().normal_blocks(), 0);
+  }
+  o.isa = IsaLevel::kAvx512Bf16;
+  if (best_isa_level() < IsaLevel::kAvx512Bf16) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
+  auto plan = cpu::plan(c.p, o);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  if (!plan.value().pair_layout) GTEST_SKIP() << "AVX512-BF16 without VBMI or GFNI: the FP32 layout";
+  auto packed = cpu::prepack(plan.value(), c.view());
+  ASSERT_TRUE(packed.is_ok()) << packed.status().to_string();
+  const int64_t blocks = c.p.k / 32, tiles = (c.p.n + 15) / 16;
+  int64_t normal = 0;
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t b = 0; b < blocks; ++b) {
+      bool want = true;
+      for (int64_t col = 0; col < 16; ++col)
+        for (int64_t kk = 0; kk < 32; ++kk) {
+          const int64_t row = t * 16 + col;
+          const uint8_t code = row < c.p.n ? c.codes[static_cast<size_t>(row * c.p.k + b * 32 + kk)] : 0;
+          want = want && (code & 0x78) != 0;
+        }
+      ASSERT_NE(packed.value().tile_normal(t), nullptr);
+      EXPECT_EQ(packed.value().tile_normal(t)[b], want ? 1 : 0) << "tile " << t << " block " << b;
+      normal += want ? 1 : 0;
+    }
+  EXPECT_EQ(packed.value().normal_blocks(), normal);
+  EXPECT_GT(normal, 0);                // the bit moves run
+  EXPECT_LT(normal, tiles * blocks);   // and the lookup
 }
 
 // Rows that the SIMD kernels hand to the portable body (|x| >= 2^120; on avx512bf16 also tiny,

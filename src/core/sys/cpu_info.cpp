@@ -62,6 +62,7 @@ CpuInfo detect() {
   const bool avx512f = (b >> 16) & 1u, avx512bw = (b >> 30) & 1u, avx512vl = (b >> 31) & 1u;
   const bool avx512_vnni = (c >> 11) & 1u;
   const bool avx512_vbmi = (c >> 1) & 1u;
+  const bool gfni = (c >> 8) & 1u;
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
   __cpuid_count(7, 1, a1, b1, c1, d1);
   const bool avx512_bf16 = (a1 >> 5) & 1u;
@@ -74,6 +75,7 @@ CpuInfo detect() {
   info.features.avx512_bf16 = os_avx512 && avx512_bf16;
   info.features.avx512_vnni = os_avx512 && avx512_vnni;
   info.features.avx512_vbmi = os_avx512 && avx512_vbmi;
+  info.features.gfni = os_avx && gfni;  // the instruction's VEX / EVEX forms need the OS's vector state
 #else
   info.model = "unknown (non-x86 CPU)";
 #endif

@@ -76,25 +76,26 @@ K3_LIN_TARGET void panel_avx512(const PackedLinear& w, const Operand& x, int64_t
 }
 
 // ---- avx512bf16: VDPBF16PS kernels on the pair layout ----------------------------------------
-#define K3_LIN_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c")))
+#define K3_LIN_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,gfni,avx2,fma,f16c")))
 
 bool bf16_kernels_available() {
   const auto& f = cpu_info().features;
-  return f.avx512_bf16 && f.avx512_vbmi && f.avx512bw && f.avx512vl && f.f16c && f.fma;
+  return f.avx512_bf16 && f.avx512_vbmi && f.gfni && f.avx512bw && f.avx512vl && f.f16c && f.fma;
 }
 
 namespace {
 
 constexpr int kBf16Rows = 12;  // panel, one tile: 12 accumulators + 12 totals + 1 weight vector + 1 broadcast
 
-// Low and high byte of the BF16 pattern of each E4M3 magnitude (0 .. 127; 127 is NaN, never
+// Low and high byte of the BF16 pattern of w 2^-8 for each E4M3 magnitude w (0 .. 127; 127 is NaN, never
 // present after prepack), for VPERMT2B: [0, 64) in the first register, [64, 128) in the second.
 struct E4m3Tables {
   alignas(64) uint8_t lo[128];
   alignas(64) uint8_t hi[128];
   E4m3Tables() {
     for (int c = 0; c < 128; ++c) {
-      const uint16_t b = bf16_from_f32(e4m3_to_f32(static_cast<uint8_t>(c)));  // exact: normal BF16
+      // w 2^-8 (the rows hold x 2^8): exact, a normal BF16 even for the subnormal codes (2^-17 up).
+      const uint16_t b = bf16_from_f32(e4m3_to_f32(static_cast<uint8_t>(c)) * 0x1p-8f);
       lo[c] = static_cast<uint8_t>(b & 0xFF);
       hi[c] = static_cast<uint8_t>(b >> 8);
     }
@@ -102,21 +103,48 @@ struct E4m3Tables {
 };
 const E4m3Tables kTables;
 
+// E4M3 codes -> BF16 words of w * 2^-8, 64 codes (one group: two k-pairs x 16 columns) at a time.
+//
+// A normal code s eeee mmm (e != 0) is the BF16 number s, exponent e + 112 = 0111eeee, mantissa
+// mmm0000: high byte s 0111 e3 e2 e1, low byte e0 m2 m1 m0 0000. Both bytes are affine maps of the
+// code's bits over GF(2), so one VGF2P8AFFINEQB each computes them (result bit i of a byte is the
+// parity of the code AND matrix byte 7 - i, XOR bit i of the constant): low byte: matrix bytes 0-3
+// pick code bits 3, 2, 1, 0 into bits 7-4; high byte: matrix byte 0 picks bit 7 (the sign), bytes
+// 5-7 bits 6, 5, 4 into bits 2-0, and the constant 0x38 sets bits 5-3. Then VPUNPCK{L,H}BW
+// interleave them. Zero and subnormal codes (e == 0) do not follow the pattern: blocks holding one
+// take the lookup (two VPERMT2B of the BF16 bytes of each magnitude, the sign ORed in). On the
+// Emerald Rapids guest the lookup cost 55 ns per KiB of codes in the M = 1 stream loop from L2,
+// the bit moves 40 (one core; docs/linear.md).
 struct Decoder {
-  __m512i lo_a, lo_b, hi_a, hi_b, sign;
+  __m512i lo_a, lo_b, hi_a, hi_b, sign, m_lo, m_hi;
   K3_LIN_BF16 Decoder()
       : lo_a(_mm512_load_si512(kTables.lo)),
         lo_b(_mm512_load_si512(kTables.lo + 64)),
         hi_a(_mm512_load_si512(kTables.hi)),
         hi_b(_mm512_load_si512(kTables.hi + 64)),
-        sign(_mm512_set1_epi8(static_cast<char>(0x80))) {}
-  // 64 codes (one group: two k-pairs x 16 columns) -> the two pairs' BF16 words.
+        sign(_mm512_set1_epi8(static_cast<char>(0x80))),
+        m_lo(_mm512_set1_epi64(0x0000000001020408LL)),
+        m_hi(_mm512_set1_epi64(0x1020400000000080LL)) {}
+  // Any code but NaN.
   K3_LIN_BF16 inline void decode(const uint8_t* p, __m512i& pair0, __m512i& pair1) const {
     const __m512i c = _mm512_loadu_si512(p);
     const __m512i lo = _mm512_permutex2var_epi8(lo_a, c, lo_b);
     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi_a, c, hi_b), c, sign, 0xF8);  // hi | (c & 0x80)
     pair0 = _mm512_unpacklo_epi8(lo, hi);
     pair1 = _mm512_unpackhi_epi8(lo, hi);
+  }
+  // Normal codes only (exponent field != 0).
+  K3_LIN_BF16 inline void decode_normal(const uint8_t* p, __m512i& pair0, __m512i& pair1) const {
+    const __m512i c = _mm512_loadu_si512(p);
+    const __m512i lo = _mm512_gf2p8affine_epi64_epi8(c, m_lo, 0);
+    const __m512i hi = _mm512_gf2p8affine_epi64_epi8(c, m_hi, 0x38);
+    pair0 = _mm512_unpacklo_epi8(lo, hi);
+    pair1 = _mm512_unpackhi_epi8(lo, hi);
+  }
+  template <bool Normal>
+  K3_LIN_BF16 inline void group(const uint8_t* p, __m512i& pair0, __m512i& pair1) const {
+    if constexpr (Normal) decode_normal(p, pair0, pair1);
+    else decode(p, pair0, pair1);
   }
 };
 
@@ -125,7 +153,7 @@ K3_LIN_BF16 inline __m512 dp(__m512 acc, __m512i w, uint32_t xpair) {
 }
 
 // One block of G tiles for R rows (pairs in order, each accumulator one chain).
-template <int R, int G>
+template <int R, int G, bool Normal>
 K3_LIN_BF16 inline void stream_block_bf16(const Decoder& d, const uint8_t* const* codes, const uint32_t* const* xr,
                                           __m512 (&acc)[R][G]) {
   for (int r = 0; r < R; ++r)
@@ -134,7 +162,7 @@ K3_LIN_BF16 inline void stream_block_bf16(const Decoder& d, const uint8_t* const
   for (int grp = 0; grp < kBlock / 4; ++grp) {
     for (int g = 0; g < G; ++g) {
       __m512i w0, w1;
-      d.decode(codes[g] + grp * 64, w0, w1);
+      d.group<Normal>(codes[g] + grp * 64, w0, w1);
       for (int r = 0; r < R; ++r) {
         acc[r][g] = dp(acc[r][g], w0, xr[r][2 * grp]);
         acc[r][g] = dp(acc[r][g], w1, xr[r][2 * grp + 1]);
@@ -157,9 +185,11 @@ K3_LIN_BF16 void stream_rows_bf16(const PackedLinear& w, const Operand& x, int64
     }
     const uint8_t* tc[G];
     const uint8_t* ts[G];
+    const uint8_t* tn[G];
     for (int g = 0; g < G; ++g) {
       tc[g] = w.tile_codes(t + g);
       ts[g] = w.tile_scales(t + g);
+      tn[g] = w.tile_normal(t + g);
     }
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* codes[G];
@@ -176,7 +206,10 @@ K3_LIN_BF16 void stream_rows_bf16(const PackedLinear& w, const Operand& x, int64
       const uint32_t* xr[R];
       for (int r = 0; r < R; ++r) xr[r] = x.xb + static_cast<int64_t>(r) * x.ldb + b * (kBlock / 2);
       __m512 acc[R][G];
-      stream_block_bf16<R, G>(d, codes, xr, acc);
+      bool normal = true;
+      for (int g = 0; g < G; ++g) normal = normal && tn[g][b] != 0;
+      if (normal) stream_block_bf16<R, G, true>(d, codes, xr, acc);
+      else stream_block_bf16<R, G, false>(d, codes, xr, acc);
       for (int g = 0; g < G; ++g) {
         const __m512 sc = avx512::scale16(ts[g] + b * kLanes);
         for (int r = 0; r < R; ++r) {
@@ -197,14 +230,24 @@ K3_LIN_BF16 void stream_range_bf16(const PackedLinear& w, const Operand& x, int6
 }
 
 // Blocks [b0, b0 + nb) of one tile as BF16 pairs of w: [block][pair][16 columns] u32.
-K3_LIN_BF16 void build_panel_bf16(const Decoder& d, const uint8_t* codes, int64_t b0, int64_t nb, uint32_t* panel) {
-  for (int64_t bb = 0; bb < nb; ++bb)
-    for (int grp = 0; grp < kBlock / 4; ++grp) {
-      __m512i w0, w1;
-      d.decode(codes + ((b0 + bb) * 8 + grp) * 64, w0, w1);
-      _mm512_storeu_si512(panel + (bb * (kBlock / 2) + 2 * grp) * kLanes, w0);
-      _mm512_storeu_si512(panel + (bb * (kBlock / 2) + 2 * grp + 1) * kLanes, w1);
-    }
+template <bool Normal>
+K3_LIN_BF16 inline void panel_block_bf16(const Decoder& d, const uint8_t* codes, uint32_t* panel) {
+  for (int grp = 0; grp < kBlock / 4; ++grp) {
+    __m512i w0, w1;
+    d.group<Normal>(codes + grp * 64, w0, w1);
+    _mm512_storeu_si512(panel + (2 * grp) * kLanes, w0);
+    _mm512_storeu_si512(panel + (2 * grp + 1) * kLanes, w1);
+  }
+}
+
+K3_LIN_BF16 void build_panel_bf16(const Decoder& d, const uint8_t* codes, const uint8_t* normal, int64_t b0, int64_t nb,
+                                  uint32_t* panel) {
+  for (int64_t bb = 0; bb < nb; ++bb) {
+    const uint8_t* c = codes + (b0 + bb) * 8 * 64;
+    uint32_t* p = panel + bb * (kBlock / 2) * kLanes;
+    if (normal[b0 + bb]) panel_block_bf16<true>(d, c, p);
+    else panel_block_bf16<false>(d, c, p);
+  }
 }
 
 // R rows x G tiles (G panels side by side), blocks [b0, b0 + nb): R x G accumulators, one weight
@@ -265,7 +308,8 @@ K3_LIN_BF16 void panel_bf16_tiles(const PackedLinear& w, const Operand& x, int64
   for (int64_t b0 = 0; b0 < blocks; b0 += kPanelBlocks) {
     const int64_t nb = blocks - b0 < kPanelBlocks ? blocks - b0 : kPanelBlocks;
     for (int g = 0; g < G; ++g)
-      build_panel_bf16(d, w.tile_codes(tile + g), b0, nb, pan + g * kPanelBlocks * (kBlock / 2) * kLanes);
+      build_panel_bf16(d, w.tile_codes(tile + g), w.tile_normal(tile + g), b0, nb,
+                       pan + g * kPanelBlocks * (kBlock / 2) * kLanes);
     for (int r0 = 0; r0 < x.rows; r0 += RT) {
       const int rr = x.rows - r0 < RT ? x.rows - r0 : RT;
       bf16_dispatch<RT, G>(rr, panels, scales, x, r0, b0, nb, tot);

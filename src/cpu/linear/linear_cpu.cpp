@@ -102,7 +102,7 @@ Layout layout_of(const LinearPlan& p) {
 }
 
 const char* stream_kernel_name(IsaLevel l, bool pairs, bool b16) {
-  if (pairs) return "avx512bf16 vdpbf16ps (e4m3 via vpermt2b)";
+  if (pairs) return "avx512bf16 vdpbf16ps (e4m3 via gf2p8affineqb; blocks with zero or subnormal codes via vpermt2b)";
   switch (l) {
     case IsaLevel::kScalar: return "portable";
     case IsaLevel::kAvx2: return b16 ? "avx2 fp32 fma (bf16 weights)" : "avx2 fp32 fma (e4m3 via f16c)";
@@ -123,7 +123,7 @@ constexpr uint32_t kBits2p114 = 0x78800000u;   // 2^114
 constexpr uint32_t kBits2m110 = 0x08800000u;   // 2^-110
 
 // x' = x 2^8 in stored order (FP32 kernels; xs null on the pair layout; BF16 weights: x' = x,
-// every row in range), the BF16 pairs of x (VDPBF16PS kernels), and the row's class, from the
+// every row in range), the BF16 pairs of x 2^8 (VDPBF16PS kernels), and the row's class, from the
 // exact operand values v (natural order).
 uint8_t prep_row(const float* v, int64_t k, float* xs, uint32_t* xb, bool b16 = false) {
   if (b16) {
@@ -149,9 +149,9 @@ uint8_t prep_row(const float* v, int64_t k, float* xs, uint32_t* xb, bool b16 = 
     }
   }
   const bool bf16 = !nonfinite && amax_finite < kBits2p114 && (amin_nonzero == 0xFFFFFFFFu || amin_nonzero >= kBits2m110);
-  if (xb != nullptr) {  // unscaled x (exact in BF16: BF16 values or MXFP8 values in the window)
+  if (xb != nullptr) {  // x 2^8 (exact in BF16: BF16 values or MXFP8 values in the window, times 2^8)
     for (int64_t i = 0; i < k; i += 2)
-      xb[i / 2] = bf16 ? ((f32_to_bits(v[i]) >> 16) | (f32_to_bits(v[i + 1]) & 0xFFFF0000u)) : 0u;
+      xb[i / 2] = bf16 ? ((f32_to_bits(v[i] * 256.0f) >> 16) | (f32_to_bits(v[i + 1] * 256.0f) & 0xFFFF0000u)) : 0u;
   }
   return bf16 ? lin::kRowBf16 : lin::kRowFp32;
 }
@@ -287,8 +287,27 @@ Result<PackedLinear> prepack(const LinearPlan& plan, const LinearWeightsView& we
     for (int64_t kk = 0; kk < k; ++kk) tc[w.code_offset(kk / kBlock, static_cast<int>(kk % kBlock), static_cast<int>(c))] = src[kk];
     for (int64_t b = 0; b < blocks; ++b) ts[b * kLanes + c] = weights.scales[static_cast<size_t>(row * blocks + b)];
   }
+  if (w.pair_layout_) {
+    // A block is "normal" when each of its 32 x 16 codes (padding columns included: code 0) has a
+    // nonzero exponent field.
+    w.normal_.assign(static_cast<size_t>(plan.tiles * blocks), 1);
+    for (int64_t t = 0; t < plan.tiles; ++t) {
+      const uint8_t* tc = w.codes_.data() + t * k * kLanes;
+      for (int64_t b = 0; b < blocks; ++b) {
+        bool normal = true;
+        for (int64_t i = 0; i < kBlock * kLanes && normal; ++i) normal = (tc[b * kBlock * kLanes + i] & 0x78) != 0;
+        w.normal_[static_cast<size_t>(t * blocks + b)] = normal ? 1 : 0;
+      }
+    }
+  }
   if (plan.problem.bias) w.bias_.assign(weights.bias.begin(), weights.bias.end());
   return w;
+}
+
+int64_t PackedLinear::normal_blocks() const {
+  int64_t n = 0;
+  for (const uint8_t v : normal_) n += v;
+  return n;
 }
 
 namespace {
