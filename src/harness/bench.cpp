@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 
 #include "bench_json.hpp"
@@ -29,10 +30,18 @@ Timing time_runs(const std::function<void()>& fn, int warmup, int iters) {
   return summarize(std::move(t));
 }
 
+std::string omp_wait_policy() {
+  const char* v = std::getenv("OMP_WAIT_POLICY");
+  return v != nullptr && *v != '\0' ? v : "unset";
+}
+
 std::string machine_json(int threads, IsaLevel isa) {
+  // The OpenMP wait policy changes short calls: with OMP_WAIT_POLICY=passive every call wakes
+  // sleeping threads (about 50 us per call on the 2-vCPU KVM guests), unset they spin a while.
   const nlohmann::json j = {{"cpu", cpu_info().model},
                             {"logical_cpus", cpu_info().logical_cpus},
                             {"threads", threads},
+                            {"omp_wait_policy", omp_wait_policy()},
                             {"isa", isa_level_name(isa)},
                             {"k3_version", build::kVersion},
                             {"build_type", build::kBuildType}};

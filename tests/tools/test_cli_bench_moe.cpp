@@ -75,6 +75,20 @@ TEST(CliBenchMoe, PrintsTheTableAndWritesRecordsWithLimitsAndHistogram) {
   EXPECT_NE(rr.out.find("replay:"), std::string::npos) << rr.out;
 }
 
+// The OpenMP wait policy changes the time of short calls, so the header and the JSON name it.
+TEST(CliBenchMoe, HeaderAndJsonNameTheOpenMpWaitPolicy) {
+  const std::string json = testing::TempDir() + "k3_bench_moe_wait.json";
+  for (const std::string policy : {"passive", ""}) {
+    const std::string env = policy.empty() ? "env -u OMP_WAIT_POLICY " : "env OMP_WAIT_POLICY=" + policy + " ";
+    const auto r = k3::test::run_sh(env + K3_CLI_PATH + " " + kTiny + "--m 3 --isa scalar --output " + json);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::string want = policy.empty() ? "unset" : policy;
+    EXPECT_NE(r.out.find("OMP_WAIT_POLICY " + want), std::string::npos) << r.out;
+    std::ifstream f(json);
+    EXPECT_EQ(nlohmann::json::parse(f)["machine"]["omp_wait_policy"], want);
+  }
+}
+
 // --isa runs the kernels of one level, measures that level's peak and names the level in the
 // table header, the plan line and every record; an unknown or unsupported level is an error.
 TEST(CliBenchMoe, IsaOptionSelectsTheLevelAndItsPeak) {

@@ -77,8 +77,9 @@ void print_cpu_tables(const json& doc, const harness::KdaBenchConfig& c) {
   const auto& peak = doc["fp32_fma_peak_flops"];
   const auto& bw = doc["read_bandwidth_Bps"];
   const double peak_v = peak["value"].get<double>(), bw_v = bw["value"].get<double>();
-  std::printf("machine: %s, %d thread(s), isa %s\n", m["cpu"].get<std::string>().c_str(), m["threads"].get<int>(),
-              m["isa"].get<std::string>().c_str());
+  std::printf("machine: %s, %d thread(s), isa %s, OMP_WAIT_POLICY %s\n", m["cpu"].get<std::string>().c_str(),
+              m["threads"].get<int>(), m["isa"].get<std::string>().c_str(),
+              m.value("omp_wait_policy", std::string("?")).c_str());
   std::printf("limits:  %s %.1f GFLOP/s; %s %.2f GB/s\n\n", peak["what"].get<std::string>().c_str(), peak_v / 1e9,
               bw["what"].get<std::string>().c_str(), bw_v / 1e9);
   std::printf("prefill H=%lld K=V=%lld, one sequence (median [min, max] ms; GFLOP/s and %% of FMA peak)\n",

@@ -35,8 +35,9 @@ void print(const json& doc) {
   const auto& m = doc["machine"];
   const auto& bw = doc["read_bandwidth_Bps"];
   const auto& pk = doc["peak_flops"];
-  std::printf("machine: %s, %d thread(s), isa %s\n", m["cpu"].get<std::string>().c_str(), m["threads"].get<int>(),
-              doc["isa"].get<std::string>().c_str());
+  std::printf("machine: %s, %d thread(s), isa %s, OMP_WAIT_POLICY %s\n", m["cpu"].get<std::string>().c_str(),
+              m["threads"].get<int>(), doc["isa"].get<std::string>().c_str(),
+              m.value("omp_wait_policy", std::string("?")).c_str());
   std::printf("limits (same run): %s %.2f GB/s [%.2f, %.2f]; ", bw["what"].get<std::string>().c_str(),
               bw["value"].get<double>() / 1e9, bw["min"].get<double>() / 1e9, bw["max"].get<double>() / 1e9);
   print_rate("", pk);

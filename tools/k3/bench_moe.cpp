@@ -76,8 +76,9 @@ ExpertLoad load_of(const json& h) {
 
 void print_cpu_header(const json& doc) {
   const auto& m = doc["machine"];
-  std::printf("cpu moe bench: %s, isa %s, %d thread(s); limits: read %.2f GB/s, %s %.1f GFLOP/s\n",
+  std::printf("cpu moe bench: %s, isa %s, %d thread(s), OMP_WAIT_POLICY %s; limits: read %.2f GB/s, %s %.1f GFLOP/s\n",
               m["cpu"].get<std::string>().c_str(), m["isa"].get<std::string>().c_str(), m["threads"].get<int>(),
+              m.value("omp_wait_policy", std::string("?")).c_str(),
               doc["read_bandwidth_Bps"]["value"].get<double>() / 1e9,
               doc["dot_peak_flops"]["what"].get<std::string>().c_str(), doc["dot_peak_flops"]["value"].get<double>() / 1e9);
   if (doc["dot_peak_flops"].contains("note")) {
