@@ -48,11 +48,21 @@ LinCase make(const std::string& name, int64_t k, int64_t n, int64_t m, LinearRec
     std::normal_distribution<float> wd(0.0f, 0.05f);
     for (auto& v : c.wb) v = bf16_from_f32(wd(rng));
   } else {
+    // Any non-NaN code, except that about half of the (16-row tile, 32-k block) pairs hold normal
+    // codes only (nonzero exponent field), as most blocks of a trained layer do: the avx512bf16
+    // kernels expand those by bit moves and the others through a lookup, and both are checked.
+    const int64_t blocks = k / 32;
+    std::vector<uint8_t> normal_only(static_cast<size_t>((n + 15) / 16 * blocks));
+    for (auto& v : normal_only) v = static_cast<uint8_t>(rng() & 1);
     c.codes.resize(static_cast<size_t>(n * k));
-    for (auto& v : c.codes) {
-      do v = static_cast<uint8_t>(rng() & 0xFF);
-      while ((v & 0x7F) == 0x7F);
-    }
+    for (int64_t row = 0; row < n; ++row)
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const bool normal = normal_only[static_cast<size_t>((row / 16) * blocks + kk / 32)] != 0;
+        uint8_t v;
+        do v = static_cast<uint8_t>(rng() & 0xFF);
+        while ((v & 0x7F) == 0x7F || (normal && (v & 0x78) == 0));
+        c.codes[static_cast<size_t>(row * k + kk)] = v;
+      }
     c.scales.resize(static_cast<size_t>(n * k / 32));
     for (auto& s : c.scales) s = static_cast<uint8_t>(116 + rng() % 8);
   }
