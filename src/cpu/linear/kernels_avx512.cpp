@@ -229,7 +229,8 @@ K3_LIN_BF16 void stream_range_bf16(const PackedLinear& w, const Operand& x, int6
   if (full < t1) stream_rows_bf16<R, 1>(w, x, full, t1, t0, tot, ldt);
 }
 
-// Blocks [b0, b0 + nb) of one tile as BF16 pairs of w: [block][pair][16 columns] u32.
+// Blocks [b0, b0 + nb) of one tile as BF16 pairs of w 2^-8: [block][pair][16 columns] u32 (bit moves
+// for the blocks the prepack marked normal, the lookup for the others).
 template <bool Normal>
 K3_LIN_BF16 inline void panel_block_bf16(const Decoder& d, const uint8_t* codes, uint32_t* panel) {
   for (int grp = 0; grp < kBlock / 4; ++grp) {
