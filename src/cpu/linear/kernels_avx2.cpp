@@ -23,6 +23,13 @@ K3_LIN_TARGET inline void decode16(const uint8_t* c, vf (&w)[2]) {
   w[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
   w[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
+// Two k (the AVX-512 file widens 32 codes at once; here that would be two decode16, and the
+// stream kernel keeps one k at a time: 16 YMM registers).
+constexpr bool kDecodePairs = false;
+K3_LIN_TARGET inline void decode32(const uint8_t* c, vf (&w0)[2], vf (&w1)[2]) {
+  decode16(c, w0);
+  decode16(c + 16, w1);
+}
 // 16 BF16 weights (32 bytes) -> FP32: zero-extend to 32 bits and shift into the high half.
 K3_LIN_TARGET inline void decode16_bf16(const uint8_t* c, vf (&w)[2]) {
   w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))), 16));

@@ -1,7 +1,8 @@
 // The FP32 linear kernels (stream and panel), written once and compiled for AVX2 + FMA + F16C
 // (kernels_avx2.cpp, 8-lane YMM) and AVX-512 (kernels_avx512.cpp, 16-lane ZMM). The including
-// file defines K3_LIN_TARGET, K3_LIN_NS, the vector type `vf`, kVw (lanes per vector), and
-// zero(), fmadd(), bcast(), load(), store(), decode16(), decode16_bf16() and scales16()
+// file defines K3_LIN_TARGET, K3_LIN_NS, the vector type `vf`, kVw (lanes per vector),
+// kDecodePairs (the stream kernel widens two k of E4M3 codes at once), and
+// zero(), fmadd(), bcast(), load(), store(), decode16(), decode32(), decode16_bf16() and scales16()
 // (kernels.hpp: operands). Template parameter B16: BF16 weights (W16A16; 2 bytes per weight,
 // decode16_bf16: a 16-bit shift widens them exactly; x' = x), else E4M3 codes.
 //
@@ -36,15 +37,36 @@ K3_LIN_TARGET inline void stream_block(const uint8_t* const* codes, const float*
   vf acc[R][G * kNv];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < G * kNv; ++v) acc[r][v] = zero();
+  if constexpr (B16 || !kDecodePairs || R > 4) {
 #pragma GCC unroll 4
-  for (int k = 0; k < kBlock; ++k) {
-    vf xb[R];
-    for (int r = 0; r < R; ++r) xb[r] = bcast(xr[r] + k);
-    for (int g = 0; g < G; ++g) {
-      vf wv[kNv];
-      decode<B16>(codes[g] + k * kLanes * kEb<B16>, wv);
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < kNv; ++v) acc[r][g * kNv + v] = fmadd(wv[v], xb[r], acc[r][g * kNv + v]);
+    for (int k = 0; k < kBlock; ++k) {
+      vf xb[R];
+      for (int r = 0; r < R; ++r) xb[r] = bcast(xr[r] + k);
+      for (int g = 0; g < G; ++g) {
+        vf wv[kNv];
+        decode<B16>(codes[g] + k * kLanes * kEb<B16>, wv);
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < kNv; ++v) acc[r][g * kNv + v] = fmadd(wv[v], xb[r], acc[r][g * kNv + v]);
+      }
+    }
+  } else {
+    // E4M3: two k per decode32; each accumulator still takes k, then k + 1.
+#pragma GCC unroll 2
+    for (int k = 0; k < kBlock; k += 2) {
+      vf xb0[R], xb1[R];
+      for (int r = 0; r < R; ++r) {
+        xb0[r] = bcast(xr[r] + k);
+        xb1[r] = bcast(xr[r] + k + 1);
+      }
+      for (int g = 0; g < G; ++g) {
+        vf w0[kNv], w1[kNv];
+        decode32(codes[g] + k * kLanes, w0, w1);
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < kNv; ++v) {
+            acc[r][g * kNv + v] = fmadd(w0[v], xb0[r], acc[r][g * kNv + v]);
+            acc[r][g * kNv + v] = fmadd(w1[v], xb1[r], acc[r][g * kNv + v]);
+          }
+      }
     }
   }
   for (int r = 0; r < R; ++r)
