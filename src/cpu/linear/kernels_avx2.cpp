@@ -26,7 +26,7 @@ K3_LIN_TARGET inline void decode16(const uint8_t* c, vf (&w)[2]) {
 // Two k (the AVX-512 file widens 32 codes at once; here that would be two decode16, and the
 // stream kernel keeps one k at a time: 16 YMM registers).
 constexpr bool kDecodePairs = false;
-K3_LIN_TARGET inline void decode32(const uint8_t* c, vf (&w0)[2], vf (&w1)[2]) {
+[[maybe_unused]] K3_LIN_TARGET inline void decode32(const uint8_t* c, vf (&w0)[2], vf (&w1)[2]) {
   decode16(c, w0);
   decode16(c + 16, w1);
 }
