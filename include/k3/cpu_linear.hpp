@@ -74,18 +74,24 @@ class PackedLinear {
   bool pair_layout() const { return pair_layout_; }
   // Offset of the code of (block b, k within the block, column c) inside a tile.
   int64_t code_offset(int64_t b, int k, int c) const {
-    if (!pair_layout_) return (b * 32 + (k ^ 1)) * 16 + c;
-    const int p = k / 2, j = c * 2 + (k & 1);
-    return (b * 8 + p / 2) * 64 + (j / 8) * 16 + (p & 1) * 8 + (j % 8);
+    if (pair_layout_) {
+      const int p = k / 2, j = c * 2 + (k & 1);
+      return (b * 8 + p / 2) * 64 + (j / 8) * 16 + (p & 1) * 8 + (j % 8);
+    }
+    const int s = k ^ 1;  // stored position (k = 1, 0, 3, 2, ...)
+    if (bf16_weights_) return (b * 32 + s) * 16 + c;
+    return (b * 8 + s / 4) * 64 + c * 4 + (s % 4);
   }
   // W16A16: the weights are BF16 values (2 bytes each, FP32 layout, every scale code 127).
   bool bf16_weights() const { return bf16_weights_; }
   int64_t bytes() const {
     return static_cast<int64_t>(codes_.size() + scales_.size() + normal_.size() + bias_.size() * 4);
   }
-  // Tile t: 16 K weights; FP32 layout: [K/32 blocks][32 k (pair-swapped: k = 1, 0, 3, 2, ...)][16
-  // columns] E4M3 codes (W16A16: BF16 values, 2 bytes each); pair layout: see pair_layout().
-  // code_offset() counts elements.
+  // Tile t: 16 K weights. FP32 layout: [K/32 blocks][8 quads of stored k][16 columns][4 stored k]
+  // E4M3 codes, the stored k order pair-swapped (k = 1, 0, 3, 2, ...): each column's four codes of
+  // a quad fill one 32-bit word, which the FP32 kernels widen by shifts (docs/linear.md). W16A16:
+  // [K/32 blocks][32 stored k][16 columns] BF16 values, 2 bytes each. Pair layout: see
+  // pair_layout(). code_offset() counts elements.
   const uint8_t* tile_codes(int64_t t) const { return codes_.data() + t * k_ * 16 * (bf16_weights_ ? 2 : 1); }
   // Tile t: [K/32 blocks][16 columns] E8M0 codes (padding columns: 127).
   const uint8_t* tile_scales(int64_t t) const { return scales_.data() + t * (k_ / 32) * 16; }

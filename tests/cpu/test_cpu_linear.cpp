@@ -2,6 +2,10 @@
 // contract (bit for bit, every ISA level, route and thread count), the contract against the FP64
 // oracle (an error bound), non-finite inputs, the W8A8 quantizer, and every error path.
 #include <gtest/gtest.h>
+#include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -221,6 +225,75 @@ TEST(CpuLinear, PairLayoutMarksTheBlocksOfNormalCodes) {
   EXPECT_GT(normal, 0);                // the bit moves run
   EXPECT_LT(normal, tiles * blocks);   // and the lookup
 }
+
+// The FP32 stream kernels take x' = x 2^120 when every row's finite |x| is below 2^8 and
+// x' = x 2^8 (weights times 2^112) otherwise: both give the contract's bits, at the boundary
+// (255 and 256 next to the largest E4M3 weight) and with one large row among small ones.
+TEST(CpuLinear, StreamRowsBelowAndAbove2p8GiveTheSameBits) {
+  for (const auto recipe : {LinearRecipe::kW8A16, LinearRecipe::kW8A8})
+    for (const float big : {255.0f, 256.0f, 3.0e5f, -7.0e30f}) {
+      for (const int64_t m : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{5}, int64_t{8}}) {
+        Case c = make_case(160, 45, m, recipe, OutDType::kFP32, m % 2 == 1, static_cast<uint32_t>(400 + m));
+        const int64_t k = c.p.k;
+        for (auto& v : c.x) v = bf16_from_f32(bf16_to_f32(v) / 4.0f);  // |x| < 2^6
+        c.codes[static_cast<size_t>(3 * k + 17)] = 0x7E;                 // 448
+        c.x[static_cast<size_t>((m - 1) * k + 17)] = bf16_from_f32(big);
+        const auto want = reference(c);
+        for (const IsaLevel isa : supported_levels()) {
+          if (isa == IsaLevel::kScalar) continue;
+          cpu::LinearOptions o;
+          o.isa = isa;
+          o.threads = 2;
+          auto got = run_cpu(c, o);
+          ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+          expect_same_bits(c, got.value(), want, where(c, isa, 2, 8) + " big " + std::to_string(big));
+        }
+      }
+    }
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+// The FP32 kernels widen a subnormal E4M3 code to an FP32 subnormal (w 2^-120); a caller's
+// MXCSR.DAZ (torch.set_flush_denormal, -ffast-math startup code) would read it as zero. The
+// kernels clear DAZ on their threads for the call and restore it.
+TEST(CpuLinear, DenormalsAreZeroInTheCallersThreadsChangesNothing) {
+  constexpr unsigned kDaz = 0x40;
+  for (const auto recipe : {LinearRecipe::kW8A16, LinearRecipe::kW8A8}) {
+    Case c = make_case(256, 64, 8, recipe, OutDType::kFP32, false, 515);
+    for (size_t i = 0; i < c.codes.size(); i += 7) c.codes[i] = static_cast<uint8_t>((i & 8) << 4 | (1 + i % 7));
+    const auto want = reference(c);
+    for (const IsaLevel isa : supported_levels())
+      for (const int64_t m : {int64_t{1}, int64_t{4}, int64_t{8}})
+        for (const int stream : {0, 8}) {
+          Case cm = c;
+          cm.m = m;
+          cm.x.resize(static_cast<size_t>(m * c.p.k));
+          cpu::LinearOptions o;
+          o.isa = isa;
+          o.threads = 2;
+          o.stream_max_rows = stream;
+          unsigned before[2] = {0, 0}, after[2] = {0, 0};
+#pragma omp parallel num_threads(2)
+          {
+            const int t = omp_get_thread_num();
+            before[t] = _mm_getcsr();
+            _mm_setcsr(before[t] | kDaz);
+          }
+          auto got = run_cpu(cm, o);
+#pragma omp parallel num_threads(2)
+          {
+            const int t = omp_get_thread_num();
+            after[t] = _mm_getcsr();
+            _mm_setcsr(before[t]);
+          }
+          EXPECT_NE(after[0] & kDaz, 0u) << "the caller's DAZ is restored";
+          ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+          std::vector<uint8_t> w(want.begin(), want.begin() + m * c.p.n * 4);
+          expect_same_bits(cm, got.value(), w, where(cm, isa, 2, stream) + " with DAZ set");
+        }
+  }
+}
+#endif
 
 // Rows that the SIMD kernels hand to the portable body (|x| >= 2^120; on avx512bf16 also tiny,
 // huge and non-finite values) give the contract's bits too, next to ordinary rows.

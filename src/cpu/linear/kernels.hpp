@@ -1,10 +1,13 @@
 // Internal interface of the CPU linear kernels (docs/linear.md, "CPU kernels").
 //
 // Operands. Every kernel computes the contract of k3/linear.hpp for its rows. The FP32 kernels
-// use w' = w 2^-8 (an E4M3 code widened to FP16 bits by a shift is w 2^-8, exact, subnormals
-// included, and VCVTPH2PS makes it FP32) and x' = x 2^8 (exact for |x| < 2^120): w' x' = w x,
-// so every FMA has the exact product and rounding of the contract. Rows holding a finite
-// |x| >= 2^120 (kRowPortable) are computed by the portable body instead.
+// widen an E4M3 code to the FP32 bits of w 2^-120 by shifts and a mask (its sign, exponent and
+// mantissa fields moved into FP32's; subnormal codes become FP32 subnormals, so the kernels run
+// with MXCSR.DAZ clear). The stream kernels use w' = w 2^-120 with x' = x 2^120 when every row of
+// the call has its finite |x| < 2^8 (Operand::x120), else, like the panel kernels, w' = w 2^-8
+// (one exact multiply by 2^112) with x' = x 2^8 (exact for |x| < 2^120): w' x' = w x, so every
+// FMA has the exact product and rounding of the contract. Rows holding a finite |x| >= 2^120
+// (kRowPortable) are computed by the portable body instead.
 // The BF16 kernels (VDPBF16PS, which flushes subnormal inputs and results; unscaled w and x,
 // E4M3 -> BF16 by two VPERMT2B lookups on the pair layout) take rows whose
 // nonzero magnitudes all lie in [2^-110, 2^114) and are finite (kRowBf16): then every product
@@ -26,12 +29,13 @@ enum RowClass : uint8_t { kRowPortable = 0, kRowFp32 = 1, kRowBf16 = 2 };
 
 // Operand rows of one call (or chunk of rows).
 struct Operand {
-  const float* xs = nullptr;     // [rows][ldx] x' = x 2^8, pair-swapped (k = 1, 0, 3, 2, ...)
+  const float* xs = nullptr;     // [rows][ldx] x' = x 2^8 (x120: x 2^120), pair-swapped (k = 1, 0, 3, 2, ...)
   const uint32_t* xb = nullptr;  // [rows][ldb] BF16 pairs of x (low: even k, high: odd k); bf16 level
   const uint8_t* cls = nullptr;  // [rows] RowClass
   int rows = 0;
   int64_t ldx = 0;  // row stride of xs in floats (K plus padding: rows 2^n bytes apart share L1 sets)
   int64_t ldb = 0;  // row stride of xb in pairs
+  bool x120 = false;  // stream kernels, E4M3 weights: xs holds x 2^120 (every finite |x| < 2^8)
 };
 
 // Stream route (rows <= 8): tiles [t0, t1) for all rows; tot: [rows][(t1 - t0) * 16] FP32 totals.

@@ -19,6 +19,7 @@
 namespace k3::cpu::lin::avx512 {
 namespace {
 using vf = __m512;
+using vi = __m512i;
 constexpr int kVw = 16;
 constexpr int kPanelRows = 12;  // 12 accumulators + 1 weight vector + 1 broadcast
 K3_LIN_TARGET inline vf zero() { return _mm512_setzero_ps(); }
@@ -26,22 +27,27 @@ K3_LIN_TARGET inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c
 K3_LIN_TARGET inline vf bcast(const float* p) { return _mm512_set1_ps(*p); }
 K3_LIN_TARGET inline vf load(const float* p) { return _mm512_loadu_ps(p); }
 K3_LIN_TARGET inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
-K3_LIN_TARGET inline __m256i fp16_of(const uint8_t* c) {
-  const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-  return _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+// Per 16-bit word, the high byte's code shifted into place (codes 3 and 1 of each 32-bit word:
+// hi) and the low byte's (codes 2 and 0: lo), with sign copies and neighbours' bits around them.
+K3_LIN_TARGET inline void quad_split(const uint8_t* c, __m512i& hi, __m512i& lo) {
+  const __m512i v = _mm512_loadu_si512(c);
+  hi = _mm512_srai_epi16(v, 4);
+  lo = _mm512_srai_epi16(_mm512_bslli_epi128(v, 1), 4);
 }
-K3_LIN_TARGET inline void decode16(const uint8_t* c, vf (&w)[1]) { w[0] = _mm512_cvtph_ps(fp16_of(c)); }
-// Two k at once (32 codes): one widening, shift and mask for 32 words instead of two for 16 each
-// (6 instead of 8 vector micro-operations before the two VCVTPH2PS on Intel); the same FP16
-// patterns. The stream kernel takes it up to 4 rows (with more, the second broadcast per row would
-// not fit the registers); the panel keeps decode16.
-constexpr bool kDecodePairs = true;
-K3_LIN_TARGET inline void decode32(const uint8_t* c, vf (&w0)[1], vf (&w1)[1]) {
-  const __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
-  const __m512i f = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(static_cast<short>(0xBFFF)));
-  w0[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(f));
-  w1[0] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(f, 1));
+// Stored k 4q + s of the quad: w 2^-120 (the mask keeps the sign, exponent and mantissa).
+K3_LIN_TARGET inline vf quad_slot(__m512i hi, __m512i lo, int s) {
+  const __m512i m = _mm512_set1_epi32(static_cast<int>(0x87F00000u));
+  const __m512i t = s == 3 ? hi : s == 2 ? lo : s == 1 ? _mm512_bslli_epi128(hi, 2) : _mm512_bslli_epi128(lo, 2);
+  return _mm512_castsi512_ps(_mm512_and_si512(t, m));
 }
+// 16 columns x 4 stored k of E4M3 codes (64 bytes) -> 4 vectors of w 2^-120 (kernels_fp32_impl.hpp).
+K3_LIN_TARGET inline void decode_quad(const uint8_t* c, vf (&w)[4]) {
+  __m512i hi, lo;
+  quad_split(c, hi, lo);
+  for (int s = 0; s < 4; ++s) w[s] = quad_slot(hi, lo, s);
+}
+// w 2^-120 -> w 2^-8 (exact: subnormal inputs, normal results; MXCSR.DAZ is clear in the kernels).
+K3_LIN_TARGET inline vf times_2p112(vf a) { return _mm512_mul_ps(a, _mm512_set1_ps(0x1p112f)); }
 // 16 BF16 weights (32 bytes) -> FP32: zero-extend to 32 bits and shift into the high half.
 K3_LIN_TARGET inline void decode16_bf16(const uint8_t* c, vf (&w)[1]) {
   w[0] = _mm512_castsi512_ps(
@@ -59,26 +65,29 @@ K3_LIN_TARGET inline void scales16(const uint8_t* s, vf (&sc)[1]) { sc[0] = scal
 
 namespace k3::cpu::lin {
 
-template <bool B16>
+template <bool B16, bool X120>
 K3_LIN_TARGET void stream_avx512_t(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
   using namespace avx512;
   const int64_t ldt = (t1 - t0) * kLanes;
   switch (x.rows) {
-    case 1: return stream_range<1, B16 ? 1 : 2, B16>(w, x, 0, t0, t1, tot, ldt);
-    case 2: return stream_range<2, B16 ? 1 : 2, B16>(w, x, 0, t0, t1, tot, ldt);
-    case 3: return stream_range<3, 2, B16>(w, x, 0, t0, t1, tot, ldt);
-    case 4: return stream_range<4, 2, B16>(w, x, 0, t0, t1, tot, ldt);
-    case 5: return stream_range<5, 2, B16>(w, x, 0, t0, t1, tot, ldt);
-    case 6: return stream_range<6, 2, B16>(w, x, 0, t0, t1, tot, ldt);
-    case 7: return stream_range<7, 2, B16>(w, x, 0, t0, t1, tot, ldt);
-    default: return stream_range<8, 2, B16>(w, x, 0, t0, t1, tot, ldt);
+    case 1: return stream_range<1, B16 ? 1 : 2, B16, X120>(w, x, 0, t0, t1, tot, ldt);
+    case 2: return stream_range<2, B16 ? 1 : 2, B16, X120>(w, x, 0, t0, t1, tot, ldt);
+    case 3: return stream_range<3, 2, B16, X120>(w, x, 0, t0, t1, tot, ldt);
+    case 4: return stream_range<4, 2, B16, X120>(w, x, 0, t0, t1, tot, ldt);
+    case 5: return stream_range<5, 2, B16, X120>(w, x, 0, t0, t1, tot, ldt);
+    case 6: return stream_range<6, X120 || B16 ? 2 : 1, B16, X120>(w, x, 0, t0, t1, tot, ldt);  // 2 x 2^112: spills
+    case 7: return stream_range<7, B16 ? 2 : 1, B16, X120>(w, x, 0, t0, t1, tot, ldt);
+    default: return stream_range<8, B16 ? 2 : 1, B16, X120>(w, x, 0, t0, t1, tot, ldt);
   }
 }
 
-// Tiles in flight: 2 (each tile is a separate memory stream; fewer streams per thread stream faster).
+// Tiles in flight: 2 (each tile is a separate memory stream; fewer streams per thread stream
+// faster), E4M3 with 7 and 8 rows (and 6 on the w 2^-8 kernel) 1: the stream kernel holds at most
+// 12 accumulators, and GCC spilled the 6-row, 2-tile w 2^-8 kernel.
 K3_LIN_TARGET void stream_avx512(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
-  if (w.bf16_weights()) return stream_avx512_t<true>(w, x, t0, t1, tot);
-  stream_avx512_t<false>(w, x, t0, t1, tot);
+  if (w.bf16_weights()) return stream_avx512_t<true, false>(w, x, t0, t1, tot);
+  if (x.x120) return stream_avx512_t<false, true>(w, x, t0, t1, tot);
+  stream_avx512_t<false, false>(w, x, t0, t1, tot);
 }
 
 K3_LIN_TARGET void panel_avx512(const PackedLinear& w, const Operand& x, int64_t tile, void* panel, float* tot) {

@@ -1,5 +1,8 @@
 // The CPU linear layer: plan, prepack, run (k3/cpu_linear.hpp, docs/linear.md).
 #include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -105,8 +108,8 @@ const char* stream_kernel_name(IsaLevel l, bool pairs, bool b16) {
   if (pairs) return "avx512bf16 vdpbf16ps (e4m3 via gf2p8affineqb; blocks with zero or subnormal codes via vpermt2b)";
   switch (l) {
     case IsaLevel::kScalar: return "portable";
-    case IsaLevel::kAvx2: return b16 ? "avx2 fp32 fma (bf16 weights)" : "avx2 fp32 fma (e4m3 via f16c)";
-    default: return b16 ? "avx512 fp32 fma (bf16 weights)" : "avx512 fp32 fma (e4m3 via f16c)";
+    case IsaLevel::kAvx2: return b16 ? "avx2 fp32 fma (bf16 weights)" : "avx2 fp32 fma (e4m3 by shifts)";
+    default: return b16 ? "avx512 fp32 fma (bf16 weights)" : "avx512 fp32 fma (e4m3 by shifts)";
   }
 }
 const char* panel_kernel_name(IsaLevel l, bool pairs, bool b16) {
@@ -119,13 +122,15 @@ const char* panel_kernel_name(IsaLevel l, bool pairs, bool b16) {
 }
 
 constexpr uint32_t kBits2p120 = 0x7B800000u;   // 2^120
+constexpr uint32_t kBits2p8 = 0x43800000u;     // 2^8
 constexpr uint32_t kBits2p114 = 0x78800000u;   // 2^114
 constexpr uint32_t kBits2m110 = 0x08800000u;   // 2^-110
 
 // x' = x 2^8 in stored order (FP32 kernels; xs null on the pair layout; BF16 weights: x' = x,
 // every row in range), the BF16 pairs of x 2^8 (VDPBF16PS kernels), and the row's class, from the
-// exact operand values v (natural order).
-uint8_t prep_row(const float* v, int64_t k, float* xs, uint32_t* xb, bool b16 = false) {
+// exact operand values v (natural order). below_2p8: set to whether every finite |x| < 2^8 (the
+// stream kernels' x' = x 2^120 is then exact).
+uint8_t prep_row(const float* v, int64_t k, float* xs, uint32_t* xb, bool b16 = false, bool* below_2p8 = nullptr) {
   if (b16) {
     for (int64_t i = 0; i < k; i += 2) {
       xs[i] = v[i + 1];
@@ -141,6 +146,7 @@ uint8_t prep_row(const float* v, int64_t k, float* xs, uint32_t* xb, bool b16 = 
     if (a < 0x7F800000u && a > amax_finite) amax_finite = a;
     if (a != 0 && a < amin_nonzero) amin_nonzero = a;
   }
+  if (below_2p8 != nullptr) *below_2p8 = amax_finite < kBits2p8;
   if (amax_finite >= kBits2p120) return lin::kRowPortable;
   if (xs != nullptr) {
     for (int64_t i = 0; i < k; i += 2) {
@@ -203,6 +209,25 @@ void quantize_row(const detail::Elementwise& ew, const uint16_t* x, int64_t k, u
     scales[b] = ew.quantize_e4m3_block(v, codes + b * kBlock);
   }
 }
+
+// The FP32 kernels' w 2^-120 of a subnormal E4M3 code is an FP32 subnormal, which an FMA or
+// multiply would read as zero under MXCSR.DAZ (set by some libraries and by
+// torch.set_flush_denormal): the kernels clear DAZ on their thread and restore it after.
+class DazOff {
+ public:
+#if defined(__x86_64__) || defined(__i386__)
+  DazOff() : csr_(_mm_getcsr()) {
+    if ((csr_ & kDaz) != 0) _mm_setcsr(csr_ & ~kDaz);
+  }
+  ~DazOff() {
+    if ((csr_ & kDaz) != 0) _mm_setcsr(csr_);
+  }
+
+ private:
+  static constexpr unsigned kDaz = 0x40;
+  unsigned csr_;
+#endif
+};
 
 Status check_plan(const LinearPlan& p) {
   if (auto st = validate_linear_problem(p.problem); !st.is_ok()) return st;
@@ -376,16 +401,27 @@ Status run_impl(const LinearPlan& p, const PackedLinear& w, int64_t m, const uin
     // ---- stream route: operands prepared here (W8A8 quantized inside the call), then each thread
     // streams a contiguous range of tiles.
     float* v = t_row(0);
+    // E4M3 weights on the FP32 layout: x' = x 2^120 when every row's finite |x| < 2^8 (the
+    // kernels then use w 2^-120 as widened, without the multiply by 2^112).
+    bool x120 = !scalar && !p.pair_layout && !b16;
     for (int64_t r = 0; r < m; ++r) {
       exact_row(r, v);
+      bool small = false;
       cls[r] = scalar ? static_cast<uint8_t>(lin::kRowPortable)
-                      : prep_row(v, k, xb == nullptr ? xs + r * ld_xs(k) : nullptr, xb == nullptr ? nullptr : xb + r * ld_xb(k), b16);
+                      : prep_row(v, k, xb == nullptr ? xs + r * ld_xs(k) : nullptr, xb == nullptr ? nullptr : xb + r * ld_xb(k), b16,
+                                 &small);
+      if (cls[r] != lin::kRowPortable && !small) x120 = false;
     }
+    if (x120)
+      for (int64_t r = 0; r < m; ++r)
+        if (cls[r] != lin::kRowPortable)
+          for (int64_t i = 0; i < k; ++i) xs[r * ld_xs(k) + i] *= 0x1p112f;  // x 2^8 -> x 2^120, exact
     float* stot = reinterpret_cast<float*>(base + l.stream_tot);
-    const lin::Operand op{xs, xb, cls, static_cast<int>(m), ld_xs(k), ld_xb(k)};
+    const lin::Operand op{xs, xb, cls, static_cast<int>(m), ld_xs(k), ld_xb(k), x120};
     const int threads = static_cast<int>(std::min<int64_t>(p.threads, p.tiles));
 #pragma omp parallel num_threads(threads)
     {
+      const DazOff daz;
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
       const int64_t t0 = p.tiles * tid / nt, t1 = p.tiles * (tid + 1) / nt;
       if (t1 > t0) {
@@ -413,6 +449,7 @@ Status run_impl(const LinearPlan& p, const PackedLinear& w, int64_t m, const uin
     const int64_t rows = std::min(p.chunk_tokens, m - c0);
 #pragma omp parallel num_threads(p.threads)
     {
+      const DazOff daz;
       const int tid = omp_get_thread_num();
       float* v = t_row(tid);
 #pragma omp for schedule(static)
