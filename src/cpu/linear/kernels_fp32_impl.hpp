@@ -12,11 +12,13 @@
 // vector lanes, so vectorizing keeps every column's order.
 //
 // decode_quad: kVw columns x 4 stored k of the FP32 layout (one 32-bit word per column, byte s =
-// stored k 4q + s) -> 4 vectors of w 2^-120 (vector s: stored k 4q + s). Per 16-bit word, an
-// arithmetic shift right by 4 of the high byte's code (after a left shift by 8 for the low byte's)
-// gives sign copies, then the code's sign, exponent and mantissa bits where FP32 has them once the
-// word is the high half of a 32-bit lane; a mask clears the sign copies and the neighbours' bits.
-// Without VCVTPH2PS or byte widening, this leaves the shuffle port free for the stream.
+// stored k 4q + s) -> 4 vectors of w 2^-120 (vector s: stored k 4q + s); quad_split and
+// quad_slot are its two halves. Per 16-bit word, an arithmetic shift right by 4 of the high
+// byte's code (after a byte shift left by 1 for the low byte's) gives sign copies, then the
+// code's sign, exponent and mantissa bits where FP32 has them once the word is the high half of a
+// 32-bit lane (a byte shift left by 2 moves a low half there); a mask clears the sign copies and
+// the neighbours' bits. Without VCVTPH2PS or byte widening, this leaves the shuffle port mostly
+// free for the stream.
 
 namespace k3::cpu::lin::K3_LIN_NS {
 namespace {
