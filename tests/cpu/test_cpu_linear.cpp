@@ -272,21 +272,24 @@ TEST(CpuLinear, DenormalsAreZeroInTheCallersThreadsChangesNothing) {
           o.isa = isa;
           o.threads = 2;
           o.stream_max_rows = stream;
-          unsigned before[2] = {0, 0}, after[2] = {0, 0};
+          // DAZ on the caller (LLVM's libomp gives the caller's MXCSR to its workers at each
+          // parallel region and restores the caller's at the join) and on the pool threads
+          // (GCC's libgomp leaves each thread's own).
+          const unsigned caller = _mm_getcsr();
+          unsigned pool[2] = {caller, caller};
 #pragma omp parallel num_threads(2)
           {
             const int t = omp_get_thread_num();
-            before[t] = _mm_getcsr();
-            _mm_setcsr(before[t] | kDaz);
+            pool[t] = _mm_getcsr();
+            _mm_setcsr(pool[t] | kDaz);
           }
+          _mm_setcsr(caller | kDaz);
           auto got = run_cpu(cm, o);
+          const unsigned after = _mm_getcsr();
+          _mm_setcsr(caller);
 #pragma omp parallel num_threads(2)
-          {
-            const int t = omp_get_thread_num();
-            after[t] = _mm_getcsr();
-            _mm_setcsr(before[t]);
-          }
-          EXPECT_NE(after[0] & kDaz, 0u) << "the caller's DAZ is restored";
+          _mm_setcsr(pool[omp_get_thread_num()]);
+          EXPECT_NE(after & kDaz, 0u) << "the caller's DAZ is restored";
           ASSERT_TRUE(got.is_ok()) << got.status().to_string();
           std::vector<uint8_t> w(want.begin(), want.begin() + m * c.p.n * 4);
           expect_same_bits(cm, got.value(), w, where(cm, isa, 2, stream) + " with DAZ set");
