@@ -39,6 +39,9 @@ namespace k3 {
 struct BackendOptions {
   int threads = 0;              // CPU threads; 0: all logical CPUs (hardware_thread_count())
   std::optional<IsaLevel> isa;  // CPU SIMD level; unset: best_isa_level()
+  // cpu MoE on the FP32 levels: exact int16 block dots with AVX-VNNI's VPDPWSSD where the CPU has
+  // it; false: VPMADDWD + VPADDD, as on a CPU without it (cpu::MoeOptions::avx_vnni; same bits).
+  bool avx_vnni = true;
   // KDA prefill: kAuto = the backend's choice. The cpu backend runs recurrent or chunked as asked;
   // the reference backend is token-recurrent and refuses kChunked.
   kda::Algorithm kda_algorithm = kda::Algorithm::kAuto;

@@ -41,6 +41,10 @@ struct MoeOptions {
   std::optional<IsaLevel> isa;   // unset: best_isa_level()
   int64_t max_tokens = 8192;     // the largest M that run() accepts with this plan
   int64_t chunk_tokens = 256;    // tokens per pipeline pass: bounds the workspace (8..4096)
+  // FP32 levels on a CPU with AVX-VNNI (Alder Lake, Sierra Forest, Zen 5): the exact int16 block
+  // dots use its VPDPWSSD. false: VPMADDWD + VPADDD, what a CPU without it runs (for comparisons;
+  // the bits are the same either way).
+  bool avx_vnni = true;
 };
 
 // Blocking of the two grouped GEMMs (see docs/cpu_moe.md).
@@ -50,13 +54,14 @@ struct MoeBlocking {
   int direct_max_rows = 0;        // experts with at most this many rows read FP4 directly (decode)
   int panel_blocks = 0;           // otherwise: 32-element blocks dequantized per panel (fits L1)
   int row_group = 0;              // rows sharing one panel pass (totals fit L1)
-  const char* kernel = "";        // the tile kernel: "avx512bf16 vdpbf16ps", "avx2 fma" or "portable"
+  const char* kernel = "";        // the tile kernel, e.g. "avx512bf16 vdpbf16ps", "avx2 fma + int16 madd", "portable"
   const char* register_tile = ""; // panel register tile, rows x output lanes
 };
 
 struct MoePlan {
   MoeProblem problem;
   IsaLevel isa = IsaLevel::kScalar;
+  bool avx_vnni = false;          // MoeOptions::avx_vnni as given (the kernel string says what runs)
   int threads = 1;
   int64_t max_tokens = 0;
   int64_t chunk_tokens = 0;       // tokens per pass: min(max_tokens, options.chunk_tokens)

@@ -16,6 +16,7 @@ struct CpuFeatures {
   bool avx512vl = false;
   bool avx512_bf16 = false;
   bool avx512_vnni = false;
+  bool avx_vnni = false;     // VEX VPDPWSSD on YMM (Alder Lake, Sierra Forest, Zen 5): the AVX2 level's int16 dots
   bool avx512_vbmi = false;  // VPERMT2B (the linear layer's E4M3 -> BF16 lookup on the avx512bf16 level)
   bool gfni = false;         // VGF2P8AFFINEQB (the linear layer's E4M3 -> BF16 bit moves on that level)
 };

@@ -1011,7 +1011,7 @@ std::pair<std::string, std::string> bench(const std::string& target, const nb::d
                    {"ep_size", to(c.ep_size)}, {"ep_rank", to(c.ep_rank)}, {"iters", to(c.iters)},
                    {"warmup", to(c.warmup)}, {"input_sets", to(c.input_sets)}, {"bandwidth_mib", to(c.bandwidth_mib)},
                    {"seed", to(c.seed)}, {"threads", to(c.threads)}, {"isa", to_isa(c.isa)}, {"path", to(c.path)},
-                   {"save_routing", to(c.save_routing)}});
+                   {"save_routing", to(c.save_routing)}, {"avx_vnni", to(c.avx_vnni)}});
     nb::gil_scoped_release release;
     r = k3::harness::bench_moe(c);
   } else if (target == "kda") {

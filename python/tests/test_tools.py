@@ -61,6 +61,30 @@ def test_bench_moe_runs_the_harness_in_process():
     assert r["read_bandwidth_Bps"]["value"] > 0 and r["dot_peak_flops"]["value"] > 0
 
 
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@pytest.mark.skipif(k3.info()["isa"] == "scalar", reason="needs an AVX2 CPU")
+def test_bench_moe_avx_vnni_option_picks_the_integer_form():
+    small = dict(m=[1], recipe="w4a8", hidden=64, intermediate=64, experts=4, top_k=2, ep_size=1, ep_rank=0,
+                 routing="uniform", iters=1, bandwidth_mib=64, isa="avx2", threads=1)
+    off = k3.bench("moe", avx_vnni=False, **small)
+    assert off["ok"] and off["records"][0]["kernel"] == "avx2 fma + int16 madd"
+    on = k3.bench("moe", avx_vnni=True, **small)
+    want = "avx2 fma + int16 vpdpwssd (avx-vnni)" if "avx_vnni" in _cpu_flags() else "avx2 fma + int16 madd"
+    assert on["ok"] and on["records"][0]["kernel"] == want
+    with pytest.raises(TypeError, match="option 'avx_vnni' has the wrong type"):
+        k3.bench("moe", avx_vnni="maybe")
+
+
 def test_bench_kda_runs_the_harness_in_process():
     r = k3.bench("kda", heads=2, head_dim=32, prefill_t=[16], decode_n=4, verify_n=[2], iters=2, pool_mib=1, bw_mib=16,
                  threads=1)

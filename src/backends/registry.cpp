@@ -168,6 +168,7 @@ Result<std::unique_ptr<PreparedMoe>> moe_cpu_prepare(const MoeProblem& p, const 
   o.max_tokens = max_tokens_of(opt);
   o.threads = opt.threads;
   o.isa = opt.isa;
+  o.avx_vnni = opt.avx_vnni;
   K3_ASSIGN_OR_RETURN(cpu::MoePlan plan, cpu::plan(p, o));
   K3_ASSIGN_OR_RETURN(cpu::PackedWeights packed, cpu::prepack(plan, w));
   return std::unique_ptr<PreparedMoe>(std::make_unique<CpuMoe>(std::move(plan), std::move(packed)));

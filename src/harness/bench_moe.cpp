@@ -216,6 +216,7 @@ BenchResult bench_host(const MoeBenchConfig& c, const Sweep& s, const BenchHooks
     opt.threads = lim.threads;
     opt.max_tokens = max_m;
     opt.isa = lim.isa;
+    opt.avx_vnni = c.avx_vnni;
     auto layer = prepare_moe(*backend.value(), prob, weights.view(), opt);
     if (!layer.is_ok()) return {"", layer.status()};
     std::vector<uint8_t> ws(static_cast<size_t>((*layer)->workspace_bytes()));

@@ -18,7 +18,7 @@ TEST(CpuInfo, FeaturesAreConsistent) {
   if (f.avx512bw || f.avx512vl || f.avx512_bf16 || f.avx512_vnni) {
     EXPECT_TRUE(f.avx512f);
   }
-  if (f.avx512f) {
+  if (f.avx512f || f.avx_vnni) {
     EXPECT_TRUE(f.avx2);
   }
 }

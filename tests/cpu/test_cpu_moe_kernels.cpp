@@ -429,12 +429,14 @@ TEST(CpuMoeKernels, Fp32TileKernelsMatchThePortableKernelBitForBit) {
             TileGemm g{rec.data(), blocks, groups, rows.data(), nr, want.data(), panel};
             tile_gemm_fp32(IsaLevel::kScalar)(g);
             for (bool given : {false, true}) {
-              g.totals = got.data();
-              g.views = given ? views.data() : nullptr;
-              tile_gemm_fp32(l)(g);
-              ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
-                  << isa_level_name(l) << " groups " << groups << " blocks " << blocks << " rows " << nr << " order "
-                  << o << (given ? " (views given)" : "");
+              for (bool avx_vnni : {false, true}) {  // the integer form: VPMADDWD + VPADDD, or AVX-VNNI's
+                g.totals = got.data();
+                g.views = given ? views.data() : nullptr;
+                tile_gemm_fp32(l, avx_vnni)(g);
+                ASSERT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
+                    << isa_level_name(l) << " groups " << groups << " blocks " << blocks << " rows " << nr
+                    << " order " << o << (given ? " (views given)" : "") << " avx_vnni " << avx_vnni;
+              }
             }
           }
         }
@@ -476,9 +478,31 @@ TEST(CpuMoeKernels, Avx2DirectKernelReadsTheIntegerViews) {
   float half1;
   std::memcpy(&half1, view.data() + len + 1 * 2, sizeof(half1));
   ASSERT_NE(half1, 0.f) << "block 1 of a BF16 Gaussian row should have a view";
-  // Both forms of the integer kernel: VPMADDWD + VPADDD, and VPDPWSSD where the CPU has it.
-  expect_kernel_reads_views(tile_gemm_avx2(false), rec, kFc1Groups, blocks, x.data(), view, kBlock + 3, "vpmaddwd");
-  expect_kernel_reads_views(tile_gemm_avx2(true), rec, kFc1Groups, blocks, x.data(), view, kBlock + 3, "vpdpwssd");
+  // Every form of the integer kernel this CPU runs: VPMADDWD + VPADDD, AVX-VNNI's VEX VPDPWSSD,
+  // AVX512-VNNI's EVEX VPDPWSSD.
+  const auto& f = cpu_info().features;
+  expect_kernel_reads_views(tile_gemm_avx2(IntMac::kMadd), rec, kFc1Groups, blocks, x.data(), view, kBlock + 3,
+                            "vpmaddwd");
+  if (f.avx_vnni) {
+    expect_kernel_reads_views(tile_gemm_avx2(IntMac::kAvxVnni), rec, kFc1Groups, blocks, x.data(), view, kBlock + 3,
+                              "vex vpdpwssd");
+  }
+  if (f.avx512_vnni && f.avx512vl) {
+    expect_kernel_reads_views(tile_gemm_avx2(IntMac::kAvx512Vnni), rec, kFc1Groups, blocks, x.data(), view,
+                              kBlock + 3, "evex vpdpwssd");
+  }
+}
+
+// Which integer form each level picks: AVX-VNNI only where the CPU has it and the caller allows it
+// (MoeOptions::avx_vnni), AVX512-VNNI only above the AVX2 level.
+TEST(CpuMoeKernels, IntegerFormFollowsTheCpuAndTheOption) {
+  const auto& f = cpu_info().features;
+  const IntMac vex = f.avx_vnni ? IntMac::kAvxVnni : IntMac::kMadd;
+  EXPECT_EQ(int_mac_form(IsaLevel::kAvx2, true), vex);
+  EXPECT_EQ(int_mac_form(IsaLevel::kAvx2, false), IntMac::kMadd);
+  const bool evex = f.avx512_vnni && f.avx512vl;
+  EXPECT_EQ(int_mac_form(IsaLevel::kAvx512, true), evex ? IntMac::kAvx512Vnni : vex);
+  EXPECT_EQ(int_mac_form(IsaLevel::kAvx512, false), evex ? IntMac::kAvx512Vnni : IntMac::kMadd);
 }
 
 std::vector<uint16_t> bf16_operand_rows(std::mt19937_64& rng, int64_t rows, int64_t len) {
@@ -594,22 +618,29 @@ TEST(CpuMoeKernels, PlanDescribesTheBlockingOfEachLevel) {
   MoeProblem p;
   p.shape = {3584, 3072, 896, 16, 32, 7};
   for (IsaLevel l : levels()) {
-    cpu::MoeOptions o;
-    o.isa = l;
-    auto plan = cpu::plan(p, o);
-    ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
-    const std::string d = plan->describe();
-    EXPECT_NE(d.find(std::string("isa ") + isa_level_name(l) + " (kernel " + plan->blocking.kernel + ")"),
-              std::string::npos) << d;
-    EXPECT_NE(d.find(std::string(plan->blocking.register_tile) + " register tiles"), std::string::npos) << d;
-    if (l == IsaLevel::kAvx2 || l == IsaLevel::kAvx512) {
-      EXPECT_EQ(plan->blocking.direct_max_rows, kDirectMaxRowsAvx2);
-      EXPECT_EQ(plan->blocking.panel_blocks, kPanelBlocksAvx2);
-      const bool vnni = l == IsaLevel::kAvx512 && cpu_info().features.avx512_vnni;
-      EXPECT_STREQ(plan->blocking.kernel, vnni ? "avx2 fma + int16 vpdpwssd" : "avx2 fma + int16 madd");
-    }
-    if (l == IsaLevel::kAvx512Bf16) {
-      EXPECT_STREQ(plan->blocking.kernel, uses_int_views(l) ? "avx512bf16 vdpbf16ps + int16 vpdpwssd" : "avx512bf16 vdpbf16ps");
+    for (bool avx_vnni : {true, false}) {
+      cpu::MoeOptions o;
+      o.isa = l;
+      o.avx_vnni = avx_vnni;
+      auto plan = cpu::plan(p, o);
+      ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+      EXPECT_EQ(plan->avx_vnni, avx_vnni);
+      const std::string d = plan->describe();
+      EXPECT_NE(d.find(std::string("isa ") + isa_level_name(l) + " (kernel " + plan->blocking.kernel + ")"),
+                std::string::npos) << d;
+      EXPECT_NE(d.find(std::string(plan->blocking.register_tile) + " register tiles"), std::string::npos) << d;
+      if (l == IsaLevel::kAvx2 || l == IsaLevel::kAvx512) {
+        EXPECT_EQ(plan->blocking.direct_max_rows, kDirectMaxRowsAvx2);
+        EXPECT_EQ(plan->blocking.panel_blocks, kPanelBlocksAvx2);
+        const auto& f = cpu_info().features;
+        const bool evex = l == IsaLevel::kAvx512 && f.avx512_vnni && f.avx512vl;
+        EXPECT_STREQ(plan->blocking.kernel, evex                      ? "avx2 fma + int16 vpdpwssd"
+                                            : avx_vnni && f.avx_vnni ? "avx2 fma + int16 vpdpwssd (avx-vnni)"
+                                                                     : "avx2 fma + int16 madd");
+      }
+      if (l == IsaLevel::kAvx512Bf16) {
+        EXPECT_STREQ(plan->blocking.kernel, uses_int_views(l) ? "avx512bf16 vdpbf16ps + int16 vpdpwssd" : "avx512bf16 vdpbf16ps");
+      }
     }
   }
 }

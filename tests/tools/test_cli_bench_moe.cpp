@@ -115,7 +115,10 @@ TEST(CliBenchMoe, IsaOptionSelectsTheLevelAndItsPeak) {
   if (k3::best_isa_level() >= k3::IsaLevel::kAvx2) {
     r = run_cli(kTiny + "--m 3 --isa avx2");
     ASSERT_EQ(r.code, 0) << r.out;
-    EXPECT_NE(r.out.find("isa avx2 (kernel avx2 fma + int16 madd)"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(k3::cpu_info().features.avx_vnni ? "isa avx2 (kernel avx2 fma + int16 vpdpwssd (avx-vnni))"
+                                                           : "isa avx2 (kernel avx2 fma + int16 madd)"),
+              std::string::npos)
+        << r.out;
     EXPECT_NE(r.out.find("AVX2 FP32 FMA peak"), std::string::npos) << r.out;
   }
   std::remove(json.c_str());
@@ -142,6 +145,26 @@ TEST(CliBenchMoe, BadOptionsFailWithTheReason) {
   r = run_cli(kTiny + "--routing replay:" + bad);
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("not a routing replay file"), std::string::npos) << r.out;
+  r = run_cli(kTiny + "--avx-vnni maybe");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("--avx-vnni"), std::string::npos) << r.out;
+}
+
+// --avx-vnni false runs the FP32 levels' integer dots as VPMADDWD + VPADDD; true (the default)
+// runs AVX-VNNI's VPDPWSSD where the CPU has it. The record names the kernel.
+TEST(CliBenchMoe, AvxVnniFlagPicksTheIntegerForm) {
+  if (k3::best_isa_level() < k3::IsaLevel::kAvx2) GTEST_SKIP() << "needs an AVX2 CPU";
+  const std::string json = testing::TempDir() + "k3_bench_moe_vnni.json";
+  for (const bool on : {false, true}) {
+    const auto r = run_cli(kTiny + "--m 1 --recipe w4a8 --isa avx2 --avx-vnni " + (on ? "true" : "false") +
+                           " --output " + json);
+    ASSERT_EQ(r.code, 0) << r.out;
+    std::ifstream f(json);
+    const auto j = nlohmann::json::parse(f);
+    const bool vex = on && k3::cpu_info().features.avx_vnni;
+    EXPECT_EQ(j["records"][0]["kernel"], vex ? "avx2 fma + int16 vpdpwssd (avx-vnni)" : "avx2 fma + int16 madd");
+  }
+  std::remove(json.c_str());
 }
 
 }  // namespace

@@ -243,6 +243,10 @@ const BenchRegistration kMoe("moe", [](CLI::App& bench) -> CommandRun {
   cmd->add_option("--isa", a->isa,
                   "CPU kernel level: scalar | avx2 | avx512 | avx512bf16 (default: K3_ISA or the CPU's best); the "
                   "peak is measured for the same level");
+  cmd->add_option("--avx-vnni", c.avx_vnni,
+                  "FP32 levels on a CPU with AVX-VNNI: its VPDPWSSD for the exact int16 block dots; false runs "
+                  "VPMADDWD + VPADDD, as a CPU without it (same bits)")
+      ->capture_default_str();
   cmd->add_option("--hidden", c.hidden, "K")->capture_default_str();
   cmd->add_option("--intermediate", c.intermediate, "N")->capture_default_str();
   cmd->add_option("--experts", c.experts, "E (global)")->capture_default_str();

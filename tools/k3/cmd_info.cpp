@@ -56,7 +56,7 @@ nlohmann::json info_json() {
                           {"avx512f", f.avx512f},   {"avx512bw", f.avx512bw},
                           {"avx512vl", f.avx512vl}, {"avx512_bf16", f.avx512_bf16},
                           {"avx512_vnni", f.avx512_vnni}, {"avx512_vbmi", f.avx512_vbmi},
-                          {"gfni", f.gfni}};
+                          {"gfni", f.gfni},         {"avx_vnni", f.avx_vnni}};
   j["threads"] = default_thread_count();
   // Packed weights are advised for transparent huge pages (k3/memory.hpp); the kernel's mode says
   // whether that takes effect ("never": 4 KiB pages, slower decode streams).

@@ -95,6 +95,7 @@ struct MoeBenchConfig {
   uint64_t seed = 20261129;
   int threads = 0;                          // cpu: 0 = all logical CPUs
   IsaLevel isa = best_isa_level();          // cpu: the kernel level, and the peak measured for it
+  bool avx_vnni = true;                     // cpu: BackendOptions::avx_vnni
   std::string path;                         // cuda: a kernel path name, "" = the plan's choice
   std::string save_routing;                 // cpu: write the ids of the largest M here (replay format)
 };

@@ -66,6 +66,7 @@ CpuInfo detect() {
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
   __cpuid_count(7, 1, a1, b1, c1, d1);
   const bool avx512_bf16 = (a1 >> 5) & 1u;
+  const bool avx_vnni = (a1 >> 4) & 1u;
   info.features.avx2 = os_avx && avx2;
   info.features.fma = os_avx && fma;
   info.features.f16c = os_avx && f16c;
@@ -74,6 +75,7 @@ CpuInfo detect() {
   info.features.avx512vl = os_avx512 && avx512vl;
   info.features.avx512_bf16 = os_avx512 && avx512_bf16;
   info.features.avx512_vnni = os_avx512 && avx512_vnni;
+  info.features.avx_vnni = os_avx && avx_vnni;
   info.features.avx512_vbmi = os_avx512 && avx512_vbmi;
   info.features.gfni = os_avx && gfni;  // the instruction's VEX / EVEX forms need the OS's vector state
 #else

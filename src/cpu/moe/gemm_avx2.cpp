@@ -281,20 +281,26 @@ namespace {
 // m * G * 16) over the lanes of group pair p0, nibble planes [n0, n0 + PL); CNT * PL * 2 int32
 // accumulators of sum (2w + 12) * xi, minus the row's 12 * sum(xi) of the block at the end.
 // One int16 multiply-add step of the integer kernel: acc += (w[2i] * x[2i] + w[2i+1] * x[2i+1]) per
-// int32 lane. kVnni (AVX512-VNNI + AVX512-VL CPUs on the AVX-512 FP32 level): one EVEX VPDPWSSD
-// instead of VPMADDWD + VPADDD, the same integers. Inline assembly, because this file is compiled
-// for AVX2 + FMA (the encoding is fixed to EVEX, which GCC 12, clang 14 and binutils accept).
-template <bool kVnni>
+// int32 lane, in one of three forms with the same integers (no saturation: |w| <= 24, |x| < 2^15):
+//   IntMac::kMadd        VPMADDWD + VPADDD (every AVX2 CPU);
+//   IntMac::kAvxVnni     one VEX VPDPWSSD (AVX-VNNI: Alder Lake, Sierra Forest, Zen 5);
+//   IntMac::kAvx512Vnni  one EVEX VPDPWSSD (AVX512-VNNI + AVX512-VL, on the AVX-512 FP32 level).
+// Inline assembly, because this file is compiled for AVX2 + FMA only (GCC 12, clang 14 and
+// binutils accept the {vex} / {evex} encoding prefixes).
+template <IntMac kMac>
 __attribute__((always_inline)) K3_TARGET_AVX2 inline __m256i int_mac(__m256i acc, __m256i w, __m256i x) {
-  if constexpr (kVnni) {
+  if constexpr (kMac == IntMac::kAvx512Vnni) {
     __asm__("%{evex%} vpdpwssd %[x], %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "v"(x));
+    return acc;
+  } else if constexpr (kMac == IntMac::kAvxVnni) {
+    __asm__("%{vex%} vpdpwssd %[x], %[w], %[acc]" : [acc] "+x"(acc) : [w] "x"(w), [x] "x"(x));
     return acc;
   } else {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
   }
 }
 
-template <int CNT, int G, int PL, bool kVnni>
+template <int CNT, int G, int PL, IntMac kMac>
 __attribute__((always_inline)) K3_TARGET_AVX2 inline void int_record_rows(const uint8_t* r, int64_t xo, int64_t hb, int p0,
                                                                          int n0, const int16_t* const* xi,
                                                                          const float* const* half,
@@ -311,24 +317,25 @@ __attribute__((always_inline)) K3_TARGET_AVX2 inline void int_record_rows(const 
     if (prefetch != nullptr) {  // one line of a later record's codes per k-pair (see direct_mixed)
       prefetch_line(prefetch + kp * (record_code_bytes(G) / kPairs));
     }
-    // The weights of the k-pair first ([plane][half]), then per row one broadcast of its int16
-    // pair and its multiply-adds: one broadcast register live, so that 4 rows fit 16 registers.
+    // Per nibble plane: its weights ([half]), then per row one broadcast of its int16 pair and its
+    // multiply-adds (two weight registers and one broadcast live, so that 4 rows fit 16 registers).
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + (kp * (G / 2) + p0) * 32));
-    __m256i w16[PL * 2];
 #pragma GCC unroll 2
     for (int n = n0; n < n0 + PL; ++n) {
       const __m256i codes = _mm256_and_si256(n == 0 ? raw : _mm256_srli_epi16(raw, 4), nibble);
       const __m256i wv = _mm256_shuffle_epi8(tab_w, codes);
-      w16[(n - n0) * 2] = _mm256_unpacklo_epi8(wv, zero);
-      w16[(n - n0) * 2 + 1] = _mm256_unpackhi_epi8(wv, zero);
-    }
+      const __m256i w16[2] = {_mm256_unpacklo_epi8(wv, zero), _mm256_unpackhi_epi8(wv, zero)};
 #pragma GCC unroll 4
-    for (int m = 0; m < CNT; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, xi[m] + xo + 2 * kp, sizeof(pair));
-      const __m256i xp = _mm256_set1_epi32(pair);
-#pragma GCC unroll 4
-      for (int i = 0; i < PL * 2; ++i) acc[m * PL * 2 + i] = int_mac<kVnni>(acc[m * PL * 2 + i], w16[i], xp);
+      for (int m = 0; m < CNT; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, xi[m] + xo + 2 * kp, sizeof(pair));
+        const __m256i xp = _mm256_set1_epi32(pair);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          __m256i& a = acc[(m * PL + (n - n0)) * 2 + h];
+          a = int_mac<kMac>(a, w16[h], xp);
+        }
+      }
     }
   }
   __m256 partial[CNT * PL * 2];  // the FP32 chain's partial sums: (acc - 12 * sum(xi)) * T/2, exact
@@ -360,7 +367,7 @@ void panel_range(const TileGemm& a, int64_t rows, int64_t b0, int64_t b1, const 
 // subgroup instead of 2 + 2: BM_DequantDotCached/rows:4 25.6 -> 22.7 us on the Intel Xeon guest),
 // while the record stays in L1); any other the FP32 kernel: directly for up to 3 rows, through the panel for 4-6 (the FP32
 // direct kernel with 4 rows was slower than the panel), one call per run of such records.
-template <int MR, int G, bool kVnni>
+template <int MR, int G, IntMac kMac>
 __attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, int64_t c0, int64_t c1, int64_t base,
                                                            const int16_t* const* xi, const float* const* half,
                                                            const int32_t* const* offset, const float* const* rows,
@@ -388,12 +395,12 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, in
         const int p0 = kPlInt == 2 ? pp : pp / 2, n0 = kPlInt == 2 ? 0 : pp % 2;
 #pragma GCC unroll 1
         for (int q = 0; q < kFull; ++q) {
-          int_record_rows<kSub, G, kPlInt, kVnni>(r, hb * kBlock, hb, p0, n0, xi + q * kSub, half + q * kSub,
+          int_record_rows<kSub, G, kPlInt, kMac>(r, hb * kBlock, hb, p0, n0, xi + q * kSub, half + q * kSub,
                                            offset + q * kSub, totals + q * kSub * G * kLanes,
                                            pp == 0 && q == 0 ? ahead : nullptr);
         }
         if constexpr (kRest > 0) {
-          int_record_rows<kRest, G, kPlInt, kVnni>(r, hb * kBlock, hb, p0, n0, xi + kFull * kSub, half + kFull * kSub,
+          int_record_rows<kRest, G, kPlInt, kMac>(r, hb * kBlock, hb, p0, n0, xi + kFull * kSub, half + kFull * kSub,
                                             offset + kFull * kSub, totals + kFull * kSub * G * kLanes,
                                             pp == 0 && kFull == 0 ? ahead : nullptr);
         }
@@ -414,7 +421,7 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, in
 
 // Direct path of MR rows: the integer views given with the task, or made here kIntViewChunk
 // blocks at a time.
-template <int MR, int G, bool kVnni>
+template <int MR, int G, IntMac kMac>
 K3_TARGET_AVX2 void direct_rows_any(const TileGemm& a, const float* const* rows, float* totals) {
   const int16_t* xi[MR];
   const float* half[MR];
@@ -425,7 +432,7 @@ K3_TARGET_AVX2 void direct_rows_any(const TileGemm& a, const float* const* rows,
       half[m] = reinterpret_cast<const float*>(a.views[m] + a.blocks * kBlock);
       offset[m] = reinterpret_cast<const int32_t*>(half[m] + a.blocks);
     }
-    direct_mixed<MR, G, kVnni>(a, 0, a.blocks, 0, xi, half, offset, rows, totals);
+    direct_mixed<MR, G, kMac>(a, 0, a.blocks, 0, xi, half, offset, rows, totals);
     return;
   }
   alignas(32) int16_t xi_buf[MR][kIntViewChunk * kBlock];
@@ -445,7 +452,7 @@ K3_TARGET_AVX2 void direct_rows_any(const TileGemm& a, const float* const* rows,
         offset_buf[m][b - c0] = half_buf[m][b - c0] != 0.f ? int_view_offset(v) : 0;
       }
     }
-    direct_mixed<MR, G, kVnni>(a, c0, c1, c0, xi, half, offset, rows, totals);
+    direct_mixed<MR, G, kMac>(a, c0, c1, c0, xi, half, offset, rows, totals);
   }
 }
 
@@ -512,12 +519,12 @@ __attribute__((noinline)) K3_TARGET_AVX2 void panel_rows(const TileGemm& a, int6
 template <int G>
 constexpr int kPanelMrAvx2 = 6;
 
-template <int G, bool kVnni, int MR = 1>
+template <int G, IntMac kMac, int MR = 1>
 K3_TARGET_AVX2 void direct_dispatch(const TileGemm& a, int64_t rows, const float* const* r, float* t) {
   if constexpr (MR < kDirectMaxRowsAvx2) {
-    if (rows != MR) return direct_dispatch<G, kVnni, MR + 1>(a, rows, r, t);
+    if (rows != MR) return direct_dispatch<G, kMac, MR + 1>(a, rows, r, t);
   }
-  direct_rows_any<MR, G, kVnni>(a, r, t);
+  direct_rows_any<MR, G, kMac>(a, r, t);
 }
 
 template <int G, int MR = 1>
@@ -560,34 +567,45 @@ K3_TARGET_AVX2 void panel_range(const TileGemm& a, int64_t rows, int64_t b0, int
   }
 }
 
-template <int G, bool kVnni>
+template <int G, IntMac kMac>
 K3_TARGET_AVX2 void tile_gemm(const TileGemm& a) {
   const float* rows[kRowGroup];
   for (int64_t i = 0; i < a.num_rows; ++i) rows[i] = static_cast<const float*>(a.rows[i]);
   const int64_t width = G * kLanes;
   std::memset(a.totals, 0, static_cast<size_t>(a.num_rows * width) * sizeof(float));
   if (a.num_rows <= kDirectMaxRowsAvx2) {
-    direct_dispatch<G, kVnni>(a, a.num_rows, rows, a.totals);
+    direct_dispatch<G, kMac>(a, a.num_rows, rows, a.totals);
   } else {
     panel_range<G>(a, a.num_rows, 0, a.blocks, rows, a.totals);
   }
   unpermute_totals(a.totals, a.num_rows, G);
 }
 
-template <bool kVnni>
+template <IntMac kMac>
 void tile_gemm_entry(const TileGemm& a) {
   if (a.groups == kFc1Groups) {
-    tile_gemm<kFc1Groups, kVnni>(a);
+    tile_gemm<kFc1Groups, kMac>(a);
   } else {
-    tile_gemm<kFc2Groups, kVnni>(a);
+    tile_gemm<kFc2Groups, kMac>(a);
   }
 }
 
 }  // namespace
 
-TileGemmFn tile_gemm_avx2(bool vnni) {
+TileGemmFn tile_gemm_avx2(IntMac form) {
+  switch (form) {
+    case IntMac::kAvx512Vnni: return tile_gemm_entry<IntMac::kAvx512Vnni>;
+    case IntMac::kAvxVnni: return tile_gemm_entry<IntMac::kAvxVnni>;
+    case IntMac::kMadd: break;
+  }
+  return tile_gemm_entry<IntMac::kMadd>;
+}
+
+IntMac int_mac_form(IsaLevel level, bool avx_vnni) {
   const auto& f = cpu_info().features;
-  return vnni && f.avx512_vnni && f.avx512vl ? tile_gemm_entry<true> : tile_gemm_entry<false>;
+  if (level == IsaLevel::kScalar) return IntMac::kMadd;  // not used: the portable kernel has no integer dots
+  if (level != IsaLevel::kAvx2 && f.avx512_vnni && f.avx512vl) return IntMac::kAvx512Vnni;
+  return avx_vnni && f.avx_vnni ? IntMac::kAvxVnni : IntMac::kMadd;
 }
 
 }  // namespace k3::cpu::detail

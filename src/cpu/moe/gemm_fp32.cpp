@@ -58,14 +58,8 @@ void tile_gemm_scalar(const TileGemm& a) {
 
 }  // namespace
 
-TileGemmFn tile_gemm_fp32(IsaLevel level) {
-  switch (level) {
-    case IsaLevel::kAvx2: return tile_gemm_avx2(false);
-    case IsaLevel::kAvx512:
-    case IsaLevel::kAvx512Bf16: return tile_gemm_avx2(true);  // VPDPWSSD where the CPU has AVX512-VNNI
-    case IsaLevel::kScalar: break;
-  }
-  return tile_gemm_scalar;
+TileGemmFn tile_gemm_fp32(IsaLevel level, bool avx_vnni) {
+  return level == IsaLevel::kScalar ? tile_gemm_scalar : tile_gemm_avx2(int_mac_form(level, avx_vnni));
 }
 
 }  // namespace k3::cpu::detail

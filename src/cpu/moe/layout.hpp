@@ -65,11 +65,18 @@ inline constexpr int64_t kPanelScratchBytes = int64_t{kPanelBlocks} * kPairs * k
 
 using TileGemmFn = void (*)(const TileGemm&);
 TileGemmFn tile_gemm_bf16();          // AVX512-BF16 (operands BF16)
-// AVX2+FMA, also the AVX-512 FP32 level (operands FP32). vnni: the integer blocks use VPDPWSSD
-// when the CPU has AVX512-VNNI and AVX512-VL (the AVX-512 levels; the AVX2 level never does, so
-// that it runs what an AVX2-only CPU runs).
-TileGemmFn tile_gemm_avx2(bool vnni = false);
-TileGemmFn tile_gemm_fp32(IsaLevel);  // the kernel of an FP32 level: scalar (portable) or AVX2+FMA
+// The instruction form of the AVX2 kernel's int16 dot products (same integers, same bits):
+// VPMADDWD + VPADDD, VEX VPDPWSSD (AVX-VNNI) or EVEX VPDPWSSD (AVX512-VNNI + AVX512-VL).
+enum class IntMac { kMadd, kAvxVnni, kAvx512Vnni };
+// What a level runs on this CPU: the AVX-512 levels EVEX VPDPWSSD where the CPU has AVX512-VNNI
+// and AVX512-VL; otherwise (and always on the AVX2 level) VEX VPDPWSSD where it has AVX-VNNI and
+// avx_vnni is set (MoeOptions::avx_vnni); otherwise VPMADDWD + VPADDD.
+IntMac int_mac_form(IsaLevel level, bool avx_vnni);
+// AVX2+FMA, also the AVX-512 FP32 level (operands FP32), with the given integer form (the CPU
+// must have it).
+TileGemmFn tile_gemm_avx2(IntMac form);
+// The kernel of an FP32 level: scalar (portable) or AVX2+FMA with int_mac_form(level, avx_vnni).
+TileGemmFn tile_gemm_fp32(IsaLevel level, bool avx_vnni = true);
 
 // AVX2 kernel's integer view of one FP32 operand block of 32 elements (gemm_avx2.cpp; call only
 // where AVX2 runs): when x[k] = xi[k] * 2^(e-14) exactly for all k, with e = floor(log2 max|x|)

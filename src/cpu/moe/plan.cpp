@@ -106,6 +106,7 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
   MoePlan p;
   p.problem = problem;
   p.isa = isa;
+  p.avx_vnni = options.avx_vnni;
   p.threads = threads;
   p.max_tokens = options.max_tokens;
   p.chunk_tokens = std::min(options.max_tokens, options.chunk_tokens);
@@ -120,9 +121,11 @@ Result<MoePlan> plan(const MoeProblem& problem, const MoeOptions& options) {
       break;
     case IsaLevel::kAvx512:  // FP32 operands: the AVX2 kernel (gemm_avx2.cpp); AVX512-VNNI: VPDPWSSD
     case IsaLevel::kAvx2:
-      p.blocking.kernel = isa == IsaLevel::kAvx512 && cpu_info().features.avx512_vnni && cpu_info().features.avx512vl
-                              ? "avx2 fma + int16 vpdpwssd"
-                              : "avx2 fma + int16 madd";
+      switch (detail::int_mac_form(isa, options.avx_vnni)) {
+        case detail::IntMac::kAvx512Vnni: p.blocking.kernel = "avx2 fma + int16 vpdpwssd"; break;
+        case detail::IntMac::kAvxVnni: p.blocking.kernel = "avx2 fma + int16 vpdpwssd (avx-vnni)"; break;
+        case detail::IntMac::kMadd: p.blocking.kernel = "avx2 fma + int16 madd"; break;
+      }
       p.blocking.direct_max_rows = detail::kDirectMaxRowsAvx2;
       p.blocking.panel_blocks = detail::kPanelBlocksAvx2;
       p.blocking.register_tile = "6x16";

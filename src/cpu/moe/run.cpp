@@ -520,7 +520,7 @@ Status run_pipeline(const MoePlan& plan, const PackedWeights& weights, const Moe
          xq.codes.empty() ? nullptr : xq.codes.data(),
          xq.codes.empty() ? nullptr : xq.scales.data(),
          0,
-         bf16 ? tile_gemm_bf16() : tile_gemm_fp32(plan.isa),
+         bf16 ? tile_gemm_bf16() : tile_gemm_fp32(plan.isa, plan.avx_vnni),
          elementwise(plan.isa),
          bf16,
          uses_int_views(plan.isa),
