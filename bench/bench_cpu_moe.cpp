@@ -80,13 +80,16 @@ Operands random_rows(int64_t rows, int64_t len, bool bf16, bool mxfp8 = false) {
   return o;
 }
 
-TileGemmFn gemm_fn() { return level() == k3::IsaLevel::kAvx512Bf16 ? tile_gemm_bf16() : tile_gemm_fp32(level()); }
+// avx_vnni: the FP32 levels' integer form (false: VPMADDWD + VPADDD, as on a CPU without AVX-VNNI).
+TileGemmFn gemm_fn(bool avx_vnni = true) {
+  return level() == k3::IsaLevel::kAvx512Bf16 ? tile_gemm_bf16() : tile_gemm_fp32(level(), avx_vnni);
+}
 
 // Decode: rows over FC1 tiles (K = 3584) taken in turn from `tiles` of them. Counter: MXFP4
 // bytes per second.
 // operand: 0 = BF16 values, 1 = MXFP8 values, 2 = BF16 values with no integer view (the AVX2
 // kernel's FP32 path only).
-void dequant_dot(benchmark::State& state, int64_t rows, int64_t tiles, int operand) {
+void dequant_dot(benchmark::State& state, int64_t rows, int64_t tiles, int operand, bool avx_vnni = true) {
   const bool mxfp8 = operand == 1;
   const int64_t blocks = 3584 / kBlock, tile = blocks * record_bytes(kFc1Groups);
   const auto rec = random_records(tiles, blocks, kFc1Groups);
@@ -96,7 +99,7 @@ void dequant_dot(benchmark::State& state, int64_t rows, int64_t tiles, int opera
   }
   std::vector<float> totals(static_cast<size_t>(kRowGroup * 64));
   std::vector<uint8_t> panel(kPanelScratchBytes + 64);
-  const TileGemmFn fn = gemm_fn();
+  const TileGemmFn fn = gemm_fn(avx_vnni);
   int64_t t = 0;
   for (auto _ : state) {
     TileGemm g{rec.data() + t * tile, blocks, kFc1Groups, ops.rows.data(), rows, totals.data(), panel.data(),
@@ -120,6 +123,18 @@ void BM_DequantDotCached(benchmark::State& state) {
   dequant_dot(state, state.range(0), 8, static_cast<int>(state.range(1)));
 }
 BENCHMARK(BM_DequantDotCached)->ArgsProduct({{1, 2, 3, 4, 5, 6}, {0, 1, 2}})->ArgNames({"rows", "op"});
+
+// Both, with the integer dots as VPMADDWD + VPADDD even where the CPU has AVX-VNNI (the same
+// kernels as above on a CPU without it).
+void BM_DequantDotStreamMadd(benchmark::State& state) {
+  dequant_dot(state, state.range(0), (int64_t{256} << 20) / ((3584 / kBlock) * record_bytes(kFc1Groups)),
+              static_cast<int>(state.range(1)), false);
+}
+BENCHMARK(BM_DequantDotStreamMadd)->ArgsProduct({{1, 2, 3, 4, 5, 6}, {0, 1}})->ArgNames({"rows", "op"});
+void BM_DequantDotCachedMadd(benchmark::State& state) {
+  dequant_dot(state, state.range(0), 8, static_cast<int>(state.range(1)), false);
+}
+BENCHMARK(BM_DequantDotCachedMadd)->ArgsProduct({{1, 2, 3, 4, 5, 6}, {0, 1}})->ArgNames({"rows", "op"});
 
 // Prefill: many rows against one cache-resident tile (FC1: G = 4, K = 3584; FC2: G = 2,
 // N = 3072). Counter: FLOP per second (2 per multiply-add).
