@@ -365,7 +365,9 @@ void panel_range(const TileGemm& a, int64_t rows, int64_t b0, int64_t b1, const 
 // rows all have a view takes the integer kernel (one row: both nibble planes per pass; more
 // rows: one plane per pass, in subgroups of at most 4 rows (5, 6 rows: 3 + 2, 3 + 3; 4 rows in one
 // subgroup instead of 2 + 2: BM_DequantDotCached/rows:4 25.6 -> 22.7 us on the Intel Xeon guest),
-// while the record stays in L1); any other the FP32 kernel: directly for up to 3 rows, through the panel for 4-6 (the FP32
+// while the record stays in L1; with VPDPWSSD two rows take both planes per pass: its 5-cycle
+// latency bounds a pass with 4 accumulators, 8 hide it (`BM_DequantDotCached/rows:2/op:1` 10.5 ->
+// 8.9 us there; VPMADDWD + VPADDD has no such chain and keeps one plane); any other the FP32 kernel: directly for up to 3 rows, through the panel for 4-6 (the FP32
 // direct kernel with 4 rows was slower than the panel), one call per run of such records.
 template <int MR, int G, IntMac kMac>
 __attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, int64_t c0, int64_t c1, int64_t base,
@@ -373,7 +375,7 @@ __attribute__((noinline)) K3_TARGET_AVX2 void direct_mixed(const TileGemm& a, in
                                                            const int32_t* const* offset, const float* const* rows,
                                                            float* totals) {
   constexpr int kAhead = 4;
-  constexpr int kPlInt = MR == 1 ? 2 : 1, kSub = MR <= 4 ? MR : 3;
+  constexpr int kPlInt = MR == 1 || (MR == 2 && kMac != IntMac::kMadd) ? 2 : 1, kSub = MR <= 4 ? MR : 3;
   constexpr int kFull = MR / kSub, kRest = MR % kSub;
   constexpr int kPlFp32 = MR == 3 ? 1 : 2;
   const int64_t rec = record_bytes(G);
