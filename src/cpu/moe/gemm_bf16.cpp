@@ -130,22 +130,32 @@ __attribute__((always_inline)) K3_TARGET_BF16_VNNI inline void block_int(const u
                                                                          const uint16_t* const* xi,
                                                                          const float* const* half, __m512 (&acc)[MR][G],
                                                                          const uint8_t* prefetch) {
-  __m512i iacc[MR][G];
-  for (int m = 0; m < MR; ++m)
-    for (int g = 0; g < G; ++g) iacc[m][g] = _mm512_setzero_si512();
+  // With at most 4 accumulators VPDPWSSD's latency (5 cycles) would bound the loop: then two
+  // chains, even and odd k-pairs, added at the end (int32 sums: exact in any order).
+  constexpr int kChains = MR * G <= 4 ? 2 : 1;
+  __m512i iacc[kChains][MR][G];
+  for (int c = 0; c < kChains; ++c)
+    for (int m = 0; m < MR; ++m)
+      for (int g = 0; g < G; ++g) iacc[c][m][g] = _mm512_setzero_si512();
 #pragma GCC unroll 16
-  for (int kp = 0; kp < kPairs; ++kp) {
-    if (prefetch != nullptr) prefetch_line(prefetch + kp * (record_code_bytes(G) / kPairs));
-    __m512i w[G];
-    for (int p = 0; p < G / 2; ++p) expand_pair(r + (kp * (G / 2) + p) * 32, table, w[2 * p], w[2 * p + 1]);
-    for (int m = 0; m < MR; ++m) {
-      const __m512i x = broadcast_pair(xi[m], b * kBlock + 2 * kp);
-      for (int g = 0; g < G; ++g) iacc[m][g] = _mm512_dpwssd_epi32(iacc[m][g], w[g], x);
+  for (int kq = 0; kq < kPairs; kq += kChains) {
+    for (int c = 0; c < kChains; ++c) {
+      const int kp = kq + c;
+      if (prefetch != nullptr) prefetch_line(prefetch + kp * (record_code_bytes(G) / kPairs));
+      __m512i w[G];
+      for (int p = 0; p < G / 2; ++p) expand_pair(r + (kp * (G / 2) + p) * 32, table, w[2 * p], w[2 * p + 1]);
+      for (int m = 0; m < MR; ++m) {
+        const __m512i x = broadcast_pair(xi[m], b * kBlock + 2 * kp);
+        for (int g = 0; g < G; ++g) iacc[c][m][g] = _mm512_dpwssd_epi32(iacc[c][m][g], w[g], x);
+      }
     }
   }
   for (int m = 0; m < MR; ++m) {
     const __m512 h = _mm512_set1_ps(half[m][b]);
-    for (int g = 0; g < G; ++g) acc[m][g] = _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[m][g]), h);
+    for (int g = 0; g < G; ++g) {
+      const __m512i sum = kChains == 2 ? _mm512_add_epi32(iacc[0][m][g], iacc[kChains - 1][m][g]) : iacc[0][m][g];
+      acc[m][g] = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), h);
+    }
   }
 }
 
