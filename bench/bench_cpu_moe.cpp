@@ -11,6 +11,7 @@
 #include "cpu/moe/elementwise.hpp"
 #include "cpu/moe/layout.hpp"
 #include "k3/formats.hpp"
+#include "k3/memory.hpp"
 #include "k3/mx.hpp"
 #include "k3/system.hpp"
 
@@ -23,9 +24,11 @@ k3::IsaLevel level() {
   return l.is_ok() ? l.value() : k3::IsaLevel::kScalar;
 }
 
-// Random tile records: codes uniform, scales 2^-7 (valid codes for the kernels).
-std::vector<uint8_t> random_records(int64_t tiles, int64_t blocks, int groups) {
-  std::vector<uint8_t> r(static_cast<size_t>(tiles * blocks * record_bytes(groups)));
+// Random tile records: codes uniform, scales 2^-7 (valid codes for the kernels). On huge pages
+// where the kernel's THP mode allows, as the packed weights of k3::cpu::Moe are.
+using Records = std::vector<uint8_t, k3::HugePageAllocator<uint8_t>>;
+Records random_records(int64_t tiles, int64_t blocks, int groups) {
+  Records r(static_cast<size_t>(tiles * blocks * record_bytes(groups)));
   std::mt19937_64 rng(7);
   for (size_t i = 0; i < r.size(); i += 8) {
     const uint64_t v = rng();
@@ -117,6 +120,29 @@ void BM_DequantDotStream(benchmark::State& state) {
               static_cast<int>(state.range(1)));
 }
 BENCHMARK(BM_DequantDotStream)->ArgsProduct({{1, 2, 3, 4, 5, 6}, {0, 1, 2}})->ArgNames({"rows", "op"});
+
+// What one core's loads alone stream from the same buffer, tile by tile (no arithmetic but an OR
+// per 32 bytes): the per-core ceiling of BM_DequantDotStream, without software prefetch.
+__attribute__((target("avx2"))) void BM_StreamRead(benchmark::State& state) {
+  const int64_t blocks = 3584 / kBlock, tile = blocks * record_bytes(kFc1Groups);
+  const int64_t tiles = (int64_t{256} << 20) / tile;
+  const auto rec = random_records(tiles, blocks, kFc1Groups);
+  int64_t t = 0;
+  for (auto _ : state) {
+    const uint8_t* p = rec.data() + t * tile;
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int64_t o = 0; o < tile; o += 128) {
+      for (int j = 0; j < 4; ++j) {
+        acc[j] = _mm256_or_si256(acc[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o + 32 * j)));
+      }
+    }
+    __m256i all = _mm256_or_si256(_mm256_or_si256(acc[0], acc[1]), _mm256_or_si256(acc[2], acc[3]));
+    benchmark::DoNotOptimize(all);
+    t = (t + 1) % tiles;
+  }
+  state.SetBytesProcessed(state.iterations() * tile);
+}
+BENCHMARK(BM_StreamRead);
 
 // The same kernel without the memory system: 8 tiles (L2-resident).
 void BM_DequantDotCached(benchmark::State& state) {
