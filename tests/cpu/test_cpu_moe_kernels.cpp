@@ -238,6 +238,28 @@ TEST(CpuMoeKernels, OperandShiftKeepsBf16DotProductsExact) {
   }
 }
 
+// The FP32 levels' dequantization of an MXFP8 row gives every code (both signs, zeros, the
+// largest, subnormals, NaN) times every kind of scale (the smallest, 2^0, large, NaN) bit for bit
+// as the codec: value(code) * 2^(s - 127).
+TEST(CpuMoeKernels, Mxfp8RowToFp32IsTheCodecForEveryCodeAndScale) {
+  const std::vector<uint8_t> scale_codes = {0, 1, 3, 100, 127, 130, 200, 254, kE8M0Nan};
+  std::vector<uint8_t> codes(256 * scale_codes.size()), scales;
+  for (size_t j = 0; j < scale_codes.size(); ++j) {
+    for (int c = 0; c < 256; ++c) codes[j * 256 + static_cast<size_t>(c)] = static_cast<uint8_t>(c);
+    for (int b = 0; b < 256 / kMxBlock; ++b) scales.push_back(scale_codes[j]);
+  }
+  std::vector<float> got(codes.size());
+  mxfp8_row_to_f32(codes.data(), scales.data(), static_cast<int64_t>(codes.size()), got.data());
+  for (size_t i = 0; i < codes.size(); ++i) {
+    const float want = e4m3_to_f32(codes[i]) * e8m0_to_f32(scales[i / kMxBlock]);
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(got[i])) << "code " << int{codes[i]} << " scale " << int{scales[i / kMxBlock]};
+    } else {
+      EXPECT_EQ(f32_to_bits(want), f32_to_bits(got[i])) << "code " << int{codes[i]} << " scale " << int{scales[i / kMxBlock]};
+    }
+  }
+}
+
 // Operand rows for the FP32 tile kernels: Gaussian FP32 (24-bit significands: no block has an
 // integer view), BF16 and E4M3 values (most blocks have one), blocks at the integer view's limits
 // (|xi| = 2^15 - 1 everywhere, the largest partial sums; a lowest bit exactly 2^14 or 2^15 below

@@ -32,6 +32,14 @@ constexpr E4M3Tables make_tables() {
 }
 constexpr E4M3Tables kE4M3 = make_tables();
 
+// Every E4M3 code's value (both signs, NaN codes included), for the row dequantization.
+constexpr std::array<float, 256> make_values() {
+  std::array<float, 256> v{};
+  for (int c = 0; c < 256; ++c) v[static_cast<size_t>(c)] = e4m3_to_f32(static_cast<uint8_t>(c));
+  return v;
+}
+constexpr std::array<float, 256> kE4M3Values = make_values();
+
 }  // namespace
 
 int32_t choose_shift(int lo, int hi) {
@@ -85,10 +93,13 @@ int32_t mxfp8_row_to_bf16(const uint8_t* codes, const uint8_t* scales, int64_t l
   return shift;
 }
 
+// A table lookup per code: the codec's generic minifloat decode (e4m3_to_f32) took about 4 ns per
+// element, and the FP32 levels' W4A8 decode step dequantizes every x row and activation row
+// (forced AVX2 on the Zen 4 guest, M = 8: 0.64 -> 0.25 ms of the ~27 ms call for the h rows).
 void mxfp8_row_to_f32(const uint8_t* codes, const uint8_t* scales, int64_t len, float* dst) {
   for (int64_t b = 0; b < len / kMxBlock; ++b) {
     const float f = e8m0_to_f32(scales[b]);  // exact products: E4M3 quantum * 2^-127 >= 2^-136
-    for (int i = 0; i < kMxBlock; ++i) dst[b * kMxBlock + i] = e4m3_to_f32(codes[b * kMxBlock + i]) * f;
+    for (int i = 0; i < kMxBlock; ++i) dst[b * kMxBlock + i] = kE4M3Values[codes[b * kMxBlock + i]] * f;
   }
 }
 
