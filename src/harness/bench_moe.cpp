@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <random>
 
 #include "bench_json.hpp"
@@ -128,7 +129,14 @@ struct Limits {
   MeasuredRate bw, peak;
   int threads = 1;
   IsaLevel isa = IsaLevel::kScalar;
+  const ReadBandwidthProbe* adjacent = nullptr;  // the read bandwidth next to each decode M
 };
+
+// Decode M (bound by the weight stream): also measured against the read bandwidth probed right
+// before and right after its timed calls (best of kAdjacentPasses passes each; the larger of the two).
+constexpr int64_t kDecodeMaxM = 64;
+constexpr int kAdjacentPasses = 3;
+constexpr int64_t kAdjacentMaxMib = 256;
 
 // Times one M of one recipe: its JSON record.
 Result<nlohmann::json> measure_m(const MoeBenchConfig& c, const Sweep& s, const Limits& lim, const PreparedMoe& layer,
@@ -145,13 +153,16 @@ Result<nlohmann::json> measure_m(const MoeBenchConfig& c, const Sweep& s, const 
     Status r = layer.run(in, ws, out);
     if (!r.is_ok()) run_status = r;
   };
+  const bool decode = m <= kDecodeMaxM;
+  const bool adjacent = decode && lim.adjacent != nullptr;
+  const double bw_before = adjacent ? lim.adjacent->measure(kAdjacentPasses) : 0;
   const Timing t = time_runs(call, c.warmup, c.iters > 0 ? c.iters : default_iters(m));
+  const double bw_after = adjacent ? lim.adjacent->measure(kAdjacentPasses) : 0;
   K3_RETURN_IF_ERROR(run_status);
   const double gbps = st.bytes / t.median / 1e9, gflops = st.flops / t.median / 1e9;
   const double frac_bw = st.bytes / t.median / lim.bw.value, frac_peak = st.flops / t.median / lim.peak.value;
-  const bool decode = m <= 64;
   const auto& sh = s.shape;
-  return nlohmann::json{
+  nlohmann::json rec{
       {"op", "moe"},
       {"backend", layer.backend()},
       {"isa", isa_level_name(lim.isa)},
@@ -174,6 +185,16 @@ Result<nlohmann::json> measure_m(const MoeBenchConfig& c, const Sweep& s, const 
       {"fraction_of_read_bandwidth", frac_bw},
       {"fraction_of_dot_peak", frac_peak},
       {"bound", decode ? "memory" : "compute"}};
+  if (adjacent) {
+    const double bw = std::max(bw_before, bw_after);
+    rec["adjacent_read_bandwidth_Bps"] = {
+        {"before", bw_before}, {"after", bw_after}, {"value", bw},
+        {"what", "read bandwidth, best of " + std::to_string(kAdjacentPasses) + " passes over " +
+                     std::to_string(lim.adjacent->bytes() >> 20) + " MiB right before and right after the timed "
+                     "calls, the larger"}};
+    rec["fraction_of_adjacent_read_bandwidth"] = st.bytes / t.median / bw;
+  }
+  return rec;
 }
 
 BenchResult bench_host(const MoeBenchConfig& c, const Sweep& s, const BenchHooks& hooks) {
@@ -196,6 +217,11 @@ BenchResult bench_host(const MoeBenchConfig& c, const Sweep& s, const BenchHooks
             ") ...");
   lim.bw = measure_read_bandwidth(lim.threads, c.bandwidth_mib << 20);
   lim.peak = measure_dot_peak(lim.threads, lim.isa);  // the instruction the level's kernel uses
+  std::unique_ptr<ReadBandwidthProbe> adjacent;
+  if (std::any_of(s.ms.begin(), s.ms.end(), [](int64_t m) { return m <= kDecodeMaxM; })) {
+    adjacent = std::make_unique<ReadBandwidthProbe>(lim.threads, std::min<int64_t>(c.bandwidth_mib, kAdjacentMaxMib) << 20);
+    lim.adjacent = adjacent.get();
+  }
   hooks.say("preparing weights: E_local " + std::to_string(s.shape.local_experts()) + ", K " +
             std::to_string(c.hidden) + ", N " + std::to_string(c.intermediate) + " ...");
   const SyntheticMoeWeights weights = synthetic_moe_weights(s.shape, c.seed);

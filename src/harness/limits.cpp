@@ -173,32 +173,51 @@ MeasuredRate peak(int threads, Loop loop, double flop_per_iter, std::string what
 
 }  // namespace
 
-MeasuredRate measure_read_bandwidth(int threads, int64_t bytes) {
-  const int64_t n = bytes / static_cast<int64_t>(sizeof(float));
+ReadBandwidthProbe::ReadBandwidthProbe(int threads, int64_t bytes)
+    : threads_(threads < 1 ? 1 : threads), bytes_((bytes / 256) * 256) {
+  const int64_t n = bytes_ / static_cast<int64_t>(sizeof(float));
   // Allocated as the packed weights are (k3/memory.hpp: advised for huge pages), so that the probe
   // streams under the same page size as the kernels it is the limit of.
-  const auto buf_bytes = static_cast<size_t>(n) * sizeof(float);
-  auto* buf = static_cast<float*>(detail::huge_page_allocate(buf_bytes));
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(i & 7);  // first touch by the reader
+  buf_ = static_cast<float*>(detail::huge_page_allocate(static_cast<size_t>(bytes_)));
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (int64_t i = 0; i < n; ++i) buf_[i] = static_cast<float>(i & 7);  // first touch by the reader
+}
+
+ReadBandwidthProbe::~ReadBandwidthProbe() { detail::huge_page_deallocate(buf_, static_cast<size_t>(bytes_)); }
+
+std::vector<double> ReadBandwidthProbe::trials(int passes) const {
+  const int64_t n = bytes_ / static_cast<int64_t>(sizeof(float));
   const auto& f = cpu_info().features;
   auto sum = f.avx512f ? sum_avx512 : (f.avx2 ? sum_avx2 : sum_scalar);
   std::vector<double> rates;
   volatile double sink = 0;
-  for (int rep = 0; rep < 6; ++rep) {
+  for (int rep = 0; rep < passes; ++rep) {
     const double t0 = seconds_now();
     double acc = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : acc)
+    int64_t read = 0;
+#pragma omp parallel num_threads(threads_) reduction(+ : acc, read)
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
       const int64_t chunk = (n / nt) & ~int64_t{63};
-      acc += sum(buf + t * chunk, chunk);
+      acc += sum(buf_ + t * chunk, chunk);
+      read += chunk * static_cast<int64_t>(sizeof(float));
     }
     const double dt = seconds_now() - t0;
     sink = sink + acc;
-    if (rep > 0) rates.push_back(static_cast<double>(bytes) / dt);  // rep 0 warms up
+    rates.push_back(static_cast<double>(read) / dt);
   }
-  detail::huge_page_deallocate(buf, buf_bytes);
+  return rates;
+}
+
+double ReadBandwidthProbe::measure(int passes) const {
+  const auto r = trials(passes < 1 ? 1 : passes);
+  return *std::max_element(r.begin(), r.end());
+}
+
+MeasuredRate measure_read_bandwidth(int threads, int64_t bytes) {
+  const ReadBandwidthProbe probe(threads, bytes);
+  auto rates = probe.trials(6);
+  rates.erase(rates.begin());  // the first pass warms up
   return summarize(rates, "read bandwidth, " + std::to_string(bytes >> 20) + " MiB buffer, " +
                               std::to_string(threads) + " thread(s)");
 }

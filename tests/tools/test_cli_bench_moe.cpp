@@ -75,6 +75,36 @@ TEST(CliBenchMoe, PrintsTheTableAndWritesRecordsWithLimitsAndHistogram) {
   EXPECT_NE(rr.out.find("replay:"), std::string::npos) << rr.out;
 }
 
+// A decode M is also measured against the read bandwidth probed right before and right after its
+// calls (on a shared host the bandwidth moves within a run): both probes, the larger as the
+// limit, and the fraction against it; a prefill M (compute-bound) has none.
+TEST(CliBenchMoe, DecodeRecordsCarryTheBandwidthProbedBesideThem) {
+  const std::string json = testing::TempDir() + "k3_bench_moe_adjacent.json";
+  const auto r = run_cli(kTiny + "--m 2,128 --recipe w4a8 --output " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("%bwadj"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("of the bandwidth probed beside it"), std::string::npos) << r.out;
+  std::ifstream f(json);
+  const auto j = nlohmann::json::parse(f);
+  ASSERT_EQ(j["records"].size(), 2u);
+  for (const auto& rec : j["records"]) {
+    if (rec["m"] == 128) {
+      EXPECT_FALSE(rec.contains("adjacent_read_bandwidth_Bps"));
+      EXPECT_FALSE(rec.contains("fraction_of_adjacent_read_bandwidth"));
+      continue;
+    }
+    const auto& adj = rec["adjacent_read_bandwidth_Bps"];
+    const double before = adj["before"].get<double>(), after = adj["after"].get<double>();
+    EXPECT_GT(before, 0);
+    EXPECT_GT(after, 0);
+    EXPECT_EQ(adj["value"].get<double>(), std::max(before, after));
+    EXPECT_NE(adj["what"].get<std::string>().find("64 MiB"), std::string::npos) << adj;  // --bandwidth-mib 64
+    const double want = rec["weight_bytes_per_call"].get<double>() / rec["timing"]["median_s"].get<double>() /
+                        adj["value"].get<double>();
+    EXPECT_NEAR(rec["fraction_of_adjacent_read_bandwidth"].get<double>(), want, 1e-9 * want);
+  }
+}
+
 // The OpenMP wait policy changes the time of short calls, so the header and the JSON name it.
 TEST(CliBenchMoe, HeaderAndJsonNameTheOpenMpWaitPolicy) {
   const std::string json = testing::TempDir() + "k3_bench_moe_wait.json";

@@ -84,20 +84,30 @@ void print_cpu_header(const json& doc) {
   if (doc["dot_peak_flops"].contains("note")) {
     std::printf("  note: %s\n", doc["dot_peak_flops"]["note"].get<std::string>().c_str());
   }
-  std::printf("%-6s %6s %-10s %7s %9s %9s %9s %9s %7s %9s %7s %-8s %s\n", "recipe", "M", "routing", "rows", "median_ms",
-              "min_ms", "max_ms", "wGB/s", "%bw", "GFLOP/s", "%peak", "bound", "rows/expert");
+  std::printf("%-6s %6s %-10s %7s %9s %9s %9s %9s %7s %7s %9s %7s %-8s %s\n", "recipe", "M", "routing", "rows",
+              "median_ms", "min_ms", "max_ms", "wGB/s", "%bw", "%bwadj", "GFLOP/s", "%peak", "bound", "rows/expert");
+  std::printf("  (%%bw: of the read bandwidth probed at the start; %%bwadj, decode M: of the read bandwidth probed "
+              "right before and after that M's calls)\n");
+}
+
+// Fraction of the read bandwidth probed next to a decode M's calls; 0 when the record has none.
+double adjacent_fraction(const json& r) {
+  return r.contains("fraction_of_adjacent_read_bandwidth") ? r["fraction_of_adjacent_read_bandwidth"].get<double>() : 0;
 }
 
 void print_cpu_row(const json& r) {
   const auto& t = r["timing"];
   const double frac_bw = r["fraction_of_read_bandwidth"].get<double>(), frac_peak = r["fraction_of_dot_peak"].get<double>();
-  std::printf("%-6s %6lld %-10s %7.0f %9.3f %9.3f %9.3f %9.2f %6.1f%% %9.1f %6.1f%% %-8s %s%s\n",
+  const double frac_adj = adjacent_fraction(r);
+  char adj[16] = "      -";
+  if (frac_adj > 0) std::snprintf(adj, sizeof adj, "%6.1f%%", 100 * frac_adj);
+  std::printf("%-6s %6lld %-10s %7.0f %9.3f %9.3f %9.3f %9.2f %6.1f%% %s %9.1f %6.1f%% %-8s %s%s\n",
               r["recipe"].get<std::string>().c_str(), static_cast<long long>(r["m"].get<int64_t>()),
               r["routing"].get<std::string>().c_str(), r["histogram"]["rows_per_call"].get<double>(),
               t["median_s"].get<double>() * 1e3, t["min_s"].get<double>() * 1e3, t["max_s"].get<double>() * 1e3,
-              r["weight_GBps"].get<double>(), 100 * frac_bw, r["GFLOPs"].get<double>(), 100 * frac_peak,
+              r["weight_GBps"].get<double>(), 100 * frac_bw, adj, r["GFLOPs"].get<double>(), 100 * frac_peak,
               r["bound"].get<std::string>().c_str(), load_of(r["histogram"]).to_string().c_str(),
-              over_limit_flag(std::max(frac_bw, frac_peak)));
+              over_limit_flag(std::max({frac_bw, frac_peak, frac_adj})));
   std::fflush(stdout);
 }
 
@@ -150,6 +160,10 @@ std::string verdict(const json& records) {
                     static_cast<long long>((*dec)["m"].get<int64_t>()),
                     100 * (*dec)["fraction_of_read_bandwidth"].get<double>());
       v += buf;
+      if (const double adj = adjacent_fraction(*dec); adj > 0) {
+        std::snprintf(buf, sizeof buf, " (%.0f%% of the bandwidth probed beside it)", 100 * adj);
+        v += buf;
+      }
     }
     if (pre != nullptr) {
       const std::string lead = dec != nullptr ? "," : "; " + recipe;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "k3/system.hpp"
 
@@ -30,6 +31,29 @@ double cpu_max_ghz();
 // Streaming read bandwidth over a buffer far larger than the last-level cache (default 1 GiB),
 // with `threads` threads (AVX-512 / AVX2 loads where available).
 MeasuredRate measure_read_bandwidth(int threads, int64_t bytes = int64_t{1} << 30);
+
+// The same probe kept allocated, for a limit measured right next to a timing: on a shared host
+// the read bandwidth moves by a factor of two within one run (the 2-vCPU Zen 4 guest: 29 to 60
+// GB/s), so a fraction against a probe taken minutes earlier says more about the neighbours than
+// about the kernel. The buffer (huge-page advised, first touched by the reading threads) is made
+// once; each measure() is the best of `passes` passes over it, in bytes per second.
+class ReadBandwidthProbe {
+ public:
+  ReadBandwidthProbe(int threads, int64_t bytes);
+  ~ReadBandwidthProbe();
+  ReadBandwidthProbe(const ReadBandwidthProbe&) = delete;
+  ReadBandwidthProbe& operator=(const ReadBandwidthProbe&) = delete;
+  // passes >= 1; the first pass over a cold buffer is not special-cased (the constructor touched it).
+  double measure(int passes) const;
+  std::vector<double> trials(int passes) const;  // each pass's rate, in order
+  int64_t bytes() const { return bytes_; }
+  int threads() const { return threads_; }
+
+ private:
+  int threads_;
+  int64_t bytes_;
+  float* buf_;
+};
 
 // Peak rate of the BF16 dot-product instruction the CPU kernels use (AVX512-BF16 VDPBF16PS:
 // 2 FLOP per BF16 pair), on `threads` threads with independent accumulator chains.
