@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <tuple>
@@ -142,6 +143,9 @@ int64_t weight_bytes(const LinearProblem& p) {
   return p.recipe == LinearRecipe::kW16A16 ? p.n * p.k * 2 : p.n * p.k * 33 / 32;
 }
 
+// Bytes one call of M rows moves: the weights, BF16 x in and BF16 y out.
+int64_t call_bytes(const LinearProblem& p, int64_t m) { return weight_bytes(p) + m * (p.k + p.n) * 2; }
+
 Result<nlohmann::json> run(const LinearBenchConfig& a, const BenchHooks& hooks) {
   K3_RETURN_IF_ERROR(check_linear_bench(a));
   const int threads = a.threads > 0 ? a.threads : hardware_thread_count();
@@ -199,6 +203,15 @@ Result<nlohmann::json> run(const LinearBenchConfig& a, const BenchHooks& hooks) 
   }
 
   const auto bw = measure_read_bandwidth(threads, a.bw_mib << 20);
+  // Decode M (<= 8, bound by the weight stream): also against the read bandwidth probed right
+  // before and after each round's calls of that layer and M (a shared host's bandwidth moves within
+  // a run): per round the larger of the two probes, and the fraction of that round's median.
+  constexpr int64_t kDecodeMaxM = 8, kAdjacentMaxMib = 256;
+  constexpr int kAdjacentPasses = 3;
+  std::unique_ptr<ReadBandwidthProbe> adjacent;
+  if (std::any_of(a.m.begin(), a.m.end(), [](int64_t m) { return m <= kDecodeMaxM; })) {
+    adjacent = std::make_unique<ReadBandwidthProbe>(threads, std::min<int64_t>(a.bw_mib, kAdjacentMaxMib) << 20);
+  }
   const auto peak = measure_dot_peak(threads, isa_level);
   // W16A16 runs FP32 FMAs on every level: on avx512bf16 its limit is the AVX-512 FP32 FMA peak.
   const bool fp32_peak_needed =
@@ -238,6 +251,8 @@ Result<nlohmann::json> run(const LinearBenchConfig& a, const BenchHooks& hooks) 
 
   // samples[layer][m] over all rounds
   std::vector<std::vector<std::vector<double>>> samples(layers.size(), std::vector<std::vector<double>>(a.m.size()));
+  // per round: the adjacent read bandwidth and the fraction of it (decode M only)
+  auto adj_bw = samples, adj_frac = samples;
   const int total = a.rounds * static_cast<int>(layers.size() * a.m.size());
   int done = 0;
   for (int round = 0; round < a.rounds; ++round) {
@@ -250,13 +265,24 @@ Result<nlohmann::json> run(const LinearBenchConfig& a, const BenchHooks& hooks) 
         const double work = 2.0 * static_cast<double>(m * l.p.n * l.p.k);
         const int iters = std::max(1, std::min(a.iters, static_cast<int>(2e10 / std::max(work, 1.0))));
         size_t c = round % l.copies.size();
+        const bool probed = adjacent != nullptr && m <= kDecodeMaxM;
+        const double before = probed ? adjacent->measure(kAdjacentPasses) : 0;
         K3_RETURN_IF_ERROR(l.copies[c]->run(m, xs, l.ws, os));  // warm-up
+        std::vector<double> times;
         for (int i = 0; i < iters; ++i) {
           c = (c + 1) % l.copies.size();
           const double t0 = now_s();
           K3_RETURN_IF_ERROR(l.copies[c]->run(m, xs, l.ws, os));
-          samples[li][mi].push_back(now_s() - t0);
+          times.push_back(now_s() - t0);
         }
+        if (probed) {
+          const double adj = std::max(before, adjacent->measure(kAdjacentPasses));
+          auto sorted = times;
+          std::sort(sorted.begin(), sorted.end());
+          adj_bw[li][mi].push_back(adj);
+          adj_frac[li][mi].push_back(static_cast<double>(call_bytes(l.p, m)) / sorted[sorted.size() / 2] / adj);
+        }
+        samples[li][mi].insert(samples[li][mi].end(), times.begin(), times.end());
         hooks.step(++done, total,
                  "linear " + std::to_string(l.p.k) + "x" + std::to_string(l.p.n) + " " +
                      linear_recipe_name(l.p.recipe) + " M=" + std::to_string(m));
@@ -299,7 +325,7 @@ Result<nlohmann::json> run(const LinearBenchConfig& a, const BenchHooks& hooks) 
       std::sort(t.begin(), t.end());
       const Timing tm = summarize(t);
       const int64_t m = a.m[mi];
-      const double bytes = static_cast<double>(weight_bytes(l.p)) + static_cast<double>(m * (l.p.k + l.p.n) * 2);
+      const double bytes = static_cast<double>(call_bytes(l.p, m));
       const double gbs = bytes / tm.median, flops = 2.0 * static_cast<double>(m * l.p.n * l.p.k) / tm.median;
       const double fbw = gbs / bw.value;
       const double fpk = flops / (l.p.recipe == LinearRecipe::kW16A16 ? peak_fp32.value : peak.value);
@@ -310,7 +336,7 @@ Result<nlohmann::json> run(const LinearBenchConfig& a, const BenchHooks& hooks) 
         const Timing tq = summarize(tt);
         torch_rec = {{"time", to_json(tq)}, {"k3_speedup", tq.median / tm.median}};
       }
-      records.push_back({{"k", l.p.k},
+      nlohmann::json rec{{"k", l.p.k},
                          {"n", l.p.n},
                          {"recipe", linear_recipe_name(l.p.recipe)},
                          {"m", m},
@@ -319,7 +345,19 @@ Result<nlohmann::json> run(const LinearBenchConfig& a, const BenchHooks& hooks) 
                          {"flop", 2.0 * static_cast<double>(m * l.p.n * l.p.k)},
                          {"fraction_of_read_bandwidth", fbw},
                          {"fraction_of_peak", fpk},
-                         {"torch_bf16", torch_rec}});
+                         {"torch_bf16", torch_rec}};
+      if (!adj_frac[li][mi].empty()) {
+        auto ab = adj_bw[li][mi], af = adj_frac[li][mi];
+        std::sort(ab.begin(), ab.end());
+        std::sort(af.begin(), af.end());
+        rec["adjacent_read_bandwidth_Bps"] = {
+            {"median", ab[ab.size() / 2]}, {"min", ab.front()}, {"max", ab.back()},
+            {"what", "per round, read bandwidth right before and right after that round's calls (best of " +
+                         std::to_string(kAdjacentPasses) + " passes over " + std::to_string(adjacent->bytes() >> 20) +
+                         " MiB each), the larger"}};
+        rec["fraction_of_adjacent_read_bandwidth"] = af[af.size() / 2];  // median over the rounds
+      }
+      records.push_back(std::move(rec));
     }
   }
   {

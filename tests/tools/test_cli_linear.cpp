@@ -47,6 +47,36 @@ TEST(CliLinear, BenchWritesRecordsWithBothLimitFractions) {
   EXPECT_GE(j["read_bandwidth_Bps"]["value"].get<double>(), j["read_bandwidth_Bps"]["median"].get<double>());
 }
 
+// Decode M (<= 8) is also measured against the read bandwidth probed right before and after each
+// round's calls: per record the median of those probes and of the per-round fractions; M = 17 has
+// none.
+TEST(CliLinear, BenchDecodeRecordsCarryTheBandwidthProbedBesideThem) {
+  const std::string json = testing::TempDir() + "k3_bench_linear_adj.json";
+  const auto r = run_cli("bench linear --shapes 96x40 --m 1 17 --recipes w8a16 --rounds 3 --iters 2 --pool-mib 1 "
+                         "--bw-mib 16 --threads 2 --torch-python off --output " + json);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("of bwadj"), std::string::npos) << r.out;
+  std::ifstream f(json);
+  const auto j = nlohmann::json::parse(f);
+  ASSERT_EQ(j["records"].size(), 2u);
+  for (const auto& rec : j["records"]) {
+    if (rec["m"] == 17) {
+      EXPECT_FALSE(rec.contains("fraction_of_adjacent_read_bandwidth"));
+      continue;
+    }
+    const auto& adj = rec["adjacent_read_bandwidth_Bps"];
+    EXPECT_GT(adj["min"].get<double>(), 0);
+    EXPECT_LE(adj["min"].get<double>(), adj["median"].get<double>());
+    EXPECT_LE(adj["median"].get<double>(), adj["max"].get<double>());
+    EXPECT_NE(adj["what"].get<std::string>().find("16 MiB"), std::string::npos) << adj;
+    // The median of three per-round fractions lies between the fractions of the extreme probes,
+    // each against a round median inside the [min, max] of all calls.
+    const double frac = rec["fraction_of_adjacent_read_bandwidth"].get<double>(), bytes = rec["bytes"].get<double>();
+    EXPECT_GE(frac, bytes / rec["time"]["max_s"].get<double>() / adj["max"].get<double>());
+    EXPECT_LE(frac, bytes / rec["time"]["min_s"].get<double>() / adj["min"].get<double>());
+  }
+}
+
 // Without a Python that imports torch the bench runs k3 alone and says why (the torch side is
 // tested with the real torch in python/tests/test_k3.py).
 TEST(CliLinear, BenchWithoutTorchSaysWhyAndStillMeasures) {

@@ -53,24 +53,31 @@ void print(const json& doc) {
   } else {
     std::printf("torch baseline: not run (%s)\n", doc["torch"]["not_run"].get<std::string>().c_str());
   }
-  std::printf("%-11s %-6s %5s | %28s | %9s %7s | %9s %7s%s\n", "K x N", "recipe", "M", "ms median [min, max]", "GB/s",
-              "of bw", "GFLOP/s", "of peak", torch_on ? " | torch ms   k3 speed-up" : "");
+  std::printf("(of bw: of the read bandwidth probed at the start; of bwadj, M <= 8: median over the rounds of the "
+              "fraction of the bandwidth probed right before and after that round's calls)\n");
+  std::printf("%-11s %-6s %5s | %28s | %9s %7s %7s | %9s %7s%s\n", "K x N", "recipe", "M", "ms median [min, max]",
+              "GB/s", "of bw", "of bwadj", "GFLOP/s", "of peak", torch_on ? " | torch ms   k3 speed-up" : "");
   bool over = false;
   for (const auto& r : doc["records"]) {
     const auto& t = r["time"];
     const double med = t["median_s"].get<double>();
     const double fbw = r["fraction_of_read_bandwidth"].get<double>(), fpk = r["fraction_of_peak"].get<double>();
-    over = over || fbw > 1.0 || fpk > 1.0;
+    const double fadj = r.contains("fraction_of_adjacent_read_bandwidth")
+                            ? r["fraction_of_adjacent_read_bandwidth"].get<double>() : 0;
+    char adj[16] = "       -";
+    if (fadj > 0) std::snprintf(adj, sizeof adj, "%7.1f%%", 100 * fadj);
+    over = over || fbw > 1.0 || fpk > 1.0 || fadj > 1.0;
     char torch_col[64] = "";
     if (!r["torch_bf16"].is_null()) {
       std::snprintf(torch_col, sizeof torch_col, " | %8.3f %8.2fx", r["torch_bf16"]["time"]["median_s"].get<double>() * 1e3,
                     r["torch_bf16"]["k3_speedup"].get<double>());
     }
-    std::printf("%5lldx%-5lld %-6s %5lld | %9.3f [%7.3f, %7.3f] | %9.2f %6.1f%% | %9.1f %6.1f%%%s%s\n",
+    std::printf("%5lldx%-5lld %-6s %5lld | %9.3f [%7.3f, %7.3f] | %9.2f %6.1f%% %s | %9.1f %6.1f%%%s%s\n",
                 static_cast<long long>(r["k"].get<int64_t>()), static_cast<long long>(r["n"].get<int64_t>()),
                 r["recipe"].get<std::string>().c_str(), static_cast<long long>(r["m"].get<int64_t>()), med * 1e3,
                 t["min_s"].get<double>() * 1e3, t["max_s"].get<double>() * 1e3, r["bytes"].get<double>() / med / 1e9,
-                100 * fbw, r["flop"].get<double>() / med / 1e9, 100 * fpk, torch_col, over_limit_flag(std::max(fbw, fpk)));
+                100 * fbw, adj, r["flop"].get<double>() / med / 1e9, 100 * fpk, torch_col,
+                over_limit_flag(std::max({fbw, fpk, fadj})));
   }
   if (over) std::printf("\nA fraction above 100%% means a limit probe read low (a busy machine); rerun on a quiet one.\n");
 }
