@@ -30,10 +30,12 @@ Timing time_runs(const std::function<void()>& fn, int warmup, int iters) {
   return summarize(std::move(t));
 }
 
+namespace {
 std::string omp_wait_policy() {
   const char* v = std::getenv("OMP_WAIT_POLICY");
   return v != nullptr && *v != '\0' ? v : "unset";
 }
+}  // namespace
 
 std::string machine_json(int threads, IsaLevel isa) {
   // The OpenMP wait policy changes short calls: with OMP_WAIT_POLICY=passive every call wakes
