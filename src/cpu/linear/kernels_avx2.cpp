@@ -61,16 +61,17 @@ K3_LIN_TARGET inline void scales16(const uint8_t* s, vf (&sc)[2]) {
 
 namespace k3::cpu::lin {
 
-// Tiles in flight: 2 at M = 1 and 2 (each tile is a separate memory stream, and fewer streams per
-// thread stream faster; 2 tiles x 2 vectors = 4 FMA chains per row; BF16 weights and, at M = 2,
-// the w 2^-8 kernel 1), else 1; 5-8 rows in two passes.
+// Tiles in flight: 2 at M = 1 (each tile is a separate memory stream, and fewer streams per
+// thread stream faster; 2 tiles x 2 vectors = 4 FMA chains; 4 tiles were slower from memory;
+// BF16 weights 1), else 1 (M = 2: 2 rows x 2 vectors, the broadcasts shared by the vectors);
+// 5-8 rows in two passes.
 template <bool B16, bool X120>
 K3_LIN_TARGET void stream_avx2_t(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot) {
   using namespace avx2;
   const int64_t ldt = (t1 - t0) * kLanes;
   switch (x.rows) {
     case 1: return stream_range<1, B16 ? 1 : 2, B16, X120>(w, x, 0, t0, t1, tot, ldt);
-    case 2: return stream_range<2, X120 ? 2 : 1, B16, X120>(w, x, 0, t0, t1, tot, ldt);  // 2 tiles + x 2^112: spills
+    case 2: return stream_range<2, 1, B16, X120>(w, x, 0, t0, t1, tot, ldt);
     case 3: return stream_range<3, 1, B16, X120>(w, x, 0, t0, t1, tot, ldt);
     case 4: return stream_range<4, 1, B16, X120>(w, x, 0, t0, t1, tot, ldt);
     default: break;

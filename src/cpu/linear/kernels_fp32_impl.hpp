@@ -34,9 +34,11 @@ constexpr int64_t kQuadBytes = int64_t{kLanes} * 4;  // 4 stored k x 16 columns 
 template <int R, int G, bool X120>
 K3_LIN_TARGET __attribute__((always_inline)) inline void stream_quad(const uint8_t* const* codes, const float* const* xr,
                                                                      int q, vf (&acc)[R][G * kNv]) {
-  if constexpr (R >= 3 && G * kNv == 2) {
+  if constexpr ((R >= 3 || (R == 2 && kNv == 2)) && G * kNv == 2) {
     // Both vectors' codes split first, each k's weights made just before their FMAs and each
-    // broadcast shared by the two vectors (the FMA-bound row counts; 4 rows fit AVX2's registers).
+    // broadcast shared by the two vectors (the FMA-bound row counts; 4 rows fit AVX2's registers;
+    // on AVX2 also 2 rows of one tile: BM_LinearDecodeCached/rows:2 at K3_ISA=avx2 on the Zen 4
+    // guest 34 against 37-43 us with two tiles on the general path).
     vi hi[2], lo[2];
     for (int g = 0; g < G; ++g)
       for (int v = 0; v < kNv; ++v) quad_split(codes[g] + q * kQuadBytes + v * kVw * 4, hi[g * kNv + v], lo[g * kNv + v]);
@@ -52,6 +54,23 @@ K3_LIN_TARGET __attribute__((always_inline)) inline void stream_quad(const uint8
       }
     }
     asm volatile("" ::: "memory");
+    return;
+  }
+  if constexpr (R == 1 && kNv == 2) {
+    // AVX2, one row: the quad's 4 broadcasts loaded once and shared by the G * 2 vectors (AVX2
+    // has no embedded broadcast, so the general path below loads one per FMA; AVX-512 folds it
+    // into the FMA). BM_LinearDecodeCached at K3_ISA=avx2 on the Zen 4 guest: 21-23 against
+    // 25-30 us (three alternated runs; docs/linear.md).
+    vf b[4];
+    for (int s = 0; s < 4; ++s) b[s] = bcast(xr[0] + 4 * q + s);
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v < kNv; ++v) {
+        vf w4[4];
+        decode_quad(codes[g] + q * kQuadBytes + v * kVw * 4, w4);
+        if constexpr (!X120)
+          for (int s = 0; s < 4; ++s) w4[s] = times_2p112(w4[s]);
+        for (int s = 0; s < 4; ++s) acc[0][g * kNv + v] = fmadd(w4[s], b[s], acc[0][g * kNv + v]);
+      }
     return;
   }
   for (int g = 0; g < G; ++g)
