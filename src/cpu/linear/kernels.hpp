@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "cpu/prefetch.hpp"
 #include "k3/cpu_linear.hpp"
 
 namespace k3::cpu::lin {
@@ -37,6 +38,29 @@ struct Operand {
   int64_t ldb = 0;  // row stride of xb in pairs
   bool x120 = false;  // stream kernels, E4M3 weights: xs holds x 2^120 (every finite |x| < 2^8)
 };
+
+// Look-ahead prefetch of the stream kernels (FP32 and VDPBF16PS): for block b of the tile that
+// starts at `codes` (block_bytes of codes per block, scales at `scales`), the block `ahead`
+// blocks later; near the tile's end the same distance into tile `next` of the thread's range
+// (when next < t_end: the hardware prefetcher would start that stream cold), and the scale
+// stream one line per 4 blocks.
+__attribute__((always_inline)) inline void prefetch_stream_ahead(const PackedLinear& w, const uint8_t* codes, const uint8_t* scales, int64_t b,
+                                  int64_t blocks, int64_t next, int64_t t_end, int64_t block_bytes,
+                                  int64_t ahead) {
+  const uint8_t* pf = nullptr;
+  const uint8_t* ps = nullptr;
+  if (b + ahead < blocks) {
+    pf = codes + (b + ahead) * block_bytes;
+    ps = scales + (b + ahead) * kLanes;
+  } else if (next < t_end) {
+    pf = w.tile_codes(next) + (b + ahead - blocks) * block_bytes;
+    ps = w.tile_scales(next) + (b + ahead - blocks) * kLanes;
+  } else {
+    return;
+  }
+  k3::cpu::detail::prefetch_bytes(pf, block_bytes);
+  if (((b + ahead) & 3) == 0) k3::cpu::detail::prefetch_line(ps);
+}
 
 // Stream route (rows <= 8): tiles [t0, t1) for all rows; tot: [rows][(t1 - t0) * 16] FP32 totals.
 void stream_avx2(const PackedLinear& w, const Operand& x, int64_t t0, int64_t t1, float* tot);

@@ -2,7 +2,6 @@
 #include <immintrin.h>
 
 #include "cpu/linear/kernels.hpp"
-#include "cpu/prefetch.hpp"
 
 #define K3_LIN_TARGET __attribute__((target("avx2,fma")))
 #define K3_LIN_NS avx2

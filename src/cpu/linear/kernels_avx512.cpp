@@ -222,24 +222,11 @@ K3_LIN_BF16 void stream_rows_bf16(const PackedLinear& w, const Operand& x, int64
         // 35-38 to 42-44 GB/s in the minutes when the read-bandwidth probe reads 45-50 GB/s,
         // without it.
         // Near the end of the tiles it prefetches the next tiles of this range, and the scale
-        // stream one line per 4 blocks (as the FP32 stream kernel): with the prefetch stopping 4
+        // stream one line per 4 blocks (prefetch_stream_ahead, shared with the FP32 stream
+        // kernels): with the prefetch stopping 4
         // blocks before each tile's end, M = 1 on the Emerald Rapids guest lost about 2 % at
         // K = 7168 and 5 % at K = 1536 (docs/linear.md).
-        if (G == 2 || prefetch) {
-          const uint8_t* pf = nullptr;
-          const uint8_t* ps = nullptr;
-          if (b + kAhead < blocks) {
-            pf = codes[g] + kAhead * kBlock * kLanes;
-            ps = ts[g] + (b + kAhead) * kLanes;
-          } else if (t + G + g < t_end) {
-            pf = w.tile_codes(t + G + g) + (b + kAhead - blocks) * (kBlock * kLanes);
-            ps = w.tile_scales(t + G + g) + (b + kAhead - blocks) * kLanes;
-          }
-          if (pf != nullptr) {
-            for (int l = 0; l < kBlock * kLanes; l += 64) k3::cpu::detail::prefetch_line(pf + l);
-            if (((b + kAhead) & 3) == 0) k3::cpu::detail::prefetch_line(ps);
-          }
-        }
+        if (G == 2 || prefetch) prefetch_stream_ahead(w, tc[g], ts[g], b, blocks, t + G + g, t_end, kBlock * kLanes, kAhead);
       }
       const uint32_t* xr[R];
       for (int r = 0; r < R; ++r) xr[r] = x.xb + static_cast<int64_t>(r) * x.ldb + b * (kBlock / 2);

@@ -143,21 +143,7 @@ K3_LIN_TARGET void stream_rows(const PackedLinear& w, const Operand& x, int r0, 
       const uint8_t* codes[G];
       for (int g = 0; g < G; ++g) {
         codes[g] = tc[g] + b * (kBlock * kLanes * kEb<B16>);
-        // kAhead blocks ahead; near the end of the tiles, the next tiles of this range (the
-        // hardware prefetcher would start those streams cold). Scales: one line per 4 blocks.
-        const uint8_t* pf = nullptr;
-        const uint8_t* ps = nullptr;
-        if (b + kAhead < blocks) {
-          pf = codes[g] + kAhead * kBlock * kLanes * kEb<B16>;
-          ps = ts[g] + (b + kAhead) * kLanes;
-        } else if (t + G + g < t_end) {
-          pf = w.tile_codes(t + G + g) + (b + kAhead - blocks) * (kBlock * kLanes * kEb<B16>);
-          ps = w.tile_scales(t + G + g) + (b + kAhead - blocks) * kLanes;
-        }
-        if (pf != nullptr) {
-          for (int l = 0; l < kBlock * kLanes * kEb<B16>; l += 64) k3::cpu::detail::prefetch_line(pf + l);
-          if (((b + kAhead) & 3) == 0) k3::cpu::detail::prefetch_line(ps);
-        }
+        prefetch_stream_ahead(w, tc[g], ts[g], b, blocks, t + G + g, t_end, kBlock * kLanes * kEb<B16>, kAhead);
       }
       const float* xr[R];
       for (int r = 0; r < R; ++r) xr[r] = x.xs + static_cast<int64_t>(r0 + r) * x.ldx + b * kBlock;
