@@ -21,6 +21,7 @@
 #include "cpu/moe/layout.hpp"
 #include "cpu/moe/operand.hpp"
 #include "cpu/moe/workspace.hpp"
+#include "cpu/task_ranges.hpp"
 #include "k3/cpu_moe.hpp"
 #include "k3/expert_map.hpp"
 #include "k3/formats.hpp"
@@ -365,30 +366,6 @@ Status shift_error(const char* what, int64_t row, int64_t token, const char* rec
                     "); run it at the ISA level avx512 (FP32 operands; the k3 tool: K3_ISA=avx512)");
 }
 
-// Runs task(0 .. n-1), thread i of the team one contiguous range of tasks, the ranges of near-equal
-// total cost (cost(j) >= 1; thread i starts at the first task whose cost prefix reaches
-// total * i / team). The decode tasks of one expert cost 1 + its rows: a tile streams the same
-// bytes whatever the rows, and each row adds about as much arithmetic again (docs/cpu_moe.md,
-// "Decode schedule"); with equal task counts per thread, a thread holding the experts with more
-// rows finished last.
-template <typename Cost, typename F>
-void run_ranges(int threads, int64_t n, const Cost& cost, const F& task) {
-  const int team = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(n, 1)));
-  int64_t total = 0;
-  for (int64_t j = 0; j < n; ++j) total += cost(j);
-#pragma omp parallel num_threads(team)
-  {
-    const int64_t i = omp_get_thread_num(), t = omp_get_num_threads();
-    const int64_t lo = total * i / t, hi = total * (i + 1) / t;  // this thread's share of the cost
-    int64_t prefix = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      if (prefix >= hi) break;
-      if (prefix >= lo) task(j);
-      prefix += cost(j);
-    }
-  }
-}
-
 Status run_chunk(Pass& p) {
   build_routing(p);
   const int threads = p.plan.threads;
@@ -412,7 +389,8 @@ Status run_chunk(Pass& p) {
   const int64_t tiles1 = p.n / kBlock, tiles2 = p.k / kBlock;
   // Decode (few rows per expert): the tasks of the experts in use, split into one contiguous range
   // per thread, so that each thread streams one run of weights (the hardware prefetchers follow
-  // one stream far better than many interleaved ones). Larger batches are bound by arithmetic and
+  // one stream far better than many interleaved ones); a thread done early takes the last tasks
+  // of the others (run_ranges, cpu/task_ranges.hpp). Larger batches are bound by arithmetic and
   // balance their uneven experts with a dynamic schedule. (Which thread runs a task never changes
   // a bit.)
   const bool streams = rows_total <= kStreamMaxRows;
