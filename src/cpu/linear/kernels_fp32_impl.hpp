@@ -56,23 +56,14 @@ K3_LIN_TARGET __attribute__((always_inline)) inline void stream_quad(const uint8
     asm volatile("" ::: "memory");
     return;
   }
-  if constexpr (R == 1 && kNv == 2) {
-    // AVX2, one row: the quad's 4 broadcasts loaded once and shared by the G * 2 vectors (AVX2
-    // has no embedded broadcast, so the general path below loads one per FMA; AVX-512 folds it
-    // into the FMA). BM_LinearDecodeCached at K3_ISA=avx2 on the Zen 4 guest: 21-23 against
-    // 25-30 us (three alternated runs; docs/linear.md).
-    vf b[4];
+  // AVX2, one row: the quad's 4 broadcasts loaded once and shared by the G * 2 vectors (AVX2 has
+  // no embedded broadcast, so each FMA would load its own; AVX-512 folds it into the FMA).
+  // BM_LinearDecodeCached at K3_ISA=avx2 on the Zen 4 guest: 21-23 against 25-30 us (three
+  // alternated runs; docs/linear.md).
+  constexpr bool kShared = R == 1 && kNv == 2;
+  vf b[4];
+  if constexpr (kShared)
     for (int s = 0; s < 4; ++s) b[s] = bcast(xr[0] + 4 * q + s);
-    for (int g = 0; g < G; ++g)
-      for (int v = 0; v < kNv; ++v) {
-        vf w4[4];
-        decode_quad(codes[g] + q * kQuadBytes + v * kVw * 4, w4);
-        if constexpr (!X120)
-          for (int s = 0; s < 4; ++s) w4[s] = times_2p112(w4[s]);
-        for (int s = 0; s < 4; ++s) acc[0][g * kNv + v] = fmadd(w4[s], b[s], acc[0][g * kNv + v]);
-      }
-    return;
-  }
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < kNv; ++v) {
       vf w4[4];
@@ -80,12 +71,13 @@ K3_LIN_TARGET __attribute__((always_inline)) inline void stream_quad(const uint8
       if constexpr (!X120)
         for (int s = 0; s < 4; ++s) w4[s] = times_2p112(w4[s]);
       for (int s = 0; s < 4; ++s)  // rows innermost: R independent chains between dependent FMAs
-        for (int r = 0; r < R; ++r) acc[r][g * kNv + v] = fmadd(w4[s], bcast(xr[r] + 4 * q + s), acc[r][g * kNv + v]);
-      // Each broadcast is loaded where it is used: without this barrier GCC kept the 4R
+        for (int r = 0; r < R; ++r)
+          acc[r][g * kNv + v] = fmadd(w4[s], kShared ? b[s] : bcast(xr[r] + 4 * q + s), acc[r][g * kNv + v]);
+      // Otherwise each broadcast is loaded where it is used: without this barrier GCC kept the 4R
       // broadcasts of the quad for every (g, v) and the widened codes of later quads in
       // registers, and spilled accumulators (R >= 2 on AVX2). The accumulators are registers,
       // not memory (stream_block: at most 12), so the barrier costs nothing else.
-      asm volatile("" ::: "memory");
+      if constexpr (!kShared) asm volatile("" ::: "memory");
     }
 }
 
