@@ -144,11 +144,16 @@ __attribute__((target("avx2"))) void BM_StreamRead(benchmark::State& state) {
 }
 BENCHMARK(BM_StreamRead);
 
-// The same kernel without the memory system: 8 tiles (L2-resident).
+// The same kernel without the memory system: 8 tiles (975 KB: L2-resident where L2 holds
+// 1.25 MB or more, partly in L3 with a 1 MB L2), and one tile (122 KB: in any L2).
 void BM_DequantDotCached(benchmark::State& state) {
   dequant_dot(state, state.range(0), 8, static_cast<int>(state.range(1)));
 }
 BENCHMARK(BM_DequantDotCached)->ArgsProduct({{1, 2, 3, 4, 5, 6}, {0, 1, 2}})->ArgNames({"rows", "op"});
+void BM_DequantDotL2(benchmark::State& state) {
+  dequant_dot(state, state.range(0), 1, static_cast<int>(state.range(1)));
+}
+BENCHMARK(BM_DequantDotL2)->ArgsProduct({{1, 2, 3, 4, 5, 6}, {0, 1, 2}})->ArgNames({"rows", "op"});
 
 // Both, with the integer dots as VPMADDWD + VPADDD even where the CPU has AVX-VNNI (the same
 // kernels as above on a CPU without it).
@@ -161,6 +166,10 @@ void BM_DequantDotCachedMadd(benchmark::State& state) {
   dequant_dot(state, state.range(0), 8, static_cast<int>(state.range(1)), false);
 }
 BENCHMARK(BM_DequantDotCachedMadd)->ArgsProduct({{1, 2, 3, 4, 5, 6}, {0, 1}})->ArgNames({"rows", "op"});
+void BM_DequantDotL2Madd(benchmark::State& state) {
+  dequant_dot(state, state.range(0), 1, static_cast<int>(state.range(1)), false);
+}
+BENCHMARK(BM_DequantDotL2Madd)->ArgsProduct({{1, 2, 3, 4, 5, 6}, {0, 1}})->ArgNames({"rows", "op"});
 
 // Prefill: many rows against one cache-resident tile (FC1: G = 4, K = 3584; FC2: G = 2,
 // N = 3072). Counter: FLOP per second (2 per multiply-add).
