@@ -44,9 +44,10 @@ struct Operand {
 // blocks later; near the tile's end the same distance into tile `next` of the thread's range
 // (when next < t_end: the hardware prefetcher would start that stream cold), and the scale
 // stream one line per 4 blocks.
-__attribute__((always_inline)) inline void prefetch_stream_ahead(const PackedLinear& w, const uint8_t* codes, const uint8_t* scales, int64_t b,
-                                  int64_t blocks, int64_t next, int64_t t_end, int64_t block_bytes,
-                                  int64_t ahead) {
+__attribute__((always_inline)) inline void prefetch_stream_ahead(const PackedLinear& w, const uint8_t* codes,
+                                                                  const uint8_t* scales, int64_t b, int64_t blocks,
+                                                                  int64_t next, int64_t t_end, int64_t block_bytes,
+                                                                  int64_t ahead) {
   const uint8_t* pf = nullptr;
   const uint8_t* ps = nullptr;
   if (b + ahead < blocks) {
