@@ -19,7 +19,7 @@
 namespace k3::cpu {
 
 inline constexpr int64_t kKdaChunkMinTokens = 8;  // KdaOptions::chunk_min_tokens default: measured crossover, docs/kda.md
-inline constexpr int kKdaMaxThreads = 4096;        // the largest KdaOptions::threads plan() accepts
+inline constexpr int kKdaMaxThreads = kMaxThreadCount;  // the largest KdaOptions::threads plan() accepts
 
 // The library reads no environment variable: threads and isa are what the caller passes, else
 // hardware facts. (The `k3` tool passes K3_NUM_THREADS / K3_ISA in explicitly.)

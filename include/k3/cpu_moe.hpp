@@ -32,7 +32,7 @@
 
 namespace k3::cpu {
 
-inline constexpr int kMaxThreads = 256;  // the largest MoeOptions::threads plan() accepts
+inline constexpr int kMaxThreads = kMaxThreadCount;  // the largest MoeOptions::threads plan() accepts
 
 // The library reads no environment variable: threads and isa are what the caller passes, else
 // hardware facts. (The `k3` tool passes K3_NUM_THREADS / K3_ISA in explicitly.)

@@ -1,6 +1,7 @@
 // k3/system.hpp — facts about the machine k3 runs on, detected at run time.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "k3/status.hpp"
@@ -34,6 +35,21 @@ const CpuInfo& cpu_info();
 // All logical CPUs of this machine (cpu_info().logical_cpus, at least 1): what the library's CPU
 // kernels use when a caller passes threads = 0. A hardware fact; no environment variable is read.
 int hardware_thread_count();
+
+// The largest thread count any k3 entry point accepts (threads = 0 means all logical CPUs, at
+// most this many). Every op, the tool's --threads / K3_NUM_THREADS and the Python bindings check
+// against it with check_thread_count.
+inline constexpr int kMaxThreadCount = 256;
+
+// OK when 0 <= threads <= kMaxThreadCount; else an invalid-argument error naming `what`
+// ("threads", "--threads", "K3_NUM_THREADS"), the value and the range.
+Status check_thread_count(int64_t threads, const std::string& what = "threads");
+
+// K3_NUM_THREADS, when set and not empty, must be a decimal integer >= 1 (no sign, exponent,
+// fraction or trailing text; not past int): the error names the variable and the text. A count
+// above kMaxThreadCount passes here and is refused, with its range, by what it reaches.
+// (OMP_NUM_THREADS is OpenMP's and keeps its syntax.)
+Status check_thread_env();
 
 // For tools, not read by the library: K3_NUM_THREADS if set to a positive count, else
 // OMP_NUM_THREADS, else hardware_thread_count(). The `k3` tool passes the result explicitly.

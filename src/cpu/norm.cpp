@@ -86,10 +86,7 @@ void gated_row(const T* x, const T* g, const T* w, T* y, int64_t D, float eps) {
 // Rows [0, rows) split between threads (one row: no fork); f(r) does row r.
 template <typename F>
 Status over_rows(int64_t rows, int threads, F f) {
-  if (threads < 0 || threads > 256) {
-    return invalid_argument("rms_norm: threads = " + std::to_string(threads) +
-                            " must be in [0, 256] (0: all logical CPUs)");
-  }
+  K3_RETURN_IF_ERROR(check_thread_count(threads, "rms_norm: threads"));
   const int nt = threads > 0 ? threads : hardware_thread_count();
 #pragma omp parallel for schedule(static) num_threads(nt) if (rows > 1 && nt > 1)
   for (int64_t r = 0; r < rows; ++r) f(r);

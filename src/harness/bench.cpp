@@ -51,7 +51,7 @@ std::string machine_json(int threads, IsaLevel isa) {
 }
 
 BenchResult bench_limits(int threads, int64_t buffer_mib) {
-  if (threads < 0 || threads > 4096) return {"", invalid_argument("--threads " + std::to_string(threads) + " must be in [0, 4096]")};
+  if (Status st = check_thread_count(threads, "--threads"); !st.is_ok()) return {"", st};
   if (buffer_mib < 64 || buffer_mib > 65536) {
     return {"", invalid_argument("--buffer-mib " + std::to_string(buffer_mib) + " must be in [64, 65536]")};
   }

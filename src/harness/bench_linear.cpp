@@ -23,6 +23,7 @@
 
 #include "bench_json.hpp"
 #include "k3/backend.hpp"
+#include "k3/kda.hpp"
 #include "k3/linear.hpp"
 #include "k3/mx.hpp"
 #include "k3/formats.hpp"
@@ -118,6 +119,13 @@ Result<std::pair<int64_t, int64_t>> parse_linear_shape(const std::string& s) {
   }
 }
 
+namespace {
+// Bytes of one layer's weights: 8 bits + one scale per 32 (MXFP8), or 16 bits (BF16).
+int64_t weight_bytes(const LinearProblem& p) {
+  return p.recipe == LinearRecipe::kW16A16 ? p.n * p.k * 2 : p.n * p.k * 33 / 32;
+}
+}  // namespace
+
 Status check_linear_bench(const LinearBenchConfig& c) {
   if (c.shapes.empty()) return invalid_argument("--shapes is empty");
   if (c.recipes.empty()) return invalid_argument("--recipes is empty");
@@ -133,15 +141,37 @@ Status check_linear_bench(const LinearBenchConfig& c) {
   if (c.rounds < 1 || c.rounds > 100) return invalid_argument("--rounds " + std::to_string(c.rounds) + " must be in [1, 100]");
   if (c.pool_mib < 1 || c.pool_mib > 65536) return invalid_argument("--pool-mib " + std::to_string(c.pool_mib) + " must be in [1, 65536]");
   if (c.bw_mib < 16 || c.bw_mib > 65536) return invalid_argument("--bw-mib " + std::to_string(c.bw_mib) + " must be in [16, 65536]");
+  // What the run will allocate, checked before any of it is: per (shape, recipe) the packed
+  // copies that fill the pool plus the weights it generates them from, the bandwidth probes, x and
+  // the output. Above the physical memory (or kda::kMaxBufferBytes) it is refused by name.
+  int64_t total = (c.bw_mib + std::min<int64_t>(c.bw_mib, 256)) << 20, transient = 0, max_k = 0, max_n = 0;
+  const int64_t max_m = *std::max_element(c.m.begin(), c.m.end());
+  for (const auto& s : c.shapes) {
+    const auto kn = parse_linear_shape(s).value();
+    for (const auto& r : c.recipes) {
+      LinearProblem p;
+      p.k = kn.first;
+      p.n = kn.second;
+      p.recipe = parse_linear_recipe(r).value();
+      if (Status st = validate_linear_problem(p); !st.is_ok())
+        return invalid_argument("--shapes " + s + ": " + st.message());
+      const int64_t bytes = weight_bytes(p);
+      const int64_t copies = std::max<int64_t>(1, (c.pool_mib << 20) / bytes + 1);
+      total += copies * bytes;
+      transient = std::max(transient, p.n * p.k * 6);  // the FP32 weights and their codes, while packing
+    }
+    max_k = std::max(max_k, kn.first), max_n = std::max(max_n, kn.second);
+  }
+  total += transient + max_m * (max_k + max_n) * 2;
+  if (Status st = kda::check_buffer_bytes("k3 bench linear at these --shapes, --recipes, --m, --pool-mib " +
+                                              std::to_string(c.pool_mib) + " and --bw-mib " + std::to_string(c.bw_mib),
+                                          total, 1);
+      !st.is_ok())
+    return invalid_argument(st.message() + "; use smaller --shapes or --pool-mib");
   return Status::ok();
 }
 
 namespace {
-
-// Bytes of one layer's weights: 8 bits + one scale per 32 (MXFP8), or 16 bits (BF16).
-int64_t weight_bytes(const LinearProblem& p) {
-  return p.recipe == LinearRecipe::kW16A16 ? p.n * p.k * 2 : p.n * p.k * 33 / 32;
-}
 
 // Bytes one call of M rows moves: the weights, BF16 x in and BF16 y out.
 int64_t call_bytes(const LinearProblem& p, int64_t m) { return weight_bytes(p) + m * (p.k + p.n) * 2; }

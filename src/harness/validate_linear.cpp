@@ -122,6 +122,24 @@ ValidateRow check(const LinCase& c, const LinearBackend& b, const BackendOptions
   return row;
 }
 
+ValidateRow flag(const std::string& name, const std::string& backend, bool pass, std::string note) {
+  ValidateRow r;
+  r.op = "linear";
+  r.case_name = name;
+  r.backend = backend;
+  r.pass = pass;
+  r.note = std::move(note);
+  return r;
+}
+
+std::string linear_backend_names() {
+  std::string names;
+  for (const auto& b : linear_backends()) names += (names.empty() ? "" : ", ") + b.name;
+  return names;
+}
+
+// --backend all: every usable linear backend. A named backend must exist and be usable here: a
+// FAIL row otherwise (never a silent skip), as the other ops do.
 std::vector<const LinearBackend*> backends_of(const ValidateOptions& o, std::vector<ValidateRow>& rows) {
   std::vector<const LinearBackend*> list;
   if (o.backend == "all") {
@@ -131,22 +149,43 @@ std::vector<const LinearBackend*> backends_of(const ValidateOptions& o, std::vec
   }
   auto b = find_linear_backend(o.backend);
   if (!b.is_ok()) {
-    ValidateRow r;
-    r.op = "linear";
-    r.case_name = "backend";
-    r.backend = o.backend;
-    r.skipped = true;
-    r.pass = true;
-    r.note = b.status().message();
-    rows.push_back(r);
+    rows.push_back(flag("backend " + o.backend, o.backend, false,
+                        "no '" + o.backend + "' backend for the linear layer (it runs on: " +
+                            linear_backend_names() + "): " + b.status().message()));
+    return list;
+  }
+  if (const Status st = b.value()->available(); !st.is_ok()) {
+    rows.push_back(flag("backend " + o.backend + " usable", o.backend, false, st.message()));
     return list;
   }
   list.push_back(b.value());
   return list;
 }
 
+// --require CAP: a linear backend or recipe must be usable / known; "cuda" (a capability of the
+// build and machine) must be usable here, as for every op: the linear layer itself has no CUDA
+// backend, which the row says. Capabilities of other ops (an MoE recipe, an activation) are
+// checked by those ops' validators.
+void require_rows(const ValidateOptions& o, std::vector<ValidateRow>& rows) {
+  for (const std::string& cap : o.require) {
+    if (auto b = find_linear_backend(cap); b.is_ok()) {
+      const Status st = b.value()->available();
+      rows.push_back(flag("require " + cap, cap, st.is_ok(), st.is_ok() ? "available" : st.message()));
+    } else if (parse_linear_recipe(cap).is_ok()) {
+      rows.push_back(flag("require " + cap, "-", true, "recipe supported by every linear backend"));
+    } else if (cap == "cuda") {
+      auto m = find_moe_backend("cuda");
+      const Status st = m.is_ok() ? m.value()->available() : m.status();
+      rows.push_back(flag("require cuda", "cuda", st.is_ok(),
+                          st.is_ok() ? "CUDA usable (the linear layer has no CUDA backend yet; its CPU backends ran)"
+                                     : "CUDA is not usable here: " + st.message()));
+    }
+  }
+}
+
 std::vector<ValidateRow> run_linear_validation(const ValidateOptions& o) {
   std::vector<ValidateRow> rows;
+  require_rows(o, rows);
   const auto backends = backends_of(o, rows);
   const bool smoke = o.suite == "smoke", all = o.suite == "all";
   const uint64_t seed = o.seed;

@@ -320,4 +320,70 @@ TEST(HostileCli, BenchKdaRefusesCasesAboveTheMemoryLimitBeforeRunning) {
   EXPECT_EQ(r.out.find("bad_alloc"), std::string::npos) << r.out;
 }
 
+// Hardening, part 3 (items 10, 13, 14).
+
+TEST(HostileCli, ValidateLinearFailsOnAnUnusableOrUnknownBackendAndAMissingRequirement) {
+  // Was: one SKIP row and exit 0 (the other ops fail on the same flags).
+  auto r = run_cli("validate --op linear --suite smoke --backend gpu");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_HAS(r.out, "linear backend 'gpu' is not known");
+  EXPECT_HAS(r.out, "it runs on: ");
+  r = run_cli("validate --op linear --suite smoke --backend cuda");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_HAS(r.out, "FAIL");
+  if (!k3::cuda::devices().is_ok()) {  // every CI machine: no device
+    r = run_cli("validate --op linear --suite smoke --require cuda");
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_HAS(r.out, "CUDA is not usable here");
+  }
+  r = run_cli("validate --op linear --suite smoke --require cpu");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_HAS(r.out, "require cpu");
+}
+
+TEST(HostileCli, BenchLinearRefusesWhatItCouldNotAllocateBeforeAllocating) {
+  // Was: "INTERNAL: uncaught exception: std::bad_alloc", or tens of GiB allocated first.
+  auto r = run_cli("bench linear --shapes 1048576x1048576 --pool-mib 1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_HAS(r.out, "k3 bench linear at these --shapes");
+  EXPECT_HAS(r.out, "use smaller --shapes or --pool-mib");
+  r = run_cli("bench linear --shapes 96x40 --pool-mib 65536 --bw-mib 65536");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_HAS(r.out, "--pool-mib 65536");
+  EXPECT_EQ(r.out.find("bad_alloc"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("INTERNAL"), std::string::npos) << r.out;
+}
+
+TEST(HostileCli, K3NumThreadsMustBeAPlainCount) {
+  // Was atoi: "1e3" ran 1 thread, "abc" all CPUs, an overflow wrapped.
+  for (const char* bad : {"1e3", "abc", "-1", "99999999999", "4x", " 4", "0"}) {
+    ScopedEnv env("K3_NUM_THREADS", bad);
+    const auto r = run_cli("validate --op formats");
+    EXPECT_EQ(r.code, 2) << bad << "\n" << r.out;
+    EXPECT_HAS(r.out, std::string("K3_NUM_THREADS = '") + bad + "' is not a thread count");
+    EXPECT_HAS(r.out, "[1, 256]");
+  }
+  for (const char* good : {"1", "+2", "256"}) {
+    ScopedEnv env("K3_NUM_THREADS", good);
+    EXPECT_EQ(run_cli("validate --op formats").code, 0) << good;
+  }
+  ScopedEnv empty("K3_NUM_THREADS", "");  // empty: as if unset
+  EXPECT_EQ(run_cli("validate --op formats").code, 0);
+}
+
+TEST(HostileCli, ThreadsFlagsAreBoundedByTheLibraryLimit) {
+  for (const char* cmd : {"bench moe --threads -1", "bench linear --threads 257", "bench kda --threads -1",
+                          "kda run --threads 100000 --input /x.st --output /y.st"}) {
+    const auto r = run_cli(cmd);
+    EXPECT_NE(r.code, 0) << cmd << "\n" << r.out;
+    EXPECT_HAS(r.out, "--threads");
+    EXPECT_HAS(r.out, "256");
+  }
+  EXPECT_TRUE(k3::check_thread_count(k3::kMaxThreadCount).is_ok());
+  EXPECT_TRUE(k3::check_thread_count(0).is_ok());
+  const auto st = k3::check_thread_count(int64_t{1} << 40, "threads");
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_HAS(st.message(), "threads = 1099511627776 must be in [0, 256]");
+}
+
 }  // namespace

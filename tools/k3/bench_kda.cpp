@@ -176,7 +176,8 @@ const BenchRegistration kRegistration("kda", [](CLI::App& bench) -> CommandRun {
   harness::KdaBenchConfig& c = a->c;
   cmd->add_option("--backend", c.backend, "cpu | cuda (cuda: CUDA events, vs the device copy bandwidth)")
       ->capture_default_str();
-  cmd->add_option("--threads", c.threads, "Threads (default: K3_NUM_THREADS or all CPUs)");
+  cmd->add_option("--threads", c.threads, "Threads (default: K3_NUM_THREADS or all CPUs)")
+      ->check(CLI::Range(0, k3::kMaxThreadCount));
   cmd->add_option("--isa", a->isa,
                   "CPU kernel level: scalar | avx2 | avx512 | avx512bf16 (default: K3_ISA or the CPU's best); the "
                   "FMA peak is measured for the same level");

@@ -102,7 +102,8 @@ const BenchRegistration kRegistration("linear", [](CLI::App& bench) -> CommandRu
   auto* cmd = bench.add_subcommand("linear", "Dense linear layer (MXFP8 or BF16 weights): M sweep at the seed's and Kimi-Linear's shapes");
   auto a = std::make_shared<Args>();
   harness::LinearBenchConfig& c = a->c;
-  cmd->add_option("--threads", c.threads, "Threads (default: K3_NUM_THREADS or all CPUs)");
+  cmd->add_option("--threads", c.threads, "Threads (default: K3_NUM_THREADS or all CPUs)")
+      ->check(CLI::Range(0, k3::kMaxThreadCount));
   cmd->add_option("--isa", a->isa,
                   "CPU kernel level: scalar | avx2 | avx512 | avx512bf16 (default: K3_ISA or the CPU's best); the "
                   "peak is measured for the same level");

@@ -253,7 +253,8 @@ const BenchRegistration kMoe("moe", [](CLI::App& bench) -> CommandRun {
       ->capture_default_str();
   cmd->add_option("--routing", c.routing, "uniform | zipf:S | ep_mixed | replay:FILE")->capture_default_str();
   cmd->add_option("--activation", c.activation, "situ | swiglu | silu")->capture_default_str();
-  cmd->add_option("--threads", c.threads, "Threads (default: K3_NUM_THREADS or all CPUs)");
+  cmd->add_option("--threads", c.threads, "Threads (default: K3_NUM_THREADS or all CPUs)")
+      ->check(CLI::Range(0, k3::kMaxThreadCount));
   cmd->add_option("--isa", a->isa,
                   "CPU kernel level: scalar | avx2 | avx512 | avx512bf16 (default: K3_ISA or the CPU's best); the "
                   "peak is measured for the same level");

@@ -53,7 +53,8 @@ Status run_limits(LimitsArgs& a) {
 const BenchRegistration kLimits("limits", [](CLI::App& bench) -> CommandRun {
   auto* cmd = bench.add_subcommand("limits", "Measure read bandwidth and the dot-product / FMA peaks");
   auto a = std::make_shared<LimitsArgs>();
-  cmd->add_option("--threads", a->threads, "Threads (default: K3_NUM_THREADS or all CPUs)");
+  cmd->add_option("--threads", a->threads, "Threads (default: K3_NUM_THREADS or all CPUs)")
+      ->check(CLI::Range(0, k3::kMaxThreadCount));
   cmd->add_option("--buffer-mib", a->mib, "Bandwidth buffer size in MiB")->check(CLI::Range(64, 65536))->capture_default_str();
   cmd->add_option("--output", a->output, "Write JSON to this file");
   return [a]() { return run_limits(*a); };

@@ -157,7 +157,8 @@ const CommandRegistration kRegistration("kda", 30, [](CLI::App& app) -> CommandR
   r->add_option("--scale", a->scale, "Output scale (0: K^-0.5)")->capture_default_str();
   r->add_option("--lower-bound", a->lower_bound, "lb of the safe gate")->capture_default_str();
   r->add_flag("--no-l2norm", a->no_l2norm, "q and k are already normalized (no L2 norm inside)");
-  r->add_option("--threads", a->threads, "CPU threads (default: K3_NUM_THREADS or all CPUs)");
+  r->add_option("--threads", a->threads, "CPU threads (default: K3_NUM_THREADS or all CPUs)")
+      ->check(CLI::Range(0, k3::kMaxThreadCount));
   return [a]() { return run(*a); };
 });
 

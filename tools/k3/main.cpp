@@ -76,8 +76,10 @@ int main(int argc, char** argv) {
     // A K3_ISA that is unknown or above what the CPU has is an error for every command: it must
     // never make the CPU backend silently unavailable (and `moe run` / `validate` fall back to
     // the slow reference backend).
+    // So is a K3_NUM_THREADS that is not a plain count in range (never silently reinterpreted).
     const auto isa = k3::active_isa_level();
-    status = isa.is_ok() ? k3::tool::run_parsed(runners) : isa.status();
+    status = !isa.is_ok() ? isa.status() : k3::check_thread_env();
+    if (status.is_ok()) status = k3::tool::run_parsed(runners);
   } catch (const std::exception& e) {
     status = k3::Status(k3::StatusCode::kInternal, std::string("uncaught exception: ") + e.what());
   }

@@ -2,7 +2,10 @@
 // saves the matching register state (XGETBV), so a hypervisor that hides AVX-512 state is honoured.
 // default_thread_count() reads K3_NUM_THREADS / OMP_NUM_THREADS: a helper for tools, never called
 // by the library's kernels (they default to hardware_thread_count()).
+#include <cctype>
+#include <cerrno>
 #include <cstdlib>
+#include <limits>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -103,10 +106,22 @@ struct ThreadEnv {
   int n = 0;
 };
 
+// A decimal count: digits only (an optional leading '+'), in [1, INT_MAX] (a count above
+// kMaxThreadCount is kept, so that the op that gets it names it with its range); with `list`,
+// OpenMP's form "N[,M...]" whose first entry counts. 0 when the text is anything else.
+int parse_count(const char* v, bool list) {
+  char* end = nullptr;
+  errno = 0;
+  if (*v == '-' || std::isspace(static_cast<unsigned char>(*v))) return 0;
+  const long long n = std::strtoll(v, &end, 10);
+  if (errno != 0 || end == v || (*end != '\0' && !(list && *end == ','))) return 0;
+  return n >= 1 && n <= std::numeric_limits<int>::max() ? static_cast<int>(n) : 0;
+}
+
 ThreadEnv thread_env() {
   for (const char* var : {"K3_NUM_THREADS", "OMP_NUM_THREADS"}) {
     if (const char* v = std::getenv(var)) {
-      const int n = std::atoi(v);
+      const int n = parse_count(v, std::strcmp(var, "OMP_NUM_THREADS") == 0);
       if (n > 0) return {var, v, n};
     }
   }
@@ -114,6 +129,21 @@ ThreadEnv thread_env() {
 }
 
 }  // namespace
+
+Status check_thread_count(int64_t threads, const std::string& what) {
+  if (threads < 0 || threads > kMaxThreadCount) {
+    return invalid_argument(what + " = " + std::to_string(threads) + " must be in [0, " +
+                            std::to_string(kMaxThreadCount) + "] (0: all logical CPUs)");
+  }
+  return Status::ok();
+}
+
+Status check_thread_env() {
+  const char* v = std::getenv("K3_NUM_THREADS");
+  if (v == nullptr || *v == '\0' || parse_count(v, false) > 0) return Status::ok();
+  return invalid_argument("K3_NUM_THREADS = '" + std::string(v) + "' is not a thread count: a decimal integer in [1, " +
+                          std::to_string(kMaxThreadCount) + "] (unset it for all logical CPUs)");
+}
 
 int hardware_thread_count() {
   const int n = cpu_info().logical_cpus;

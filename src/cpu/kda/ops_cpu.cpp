@@ -89,7 +89,7 @@ void conv_run(const Args& a, int threads, int64_t T_, int64_t N) {
 
 template <typename T, typename Args>
 Status conv_impl(const Args& a, int threads, int64_t T_, int64_t N) {
-  if (threads < 0) return invalid_argument("threads = " + std::to_string(threads) + " must be >= 0 (0: all logical CPUs)");
+  K3_RETURN_IF_ERROR(check_thread_count(threads));
   switch (a.width) {  // validated: 2..kMaxConvWidth
     case 2: conv_run<T, 2>(a, threads, T_, N); break;
     case 3: conv_run<T, 3>(a, threads, T_, N); break;
@@ -119,7 +119,7 @@ Status causal_conv1d_bf16(const ConvArgsBf16& a, int threads) {
 Status gated_rmsnorm(const GatedRmsNormArgs& a, int threads) {
   int64_t rows = 0;
   K3_RETURN_IF_ERROR(detail::validate_rmsnorm(a, &rows));
-  if (threads < 0) return invalid_argument("threads = " + std::to_string(threads) + " must be >= 0 (0: all logical CPUs)");
+  K3_RETURN_IF_ERROR(check_thread_count(threads));
   const int64_t D = a.dim;
 #pragma omp parallel for schedule(static) num_threads(resolve(threads))
   for (int64_t r = 0; r < rows; ++r) {
