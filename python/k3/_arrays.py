@@ -91,11 +91,31 @@ def out16(name, a, kind):
 
 def int_arg(name, v, lo, hi):
     """An integer argument in [lo, hi] (checked before anything is allocated from it)."""
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise ValueError(f"{name} = {v!r} must be an integer")
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name} = {v!r} must be an integer in [{lo}, {hi}], got {type(v).__name__}")
     if not lo <= int(v) <= hi:
         raise ValueError(f"{name} = {int(v)} must be in [{lo}, {hi}]")
     return int(v)
+
+
+#: The largest thread count any k3 entry point takes (k3::kMaxThreadCount; 0 means all logical CPUs).
+MAX_THREADS = 256
+#: The most rows a prepared layer plans for (the C++ plans' limit, 2^24).
+MAX_TOKENS = 1 << 24
+
+
+def threads_arg(v, name="threads", allow_none=False):
+    """A thread count in [0, MAX_THREADS] (0: all logical CPUs; None passes through where the
+    caller means "torch's count"): checked here, by name, before the binding's C int sees it, so
+    a huge value, a float or a bool (``threads=True``) is refused instead of reinterpreted."""
+    if v is None and allow_none:
+        return None
+    return int_arg(name, v, 0, MAX_THREADS)
+
+
+def max_tokens_arg(v, name="max_tokens"):
+    """Rows per call a layer is planned for, in [1, MAX_TOKENS]."""
+    return int_arg(name, v, 1, MAX_TOKENS)
 
 
 def path_arg(name, path):

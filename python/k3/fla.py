@@ -59,6 +59,24 @@ def _check_tensor(fn, name, t):
                          "(call it under torch.no_grad() / torch.inference_mode())")
 
 
+_I32 = (-(1 << 31), (1 << 31) - 1)
+
+
+def _int32(fn, name, t):
+    """An int32 / int64 index or count tensor as contiguous int32, its values checked on the
+    caller's dtype first: an int64 value past int32 would wrap to another slot (or count), and a
+    float or bool tensor would be truncated."""
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"k3.fla.{fn}: {name} must be an int32 or int64 tensor, got {t.dtype}")
+    if t.dtype == torch.int64 and t.numel() > 0:
+        lo, hi = int(t.min()), int(t.max())
+        if lo < _I32[0] or hi > _I32[1]:
+            bad = lo if lo < _I32[0] else hi
+            raise ValueError(f"k3.fla.{fn}: {name} holds {bad}, outside the int32 range [{_I32[0]}, {_I32[1]}] "
+                             "k3 indexes with")
+    return t.to(torch.int32).contiguous()
+
+
 def _act(fn, q, k, v):
     """q, k, v as one dtype k3 reads: bfloat16 (in place) or float32 (float16 widened exactly)."""
     dts = {q.dtype, k.dtype, v.dtype}
@@ -220,7 +238,7 @@ def _replay(fn, q, k, v, g, beta, b, t, h, hk, hv, sc, layout, cu_seqlens, pool,
                          "cu_seqlens, one sequence per batch row)")
     if seqs != n:
         raise ValueError(f"k3.fla.{fn}: cu_seqlens holds {seqs} sequences, ssm_state_indices {n}")
-    idx = indices.to(torch.int32).contiguous()
+    idx = _int32(fn, "ssm_state_indices", indices)
     out = _out(fn, out, v, (b, t, h, hv))
     mode, lb, a_log, dt_bias = gate
     with _k3torch.kda_options(threads, isa):
@@ -229,7 +247,7 @@ def _replay(fn, q, k, v, g, beta, b, t, h, hk, hv, sc, layout, cu_seqlens, pool,
             if tuple(num_accepted.shape) != (n,):
                 raise ValueError(f"k3.fla.{fn}: num_accepted_tokens has shape {tuple(num_accepted.shape)}, "
                                  f"expected ({n},)")
-            torch.ops.k3.kda_commit(pool, window, idx, num_accepted.to(torch.int32).contiguous(), tw, h, hk, hv,
+            torch.ops.k3.kda_commit(pool, window, idx, _int32(fn, "num_accepted_tokens", num_accepted), tw, h, hk, hv,
                                     layout)
         qa, ka, va = _act(fn, q, k, v)
         o = torch.empty((rows, h, hv), dtype=torch.float32)
@@ -355,7 +373,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     qa, ka, va = _act(fn, q, k, v)
     mode, lb, a_log, dt_bias = gate
     cfg = (mode, lb, beta_logits, l2norm, sc, layout)
-    idx = ssm_state_indices.to(torch.int32).contiguous()
+    idx = _int32(fn, "ssm_state_indices", ssm_state_indices)
     gg = g.detach().to(torch.float32).reshape(rows, h, hk).contiguous()
     bb = beta.detach().to(torch.float32).reshape(rows, h).contiguous()
     o = torch.empty((rows, h, hv), dtype=torch.float32)
@@ -373,7 +391,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                 if tuple(num_accepted_tokens.shape) != (n,):
                     raise ValueError(f"k3.fla.{fn}: num_accepted_tokens has shape "
                                      f"{tuple(num_accepted_tokens.shape)}, expected ({n},)")
-                acc = num_accepted_tokens.to(torch.int32).contiguous()
+                acc = _int32(fn, "num_accepted_tokens", num_accepted_tokens)
             torch.ops.k3.kda_verify(qa.view(rows, h, hk), ka.view(rows, h, hk), va.view(rows, h, hv), gg, bb, a_log,
                                     dt_bias, pool, idx, acc, *cfg, o)
     return _finish(o, out, v, b, t, h, hv), pool

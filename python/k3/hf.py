@@ -49,8 +49,9 @@ from . import moe as _moe
 from . import mx
 from . import linear as _linear
 from . import torch as _k3torch
+from ._arrays import MAX_THREADS
 
-__all__ = ["patch", "unpatch", "is_patched", "mxfp4_roundtrip_", "TESTED_TRANSFORMERS"]
+__all__ = ["patch", "unpatch", "is_patched", "check_isa", "mxfp4_roundtrip_", "TESTED_TRANSFORMERS"]
 
 #: transformers releases the integration is tested with (the oldest and the newest pip serves here).
 TESTED_TRANSFORMERS = ("5.17.0", "5.25.0")
@@ -291,6 +292,13 @@ def _decode_cfg(mod, rec):
     return cfg
 
 
+def _version(t):
+    """A tensor's version counter, or a fresh object (equal to nothing) for an inference tensor,
+    which has none (tensors made under ``torch.inference_mode()``): what is keyed on it is then
+    recomputed at every call."""
+    return object() if t.is_inference() else t._version
+
+
 def _bits(t):
     """q / k / v for k3: bfloat16 as its uint16 bits, float32 as is (contiguous numpy views)."""
     t = t.contiguous()
@@ -301,7 +309,7 @@ def _gate_params(rec, gate):
     """The forget gate's parameters as the stock forward computes them: -exp(A_log) (its unary
     minus applied first, as ``-decay_rate * g_softplus`` does) and dt_bias in FP32, kept until a
     parameter changes (in place or replaced)."""
-    key = (gate.A_log.data_ptr(), gate.A_log._version, gate.dt_bias.data_ptr(), gate.dt_bias._version)
+    key = (gate.A_log.data_ptr(), _version(gate.A_log), gate.dt_bias.data_ptr(), _version(gate.dt_bias))
     cached = getattr(rec, "gate_params", None)
     if cached is None or cached[0] != key:
         neg_decay = -torch.exp(gate.A_log.detach().float())
@@ -312,7 +320,7 @@ def _gate_params(rec, gate):
 def _conv_weight(rec, conv1d):
     """The short convolution's weight [C, W] and FP32 bias as numpy views (kept until they change)."""
     w, bias = conv1d.weight, conv1d.bias
-    key = (w.data_ptr(), w._version, w.dtype, None if bias is None else (bias.data_ptr(), bias._version))
+    key = (w.data_ptr(), _version(w), w.dtype, None if bias is None else (bias.data_ptr(), _version(bias)))
     cached = getattr(rec, "conv_weight", None)
     if cached is None or cached[0] != key:
         w2 = w.detach().squeeze(1).contiguous()
@@ -479,10 +487,10 @@ def _verify(rec, state, q, k, v, g, beta):
     the replay window holding their inputs)."""
     b, t, h, hk = q.shape
     window = torch.zeros((b, _kda_mod.replay_window_floats(h, hk, v.shape[-1], t)), dtype=torch.float32)
+    # fla's contract: o in v's dtype (a BF16 / FP16 model's); the caller rounds to it anyway.
     o, _ = _fla.fused_recurrent_kda(q, k, v, g, beta, initial_state=state,
                                     ssm_state_indices=torch.arange(b, dtype=torch.int32), replay_window=window,
-                                    use_qk_l2norm_in_kernel=True, threads=rec.threads, isa=rec.isa,
-                                    out=torch.empty((b, t, h, v.shape[-1]), dtype=torch.float32))
+                                    use_qk_l2norm_in_kernel=True, threads=rec.threads, isa=rec.isa)
     rec.calls["verify"] += 1
     return o, window
 
@@ -495,41 +503,60 @@ def _commit(rec, state, window, tokens, accepted):
     rec.calls["commit"] += 1
 
 
+def _rollback_tokens(cache, idx):
+    """How many of a forward's last tokens a later crop may roll back: transformers' own count for
+    the layer while it records the past (``get_recurrent_states_to_keep``: the drafts of assisted
+    generation or prompt lookup, any number), and at least MAX_DRAFT_TOKENS."""
+    keep = 0
+    get = getattr(cache, "get_recurrent_states_to_keep", None)
+    if get is not None:
+        try:
+            keep = int(get(idx))
+        except (TypeError, ValueError, IndexError, AttributeError):
+            keep = 0
+    return max(MAX_DRAFT_TOKENS, keep)
+
+
 def _verify_drafts(rec, cache, idx, q, k, v, g, beta):
     """This forward's T tokens, after any drafts still pending on the layer (several forwards may
     come before one crop, as an assistant model drafts token by token): verified from the state
-    after the pending ones, kept pending for the crop. At most MAX_DRAFT_TOKENS stay pending:
-    older windows are committed now, and a longer forward (the prompt) prefills its head, which
-    can no longer be rolled back. Returns the T tokens' outputs [B, T, H, V] float32."""
+    after the pending ones, kept pending for the crop, in replay windows of at most
+    MAX_DRAFT_TOKENS tokens each (k3's window). At least ``keep`` tokens (``_rollback_tokens``)
+    stay pending: older windows are committed now, and a longer forward (the prompt) prefills its
+    head, which can no longer be rolled back. Returns the T tokens' outputs [B, T, H, V] in v's
+    dtype."""
     lay = cache.layers[idx]
     _hook_crop(lay)
     b, t, h, hk = q.shape
+    keep = _rollback_tokens(cache, idx)
     state = _layer_state(cache, idx, b, h, hk, v.shape[-1])
     drafts = (q, k, v, g.to(torch.float32), beta.to(torch.float32))
     pend = lay.__dict__.get("_k3_pending")
     if pend is not None and (pend.state is not state or pend.state.shape[0] != b):
         pend = None  # the cache was reset or reassigned since: the drafts went with it
-    if pend is None or t > MAX_DRAFT_TOKENS:
+    if pend is None or t > keep:
         if pend is not None:
             pend.fold_into_state(pend.tokens)
         pend = lay._k3_pending = _Pending(state, idx, rec)
     outs = []
-    fold = max(0, t - MAX_DRAFT_TOKENS)
+    fold = max(0, t - keep)
     if fold:  # a long forward (the prompt): its head is never rolled back, prefill it
         o, final = _fla.chunk_kda(*[x[:, :fold] for x in drafts], initial_state=state, output_final_state=True,
                                   use_qk_l2norm_in_kernel=True, threads=rec.threads, isa=rec.isa)
         state.copy_(final)
-        outs.append(o.to(torch.float32))
+        outs.append(o.to(v.dtype))
         rec.calls["prefill"] += 1
-        drafts = tuple(x[:, fold:] for x in drafts)
-    o, window = _verify(rec, pend.start() if pend.windows else state, *drafts)
-    outs.append(o)
-    pend.windows.append((window, drafts[0].shape[1]))
-    while pend.tokens > MAX_DRAFT_TOKENS:  # the oldest window leaves: its tokens can no longer be rolled back
+    for t0 in range(fold, t, MAX_DRAFT_TOKENS):  # one replay window per MAX_DRAFT_TOKENS tokens
+        part = tuple(x[:, t0:t0 + MAX_DRAFT_TOKENS] for x in drafts)
+        o, window = _verify(rec, pend.start() if pend.windows else state, *part)
+        outs.append(o)
+        pend.windows.append((window, part[0].shape[1]))
+    # The oldest windows leave while the rest still hold `keep` tokens: theirs can no longer be rolled back.
+    while len(pend.windows) > 1 and pend.tokens - pend.windows[0][1] >= keep:
         old, tokens = pend.windows.pop(0)
         _commit(rec, state, old, tokens, tokens)
         pend.head_windows -= 1
-    return torch.cat(outs, dim=1) if len(outs) > 1 else o
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
 
 def _hook_crop(lay):
@@ -546,8 +573,9 @@ def _hook_crop(lay):
             return stock(tokens_to_remove)
         if n > pend.tokens:
             raise ValueError(f"k3.hf: cache.crop({int(tokens_to_remove)}) rolls back {n} tokens of KDA layer "
-                             f"{pend.index}, which keeps only its last {pend.tokens} verified tokens (k3 keeps at "
-                             f"most MAX_DRAFT_TOKENS = {MAX_DRAFT_TOKENS} draft tokens per layer)")
+                             f"{pend.index}, which keeps only its last {pend.tokens} verified tokens (k3 keeps "
+                             f"max(MAX_DRAFT_TOKENS = {MAX_DRAFT_TOKENS}, the cache's recurrent_states_to_keep) "
+                             "tokens per layer)")
         del lay._k3_pending
         pend.fold_into_state(pend.tokens - n)
         if n:  # transformers' crop then takes its rolled-back state from this list: the committed one
@@ -866,6 +894,8 @@ class Patch:
         self.dense_bytes_k3 = 0
         self.dense_format = "MXFP8"
         self.fused_groups = 0  # k3 layers that serve several projections of one input (dense=True)
+        self.hooks = []  # load_state_dict guards (removed by unpatch)
+        self.installed = False  # k3's KDA module functions installed for this model
 
     def summary(self):
         return (f"k3.hf: {len(self.kda)} KDA layers and {len(self.moe)} MoE blocks on k3, {len(self.norms)} RMSNorms "
@@ -913,6 +943,59 @@ def _check_config(cfg, moe, kda):
             bad("n_group", "a divisor of num_experts", cfg.n_group)
 
 
+def _restore(model, rec, m):
+    """Undoes whatever stages of ``patch`` ran (a patch that fails part-way): the stock forwards,
+    functions and projections back, k3's layers and hooks released. The stock expert weights are
+    still in place (``patch`` releases them only once every stage succeeded)."""
+    for h in rec.hooks:
+        h.remove()
+    rec.hooks.clear()
+    for parent, name, stock, _ in rec.dense:
+        setattr(parent, name, stock)
+    for r in rec.moe:
+        r.release()
+    for mod, _ in rec.kda + rec.mla:
+        mod.__dict__.pop("forward", None)
+    for mod in rec.norms:
+        mod.__dict__.pop("forward", None)
+    if rec.installed:
+        _uninstall(m)
+        rec.installed = False
+
+
+def _refuse_load(module, *args, **kwargs):
+    raise RuntimeError("k3.hf: load_state_dict on a patched model would report its keys matched while k3 keeps "
+                       "serving the weights it packed at patch time (experts, router, projections, absorbed MLA "
+                       "weights); load the weights first and patch then, or k3.hf.unpatch(model) before loading")
+
+
+def _guard_state_dict(model, rec):
+    """A load_state_dict pre-hook that refuses the load on the model and on every module that
+    holds (or is) something k3 serves, so new weights never silently miss k3's packed copies."""
+    served = {id(mod) for mod, _ in rec.kda + rec.mla}
+    served |= {id(r.module) for r in rec.moe} | {id(mod) for mod in rec.norms}
+    served |= {id(parent) for parent, _, _, _ in rec.dense}
+    names = [name for name, mod in model.named_modules() if id(mod) in served]
+    guard = {""}
+    for name in names:
+        parts = name.split(".")
+        guard.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for name, mod in model.named_modules():
+        if name in guard:
+            rec.hooks.append(mod.register_load_state_dict_pre_hook(_refuse_load))
+
+
+def check_isa(isa):
+    """Raises ValueError unless ``isa`` names a SIMD level this CPU runs (the library's own check,
+    on a one-token KDA call)."""
+    one = np.zeros((1, 1, 32), dtype=np.float32)
+    try:
+        _kda_mod.prefill(one, one, one, one, np.zeros((1, 1), dtype=np.float32), gate="log_decay", isa=isa,
+                         backend="cpu")
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(str(e)) from None
+
+
 def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, keep_original=False,
           max_tokens=4096, isa="", dense=False, fuse=True, norms=True):
     """Serves a transformers Kimi-Linear model's KDA layers and routed experts with k3 (in place).
@@ -958,19 +1041,18 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
         if p.device.type != "cpu":
             raise ValueError(f"k3.hf.patch: parameter {name} is on {p.device}; k3.hf serves models on the CPU")
         break
-    if threads is not None and (not isinstance(threads, int) or threads < 0):
-        raise ValueError(f"k3.hf.patch: threads = {threads!r} must be None (torch's count) or an int >= 0")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or not 0 <= threads <= MAX_THREADS):
+        raise ValueError(f"k3.hf.patch: threads = {threads!r} must be None (torch's count) or an int in "
+                         f"[0, {MAX_THREADS}] (0: all logical CPUs)")
     if not isinstance(isa, str):
         raise ValueError(f"k3.hf.patch: isa = {isa!r} must be a string ('' for the best level)")
-    if isa:  # the library's own check (allowed names, what this CPU has), on a one-token KDA call
-        from . import kda as _kda
-        one = np.zeros((1, 1, 32), dtype=np.float32)
+    if isa:
         try:
-            _kda.prefill(one, one, one, one, np.zeros((1, 1), dtype=np.float32), gate="log_decay", isa=isa,
-                         backend="cpu")
-        except (ValueError, RuntimeError) as e:
+            check_isa(isa)
+        except ValueError as e:
             raise ValueError(f"k3.hf.patch: isa = {isa!r}: {e}") from None
-    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 1 << 20:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 1 << 20:
         raise ValueError(f"k3.hf.patch: max_tokens = {max_tokens!r} must be an int in [1, 1048576]")
     _check_config(cfg, moe, kda)
     if not isinstance(norms, bool):
@@ -987,37 +1069,36 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
     rec = Patch(recipe, threads, isa)
     kda_layers = [mod for mod in model.modules() if isinstance(mod, m.KimiLinearDeltaAttention)] if kda else []
     moe_blocks = [mod for mod in model.modules() if isinstance(mod, m.KimiLinearMoE)] if moe else []
-    plan_threads = torch.get_num_threads() if threads is None else threads
-    try:
+    plan_threads = min(torch.get_num_threads(), MAX_THREADS) if threads is None else threads
+    try:  # every stage: on any failure the model is left exactly as it was (_restore)
         for mod in moe_blocks:
             rec.moe.append(_patch_moe(mod, len(rec.moe), cfg, recipe, threads, plan_threads, keep_original,
                                       max_tokens, rec, isa))
-    except Exception:
-        for r in rec.moe:
-            r.release()
-        raise
-    for mod in kda_layers:
-        r = _KdaLayer(mod.layer_idx, threads, isa)
-        _wrap_kda_forward(mod, r)
-        rec.kda.append((mod, r))
-    if kda_layers:
-        _install(m)
-    if norms:
-        for mod in model.modules():
-            if type(mod) is m.KimiLinearRMSNorm and mod.weight.dtype == torch.bfloat16:
-                mod.forward = _norm_forward(mod, rec, mod.forward)
-                rec.norms.append(mod)
-            elif type(mod) is m.KimiLinearRMSNormGated and mod.weight.dtype == torch.bfloat16:
-                mod.forward = _gated_norm_forward(mod, rec, mod.forward)
-                rec.norms.append(mod)
-    if mla:
-        for mod in model.modules():
-            if isinstance(mod, m.KimiLinearAttention):
-                r = _MlaLayer(mod, threads, isa)
-                mod.forward = _mla_forward(mod, r, mod.forward)
-                rec.mla.append((mod, r))
-    if dense:
-        try:
+        for mod in kda_layers:
+            r = _KdaLayer(mod.layer_idx, threads, isa)
+            rec.kda.append((mod, r))
+            _wrap_kda_forward(mod, r)
+        if kda_layers:
+            _install(m)
+            rec.installed = True
+        if norms:
+            for mod in model.modules():
+                if type(mod) is m.KimiLinearRMSNorm and mod.weight.dtype == torch.bfloat16:
+                    rec.norms.append(mod)
+                    mod.forward = _norm_forward(mod, rec, mod.forward)
+                elif type(mod) is m.KimiLinearRMSNormGated and mod.weight.dtype == torch.bfloat16:
+                    rec.norms.append(mod)
+                    mod.forward = _gated_norm_forward(mod, rec, mod.forward)
+        if mla:
+            for mod in model.modules():
+                # The absorbed decode multiplies by kv_b_proj's weight: a layer whose kv_b_proj has
+                # no weight tensor (torch.ao's dynamically quantized Linear, say) keeps the stock forward.
+                if isinstance(mod, m.KimiLinearAttention) and isinstance(getattr(mod.kv_b_proj, "weight", None),
+                                                                         torch.Tensor):
+                    r = _MlaLayer(mod, threads, isa)
+                    rec.mla.append((mod, r))
+                    mod.forward = _mla_forward(mod, r, mod.forward)
+        if dense:
             dense_recipe = "w16a16" if dense == "bf16" else "w8a8" if recipe == "w4a8" else "w8a16"
             rec.dense_format = "BF16" if dense == "bf16" else "MXFP8"
             _patch_dense(model, m, rec, dense_recipe, plan_threads, keep_original, max_tokens, isa, fuse)
@@ -1025,18 +1106,10 @@ def patch(model, recipe="w4a16", kda=True, moe=True, mla=True, threads=None, kee
                 for mod, r in rec.mla:
                     if isinstance(mod.kv_b_proj, _k3torch.Linear):
                         r.round_to_mxfp8()
-        except Exception:  # leave the model as it was
-            for parent, name, stock, _ in rec.dense:
-                setattr(parent, name, stock)
-            for r in rec.moe:
-                r.release()
-            for mod, _ in rec.kda + rec.mla:
-                del mod.forward
-            for mod in rec.norms:
-                del mod.forward
-            if kda_layers:
-                _uninstall(m)
-            raise
+        _guard_state_dict(model, rec)
+    except BaseException:
+        _restore(model, rec, m)
+        raise
     # Release (or keep) the stock expert weights only once everything above succeeded.
     for r in rec.moe:
         mod = r.module
@@ -1112,10 +1185,22 @@ class _FusedProjections:
             n0 += w
         self._last = threading.local()  # per thread: (input, its version, output, indices taken)
 
+    @staticmethod
+    def _stamp(x):
+        """What tells whether x changed since its output was made: its version counter, or for an
+        inference tensor (``torch.inference_mode()``: no version counter) a copy of its values."""
+        return x.clone() if x.is_inference() else x._version
+
+    @staticmethod
+    def _same(x, stamp):
+        if x.is_inference():
+            return isinstance(stamp, torch.Tensor) and torch.equal(x, stamp)
+        return not isinstance(stamp, torch.Tensor) and x._version == stamp
+
     def _output(self, indices, x):
         last = getattr(self._last, "v", None)
-        if last is None or last[0] is not x or last[1] != x._version or any(i in last[3] for i in indices):
-            last = (x, x._version, self.lin(x), set())
+        if last is None or last[0] is not x or not self._same(x, last[1]) or any(i in last[3] for i in indices):
+            last = (x, self._stamp(x), self.lin(x), set())
         last[3].update(indices)
         # Once every projection took its columns, hold nothing.
         self._last.v = None if len(last[3]) == len(self.bounds) else last
@@ -1134,10 +1219,13 @@ class _FusedProjections:
 class _FusedSlice(torch.nn.Module):
     """A projection served by a :class:`_FusedProjections` (``k3.hf.patch(dense=True)``)."""
 
-    def __init__(self, fused, index, stock):
+    def __init__(self, fused, index, stock, keep_original=False):
         super().__init__()
         self._fused, self._index = fused, index  # not a submodule: the k3 layer belongs to the group
         self.in_features, self.out_features = stock.in_features, stock.out_features
+        # The stock module (keep_original=True) for inputs that require grad; kept outside the
+        # module tree so that parameters() and state_dict() stay the patched model's.
+        self.__dict__["_k3_stock"] = stock if keep_original else None
 
     @property
     def weight_bytes(self):
@@ -1152,6 +1240,10 @@ class _FusedSlice(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, columns {a}:{b} of a fused k3 layer"
 
     def forward(self, x):
+        stock = self._k3_stock
+        if _k3torch._refuse_grad(x, "k3.hf dense projection", stock):
+            _k3torch._warn_grad_once(self)
+            return stock(x)
         return self._fused(self._index, x)
 
 
@@ -1180,7 +1272,7 @@ def _patch_dense(model, m, rec, recipe, threads, keep_original, max_tokens, isa,
         rec.dense_bytes_k3 += _k3torch._linear_layer(fused.lin.handle).packed_bytes
         for i, ((parent, name), child) in enumerate(zip(group, stock)):
             rec.dense_bytes_stock += child.weight.numel() * child.weight.element_size()
-            sl = _FusedSlice(fused, i, child)
+            sl = _FusedSlice(fused, i, child, keep_original)
             setattr(parent, name, sl)
             rec.dense.append((parent, name, child if keep_original else None, sl))
         rec.fused_groups += 1
@@ -1193,6 +1285,8 @@ def _patch_dense(model, m, rec, recipe, threads, keep_original, max_tokens, isa,
                 targets.append((parent, name, child))
     for parent, name, child in targets:
         lin = prepare(child.weight.detach(), child.bias)
+        if keep_original:  # for inputs that require grad; outside the module tree (see _FusedSlice)
+            lin.__dict__["_k3_stock"] = child
         rec.dense_bytes_stock += child.weight.numel() * child.weight.element_size()
         rec.dense_bytes_k3 += _k3torch._linear_layer(lin.handle).packed_bytes
         setattr(parent, name, lin)
@@ -1215,11 +1309,14 @@ def unpatch(model):
                          "k3.hf.patch(keep_original=False); reload the model (from_pretrained), or patch with "
                          "keep_original=True to be able to unpatch")
     m = _modeling()
+    for h in rec.hooks:
+        h.remove()
+    rec.hooks.clear()
     for mod, _ in rec.kda + rec.mla:
         del mod.forward
     for mod in rec.norms:
         del mod.forward
-    if rec.kda:
+    if rec.installed:
         _uninstall(m)
     for r in rec.moe:
         del r.module.forward

@@ -71,9 +71,15 @@ def _random_checkpoint(cfg, path, seed=0):
 
 
 def _load(path, dtype):
+    """from_pretrained, with any failure (a truncated or missing shard, a config transformers
+    refuses) as one line naming the directory, not a traceback."""
     import torch
     from transformers import KimiLinearForCausalLM
-    return KimiLinearForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    try:
+        return KimiLinearForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    except Exception as e:  # noqa: BLE001 (whatever transformers or safetensors raise, said in one line)
+        raise SystemExit(f"python -m k3 hf: cannot load the checkpoint {path}: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
 
 # ---- traffic and FLOP models ----------------------------------------------------------------
@@ -245,11 +251,11 @@ def _probe(threads):
 def _common_args(ap):
     ap.add_argument("--checkpoint", help="a local Kimi-Linear checkpoint directory (config.json + safetensors); "
                     "default: a random model of the preset config")
-    ap.add_argument("--layers", type=int, default=4, help="random model: decoder layers (KDA:MLA 3:1), default 4")
-    ap.add_argument("--experts", type=int, default=64, help="random model: routed experts, default 64")
-    ap.add_argument("--top-k", type=int, default=8, help="random model: experts per token, default 8")
-    ap.add_argument("--vocab", type=int, default=32000, help="random model: vocabulary, default 32000")
-    ap.add_argument("--threads", type=int, default=0, help="torch and k3 threads (default: torch's default)")
+    ap.add_argument("--layers", type=_count(1, 512), default=4, help="random model: decoder layers (KDA:MLA 3:1), default 4")
+    ap.add_argument("--experts", type=_count(1, 4096), default=64, help="random model: routed experts, default 64")
+    ap.add_argument("--top-k", type=_count(1, 32), default=8, help="random model: experts per token, default 8")
+    ap.add_argument("--vocab", type=_count(3, 1 << 22), default=32000, help="random model: vocabulary, default 32000")
+    ap.add_argument("--threads", type=_count(0, 256), default=0, help="torch and k3 threads (default: torch's default)")
     ap.add_argument("--recipe", choices=["w4a16", "w4a8"], default="w4a16")
     ap.add_argument("--isa", default="", help="k3's SIMD level (default: the best the CPU has; torch is not affected)")
     ap.add_argument("--dense", nargs="?", const="mxfp8", default=False, choices=["mxfp8", "bf16"],
@@ -258,10 +264,35 @@ def _common_args(ap):
     ap.add_argument("--workdir", default=None, help="where the random model is saved (default: a temp dir)")
 
 
+def _check_servable(model):
+    import k3.hf
+    try:
+        k3.hf._check_config(model.config, True, True)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"python -m k3 hf: k3 cannot serve this model: {e}") from None
+
+
+def _check_config(path):
+    """config.json must be a JSON object of a Kimi-Linear model (model_type 'kimi_linear'), read
+    before any model is built or run."""
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        raise SystemExit(f"python -m k3 hf: --checkpoint {path} has no config.json")
+    try:
+        with open(cfg) as f:
+            doc = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise SystemExit(f"python -m k3 hf: --checkpoint {cfg} is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise SystemExit(f"python -m k3 hf: --checkpoint {cfg} holds a JSON {type(doc).__name__}, expected an object")
+    if doc.get("model_type") != "kimi_linear":
+        raise SystemExit(f"python -m k3 hf: --checkpoint {cfg} has model_type {doc.get('model_type')!r}, expected "
+                         "'kimi_linear'")
+
+
 def _model_dir(a, tmp):
     if a.checkpoint:
-        if not os.path.isfile(os.path.join(a.checkpoint, "config.json")):
-            raise SystemExit(f"python -m k3 hf: --checkpoint {a.checkpoint} has no config.json")
+        _check_config(a.checkpoint)
         return a.checkpoint
     path = a.workdir or os.path.join(tmp, "kimi-linear-random")
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -280,6 +311,7 @@ def _cmd_generate(a):
     with tempfile.TemporaryDirectory() as tmp:
         path = _model_dir(a, tmp)
         model = _load(path, a.dtype)
+        _check_servable(model)  # before the stock runs: what k3.hf.patch would refuse, refused now
         tok = None
         if a.prompt is not None:
             from transformers import AutoTokenizer
@@ -440,8 +472,7 @@ def _cmd_bench(a):
         _speedups(record)
     _print_table(record)
     if a.output:
-        with open(a.output, "w") as f:
-            json.dump(record, f, indent=1)
+        _write_json_atomic(a.output, record)
         print(f"JSON: {a.output}")
         if a.plot:
             try:
@@ -549,33 +580,116 @@ def plot(record, output):
     return output
 
 
+def _write_json_atomic(path, record):
+    """The JSON through a temporary file in the same directory and a rename: a reader never sees
+    a partial file, and a failed write leaves the old one."""
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".k3-", suffix=".json.tmp", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _check_output(ap, flag, path):
+    """An output path is checked before any round runs: its directory exists and is writable,
+    and the path is not a directory."""
+    if path is None:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        ap.error(f"{flag} {path} is a directory")
+    if not os.path.isdir(d):
+        ap.error(f"{flag} {path}: the directory {d} does not exist")
+    if not os.access(d, os.W_OK):
+        ap.error(f"{flag} {path}: the directory {d} is not writable")
+
+
+def _count(lo, hi=None):
+    """An argparse type: an integer in [lo, hi] (a clear error naming the flag otherwise)."""
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{v} must be in [{lo}, {hi if hi is not None else 'inf'}]")
+        return v
+    return parse
+
+
+def _counts(lo, hi):
+    """A comma-separated list of integers in [lo, hi]."""
+    one = _count(lo, hi)
+
+    def parse(text):
+        items = [t for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("the list is empty")
+        return [one(t.strip()) for t in items]
+    return parse
+
+
+def _check_args(ap, a):
+    """Everything that can be checked without a model, before minutes of stock runs."""
+    if a.top_k > a.experts:
+        ap.error(f"--top-k {a.top_k} must be at most --experts {a.experts}")
+    model_dtype = a.dtype if a.cmd == "generate" else a.k3_dtype
+    if a.dense and model_dtype != "bfloat16":
+        flag = "--dtype" if a.cmd == "generate" else "--k3-dtype"
+        ap.error(f"--dense needs a bfloat16 model (k3's linear layer takes BF16 activations); {flag} is {model_dtype}")
+    if a.isa:
+        import k3.hf
+        try:
+            k3.hf.check_isa(a.isa)
+        except ValueError as e:
+            ap.error(f"--isa {a.isa}: {e}")
+    if a.cmd == "bench":
+        _check_output(ap, "--output", a.output)
+        _check_output(ap, "--plot", a.plot)
+        unknown = [s for s in a.skip if s not in ("stock-fp32", "stock-bf16")]
+        if unknown:
+            ap.error(f"--skip {','.join(unknown)}: known variants are stock-fp32, stock-bf16")
+    if a.checkpoint:
+        _check_config(a.checkpoint)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m k3 hf", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate with stock and with k3, print tokens/s")
     _common_args(g)
     g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    g.add_argument("--prompt-tokens", type=int, default=32, help="random prompt length (without --prompt)")
+    g.add_argument("--prompt-tokens", type=_count(1, 1 << 20), default=32, help="random prompt length (without --prompt)")
     g.add_argument("--prompt", default=None, help="a text prompt (needs the checkpoint's tokenizer)")
     g.add_argument("--trust-remote-code", action="store_true", help="for the tokenizer of a hub checkpoint")
-    g.add_argument("--new-tokens", type=int, default=32)
+    g.add_argument("--new-tokens", type=_count(1, 1 << 20), default=32)
     b = sub.add_parser("bench", help="stock BF16 / stock FP32 / k3, interleaved; JSON and plot")
     _common_args(b)
-    b.add_argument("--rounds", type=int, default=2)
-    b.add_argument("--prefill", type=lambda s: [int(x) for x in s.split(",")], default=[128, 1024])
-    b.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
-    b.add_argument("--new-tokens", type=int, default=16, help="decode steps per measurement")
-    b.add_argument("--long-prefix", type=int, default=2048, help="decode after this prefix too (0: skip)")
+    b.add_argument("--rounds", type=_count(1, 100), default=2)
+    b.add_argument("--prefill", type=_counts(1, 1 << 20), default=[128, 1024])
+    b.add_argument("--batch", type=_counts(1, 4096), default=[1, 8])
+    b.add_argument("--new-tokens", type=_count(1, 1 << 20), default=16, help="decode steps per measurement")
+    b.add_argument("--long-prefix", type=_count(0, 1 << 20), default=2048, help="decode after this prefix too (0: skip)")
     b.add_argument("--k3-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="the dtype of the model k3 patches (float32 where torch has no BF16 hardware: AVX2)")
     b.add_argument("--skip", default="", help="comma-separated variants to skip (stock-fp32, stock-bf16)")
     b.add_argument("--output", "-o", default=None, help="JSON file")
     b.add_argument("--plot", default=None, help="PNG file (needs matplotlib)")
     a = ap.parse_args(argv)
-    if a.cmd == "generate":
-        return _cmd_generate(a)
-    a.skip = [s for s in a.skip.split(",") if s]
-    return _cmd_bench(a)
+    if a.cmd == "bench":
+        a.skip = [s for s in a.skip.split(",") if s]
+    _check_args(ap, a)
+    try:
+        return _cmd_generate(a) if a.cmd == "generate" else _cmd_bench(a)
+    except (ValueError, TypeError) as e:  # k3's refusals (k3.hf.patch, the ops): one line, no traceback
+        raise SystemExit(f"python -m k3 hf {a.cmd}: {e}") from None
 
 
 if __name__ == "__main__":  # pragma: no cover

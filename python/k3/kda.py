@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _k3
 from ._arrays import (DevicePlan, bf16_bits, host_view, need, need_cuda, no_overlap, out_or_new, seqlens_arg,
-                      shape_of, stream_int)
+                      shape_of, stream_int, threads_arg)
 
 
 def prefill(q, k, v, g, beta, a_log=None, dt_bias=None, cu_seqlens=None, initial_state=None, gate="safe",
@@ -45,8 +45,8 @@ def prefill(q, k, v, g, beta, a_log=None, dt_bias=None, cu_seqlens=None, initial
     no_overlap("o", o, ins)
     if final_state is not None:
         no_overlap("final_state", final_state, ins[:7] + (("o", o),))
-    _k3.kda_prefill(cfg, q, k, v, g, beta, a_log, dt_bias, cu_seqlens, initial_state, backend or "", threads, isa,
-                    o, final_state)
+    _k3.kda_prefill(cfg, q, k, v, g, beta, a_log, dt_bias, cu_seqlens, initial_state, backend or "",
+                    threads_arg(threads), isa, o, final_state)
     return o, (final_state if given is None else given)
 
 
@@ -103,7 +103,8 @@ def decode(q, k, v, g, beta, state_pool, state_indices, a_log=None, dt_bias=None
            ("state_indices", state_indices))
     no_overlap("o", o, ins + (("state_pool", state_pool),))
     no_overlap("state_pool", state_pool, ins)
-    _k3.kda_decode(cfg, q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices, backend or "", threads, isa, o)
+    _k3.kda_decode(cfg, q, k, v, g, beta, a_log, dt_bias, state_pool, state_indices, backend or "",
+                   threads_arg(threads), isa, o)
     return o if given is None else given
 
 
@@ -132,7 +133,7 @@ def verify(q, k, v, g, beta, state_pool, state_indices, num_accepted, a_log=None
     no_overlap("o", o, ins + (("state_pool", state_pool),))
     no_overlap("state_pool", state_pool, ins)
     _k3.kda_verify(cfg, q, k, v, g, beta, a_log, dt_bias, t, state_pool, state_indices, num_accepted, backend or "",
-                   threads, isa, o)
+                   threads_arg(threads), isa, o)
     return o if given is None else given
 
 
@@ -176,7 +177,7 @@ def verify_replay(q, k, v, g, beta, state_pool, state_indices, window_pool, wind
     no_overlap("o", o, ins + (("window_pool", window_pool),))
     no_overlap("window_pool", window_pool, ins)
     _k3.kda_verify_replay(cfg, q, k, v, g, beta, a_log, dt_bias, cu_seqlens, int(window_tokens), state_pool,
-                          state_indices, window_pool, backend or "", threads, isa, o)
+                          state_indices, window_pool, backend or "", threads_arg(threads), isa, o)
     return o if given is None else given
 
 
@@ -201,7 +202,7 @@ def commit(state_pool, window_pool, state_indices, num_accepted, window_tokens, 
     no_overlap("window_pool", window_pool, (("state_indices", state_indices), ("num_accepted", num_accepted)))
     cfg = _k3.kda_config(int(heads), int(head_k), int(head_v), "log_decay", -5.0, True, True, 0.0, layout)
     _k3.kda_commit(cfg, int(window_tokens), state_pool, window_pool, state_indices, num_accepted, backend or "",
-                   threads, isa)
+                   threads_arg(threads), isa)
 
 
 class CudaKda(DevicePlan):
@@ -352,5 +353,5 @@ def causal_conv1d(x, weight, conv_state=None, bias=None, cu_seqlens=None, silu=T
     if conv_state is not None:
         no_overlap("conv_state", conv_state, (("x", x), ("weight", weight), ("bias", bias)))
     fn = _k3.kda_conv_bf16 if bf16 else _k3.kda_conv_f32
-    fn(d, w, bool(silu), x, weight, bias, cu_seqlens, conv_state, y, state_len, int(threads))
+    fn(d, w, bool(silu), x, weight, bias, cu_seqlens, conv_state, y, state_len, threads_arg(threads))
     return y if given is None else given

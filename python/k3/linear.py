@@ -15,7 +15,7 @@ Every ISA level and thread count gives the bits of the contract (the "reference"
 import numpy as np
 
 from . import _k3
-from ._arrays import bf16_bits, host_view, need, no_overlap, out16, out_or_new
+from ._arrays import bf16_bits, host_view, max_tokens_arg, need, no_overlap, out16, out_or_new, threads_arg
 from .mx import quantize as _mx_quantize
 
 _OUT = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.float32}
@@ -86,7 +86,8 @@ def run(codes, scales, x, bias=None, recipe="w8a16", out_dtype="bf16", out=None,
     given = out
     x, out = _host(x, out, out_dtype)
     m, out = _check_x(k, n, x, out, _OUT[out_dtype])
-    _k3.linear_run(k, n, recipe, out_dtype, codes, scales, wb, bias, x, m, backend or "", threads, isa, out)
+    _k3.linear_run(k, n, recipe, out_dtype, codes, scales, wb, bias, x, m, backend or "", threads_arg(threads), isa,
+                   out)
     return out if given is None else given
 
 
@@ -99,8 +100,8 @@ class CpuLinear:
         self.n, self.k, codes, scales, wb = _check(recipe, out_dtype, codes, scales, bias)
         self.recipe, self.out_dtype = recipe, out_dtype
         self._out_type = _OUT[out_dtype]
-        self._native = _k3.cpu_linear_prepare(self.k, self.n, recipe, out_dtype, codes, scales, wb, bias, max_tokens,
-                                              threads, isa)
+        self._native = _k3.cpu_linear_prepare(self.k, self.n, recipe, out_dtype, codes, scales, wb, bias,
+                                              max_tokens_arg(max_tokens), threads_arg(threads), isa)
 
     @property
     def plan(self):

@@ -11,8 +11,8 @@ patterns, "fp32" as float32.
 import numpy as np
 
 from . import _k3
-from ._arrays import (DevicePlan, bf16_bits, host_view, int_arg, need, need_cuda, no_overlap, out16, out_or_new,
-                      stream_int)
+from ._arrays import (DevicePlan, bf16_bits, host_view, int_arg, max_tokens_arg, need, need_cuda, no_overlap, out16,
+                      out_or_new, stream_int, threads_arg)
 
 _OUT = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.float32}
 
@@ -109,8 +109,8 @@ def run(p, fc1_q, fc1_scale, fc2_q, fc2_scale, x, topk_ids, topk_weights, out=No
     given = out
     x, topk_ids, topk_weights, out = _host_inputs(p, x, topk_ids, topk_weights, out)
     m, out = _check_inputs(p, x, topk_ids, topk_weights, out)
-    _k3.moe_run(p.native, fc1_q, fc1_scale, fc2_q, fc2_scale, x, topk_ids, topk_weights, m, backend or "", threads,
-                isa, out)
+    _k3.moe_run(p.native, fc1_q, fc1_scale, fc2_q, fc2_scale, x, topk_ids, topk_weights, m, backend or "",
+                threads_arg(threads), isa, out)
     return out if given is None else given
 
 
@@ -124,8 +124,8 @@ class PreparedMoe:
     def __init__(self, p, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=8192, threads=0, isa="", backend=None):
         _check_weights(p, fc1_q, fc1_scale, fc2_q, fc2_scale)
         self.problem = p
-        self._native = _k3.moe_prepare(p.native, backend or "", max_tokens, threads, isa, fc1_q, fc1_scale, fc2_q,
-                                       fc2_scale)
+        self._native = _k3.moe_prepare(p.native, backend or "", max_tokens_arg(max_tokens), threads_arg(threads), isa,
+                                       fc1_q, fc1_scale, fc2_q, fc2_scale)
 
     @property
     def backend(self):

@@ -38,7 +38,7 @@ from . import _k3
 from . import kda as _kda
 from . import linear as _linear
 from . import moe as _moe
-from ._arrays import need
+from ._arrays import MAX_THREADS, MAX_TOKENS, need, threads_arg
 from .routing import route as _route
 
 __all__ = ["FusedMoE", "Linear", "prepare_moe", "release_moe", "prepare_linear", "release_linear"]
@@ -104,8 +104,7 @@ def prepare_moe(problem, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=8192, th
     uploaded to it, one workspace allocated; the Python CUDA bindings have never run on a GPU; the C++ backend behind them ran on an H200, 2026-12-04).
     ``threads``: None (default) takes torch's thread count (``torch.get_num_threads()``) so that
     k3 and torch share the cores without oversubscription; 0 means all logical CPUs."""
-    if threads is None:
-        threads = torch.get_num_threads()
+    threads = min(torch.get_num_threads(), MAX_THREADS) if threads is None else threads_arg(threads)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cpu":
         layer = _moe.CpuMoe(problem, fc1_q, fc1_scale, fc2_q, fc2_scale, max_tokens=max_tokens, threads=threads,
@@ -144,8 +143,7 @@ def prepare_linear(codes, scales, bias=None, recipe="w8a16", out_dtype="bf16", m
     k3.linear.quantize_weight); with recipe "w16a16" codes is the BF16 weight [N, K] (a bfloat16
     tensor or its uint16 bits) and scales is None; bias: float32 [N] or None. ``threads``: None
     takes ``torch.get_num_threads()``; 0 means all logical CPUs."""
-    if threads is None:
-        threads = torch.get_num_threads()
+    threads = min(torch.get_num_threads(), MAX_THREADS) if threads is None else threads_arg(threads)
     if isinstance(codes, torch.Tensor) and codes.dtype == torch.bfloat16:
         codes = codes.view(torch.uint16)
     args = [_np(a) if isinstance(a, torch.Tensor) else a for a in (codes, scales, bias)]
@@ -221,8 +219,36 @@ def _linear_cpu(layer, x, out):
         raise ValueError(f"x has shape {tuple(x.shape)}, expected a contiguous [M, {lay.k}]")
     if tuple(out.shape) != (x.shape[0], lay.n) or not out.is_contiguous():
         raise ValueError(f"out has shape {tuple(out.shape)}, expected a contiguous [{x.shape[0]}, {lay.n}]")
-    o = out if out.dtype == torch.float32 else out.view(torch.uint16)
-    lay._native.run(_np(x.view(torch.uint16)), x.shape[0], _np(o))  # shapes and dtypes checked above
+    _disjoint("out", out, "x", x)
+    o = _np(out if out.dtype == torch.float32 else out.view(torch.uint16))
+    xs = _np(x.view(torch.uint16))
+    m, step = x.shape[0], lay.max_tokens
+    for r0 in range(0, m, step):  # M above the layer's max_tokens: in row blocks (every row is its own dots)
+        r1 = min(m, r0 + step)
+        lay._native.run(xs[r0:r1], r1 - r0, o[r0:r1])  # shapes and dtypes checked above
+
+
+def _disjoint(out_name, out, in_name, x):
+    """Refuses an output whose bytes overlap an input's (contiguous tensors): k3 reads the input
+    while it writes the output, so rows beyond the first tile would read what it wrote."""
+    if out.numel() == 0 or x.numel() == 0:
+        return
+    o0, x0 = out.data_ptr(), x.data_ptr()
+    o1, x1 = o0 + out.numel() * out.element_size(), x0 + x.numel() * x.element_size()
+    if o0 < x1 and x0 < o1:
+        raise ValueError(f"{out_name} overlaps {in_name} in memory (bytes [{o0:#x}, {o1:#x}) and [{x0:#x}, {x1:#x})); "
+                         f"{out_name} must be a separate tensor")
+
+
+def _refuse_grad(x, what, stock=None):
+    """k3 has no backward: an input that requires grad (with grad enabled) runs `stock` (the
+    kept torch module, with a one-time warning) or is refused, never silently detached."""
+    if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad):
+        return False
+    if stock is None:
+        raise RuntimeError(f"{what}: x requires grad, but k3 has no backward (its output would silently lose the "
+                           "graph); run under torch.no_grad() or torch.inference_mode(), or detach x first")
+    return True
 
 
 def _stream(device):
@@ -268,7 +294,7 @@ class kda_options:
     this thread."""
 
     def __init__(self, threads=None, isa=""):
-        self.threads, self.isa = threads, isa
+        self.threads, self.isa = threads_arg(threads, allow_none=True), isa
 
     def __enter__(self):
         self.saved = (getattr(_tls, "threads", None), getattr(_tls, "isa", ""))
@@ -288,7 +314,7 @@ def kda_threads(threads):
 def _threads():
     """k3 shares the cores with torch: by default the KDA ops use torch's thread count."""
     t = getattr(_tls, "threads", None)
-    return torch.get_num_threads() if t is None else int(t)
+    return min(torch.get_num_threads(), MAX_THREADS) if t is None else t
 
 
 def _isa():
@@ -532,6 +558,10 @@ class FusedMoE(torch.nn.Module):
                 or tuple(router_logits.shape) != (m, e)):
             raise ValueError(f"router_logits has shape {tuple(getattr(router_logits, 'shape', ()))}, expected "
                              f"[M, E] = [{m}, {e}] (one row per row of hidden_states, one column per global expert)")
+        if router_logits.dtype in (torch.bfloat16, torch.float16):
+            router_logits = router_logits.float()  # exact: the router computes in FP32, as the Kimi router does
+        elif router_logits.dtype != torch.float32:
+            raise ValueError(f"router_logits has dtype {router_logits.dtype}, expected float32, bfloat16 or float16")
         top_k = self.route_args[0]
         ids = torch.empty((m, top_k), dtype=torch.int32, device=hidden_states.device)
         wts = torch.empty((m, top_k), dtype=torch.float32, device=hidden_states.device)
@@ -584,7 +614,19 @@ class Linear(torch.nn.Module):
             raise ValueError(f"x must be a torch.Tensor [..., {self.in_features}], got {type(x).__name__}")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x has shape {tuple(x.shape)}, expected [..., {self.in_features}]")
+        stock = getattr(self, "_k3_stock", None)  # k3.hf.patch(dense=..., keep_original=True): the stock module
+        if _refuse_grad(x, "k3.torch.Linear", stock):
+            _warn_grad_once(self)
+            return stock(x)
         lead = x.shape[:-1]
+        rows = x.numel() // self.in_features if self.in_features else 0
+        # Checked before anything is allocated (an expanded x of a few bytes can stand for a huge
+        # output; contiguous() and out would then fail in torch's allocator).
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"x has dtype {x.dtype}, expected torch.bfloat16 (the layer's activations are BF16)")
+        if rows > MAX_TOKENS:
+            raise ValueError(f"x has {rows} rows (the product of its leading dims); at most MAX_TOKENS = {MAX_TOKENS} "
+                             "per call")
         x2 = x.reshape(-1, self.in_features)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
@@ -595,6 +637,14 @@ class Linear(torch.nn.Module):
         else:  # eager: the op's CPU kernel without the dispatcher (about 15 us less per call)
             _linear_cpu(self.handle, x2, out)
         return out.view(*lead, self.out_features)
+
+
+def _warn_grad_once(mod):
+    if not getattr(mod, "_k3_warned_grad", False):
+        mod._k3_warned_grad = True
+        import warnings
+        warnings.warn(f"{type(mod).__name__}: an input requires grad and k3 has no backward, so this layer runs "
+                      "its kept stock torch module", RuntimeWarning, stacklevel=3)
 
 
 def __getattr__(name):
