@@ -552,6 +552,9 @@ class FusedMoE(torch.nn.Module):
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 or hidden_states.shape[1] != k:
             raise ValueError(f"hidden_states has shape {tuple(getattr(hidden_states, 'shape', ()))}, expected "
                              f"[M, {k}] (flatten batch and sequence first: hidden_states.view(-1, {k}))")
+        if hidden_states.dtype != torch.bfloat16:
+            raise ValueError(f"hidden_states has dtype {hidden_states.dtype}, expected torch.bfloat16 (the experts take "
+                             "BF16 activations; convert with hidden_states.to(torch.bfloat16))")
         m = hidden_states.shape[0]
         e = self.num_experts
         if (not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2

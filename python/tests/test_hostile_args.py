@@ -120,6 +120,9 @@ def test_fused_moe_takes_16_bit_router_logits_as_their_exact_fp32_values(dtype):
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="router_logits"):
         layer(x, logits.double())
+    # the caller's name, not the op's ("x"), for FP32 activations (found by the hostile pass)
+    with pytest.raises(ValueError, match="hidden_states has dtype torch.float32, expected torch.bfloat16"):
+        layer(x.float(), logits)
 
 
 # ---- python -m k3 hf: bad flags and bad checkpoints end in one line, before any run -----------

@@ -89,7 +89,7 @@ def test_errors_carry_the_library_message():
         torch.ops.k3.moe_run(12345, x, torch.zeros((7, 4), dtype=torch.int32), torch.zeros((7, 4)),
                              torch.zeros((7, 64), dtype=torch.bfloat16))
     layer = k3t.FusedMoE(p, **w, router_bias=bias, max_tokens=16)
-    with pytest.raises(ValueError, match="x has dtype torch.float32, expected torch.bfloat16"):
+    with pytest.raises(ValueError, match="hidden_states has dtype torch.float32, expected torch.bfloat16"):
         layer(x.float(), logits)
     with pytest.raises(ValueError, match="m = 40 must be in"):
         layer(torch.zeros((40, 64), dtype=torch.bfloat16), torch.zeros((40, 16)))
@@ -246,7 +246,7 @@ def test_kda_op_errors_carry_the_library_message():
     empty = torch.empty(0)
     pool = torch.zeros((4, 2, 32, 32))
     idx = torch.tensor([0, 1, 1, 2, 3, -1, -1, -1, -1, -1, -1, -1], dtype=torch.int32)
-    with pytest.raises(ValueError, match="state slot 1 is written twice"):
+    with pytest.raises(ValueError, match="state_indices: state slot 1 is written twice"):
         torch.ops.k3.kda_decode(q, k, v, g, beta, empty, empty, pool, idx, *KDA_CFG, torch.zeros((12, 2, 32)))
     with pytest.raises(ValueError, match="gate"):
         torch.ops.k3.kda_decode(q, k, v, g, beta, empty, empty, pool, torch.arange(12, dtype=torch.int32) % 4 * 0 - 1,
@@ -332,7 +332,7 @@ def test_float16_is_never_read_as_bf16_and_out_must_be_the_layers_dtype():
     16-bit type was filled with the wrong format's bits. Both are refused by name now."""
     p, w, x, logits, bias = kimi_like(out_dtype="bf16")
     layer = k3t.FusedMoE(p, **w, router_bias=bias, max_tokens=16)
-    with pytest.raises(ValueError, match="x has dtype torch.float16, expected torch.bfloat16 .the two 16-bit"):
+    with pytest.raises(ValueError, match="hidden_states has dtype torch.float16, expected torch.bfloat16"):
         layer(x.to(torch.float16), logits)
     with pytest.raises(ValueError, match="out has dtype torch.float16, expected torch.bfloat16"):
         layer(x, logits, out=torch.empty((7, 64), dtype=torch.float16))

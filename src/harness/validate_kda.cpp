@@ -506,7 +506,7 @@ void replay_rows(const Target& tgt, int64_t heads, uint64_t seed, std::vector<Va
     const std::string m1 = run_kda_commit(tgt.b, cfg, {tw, p2, w2, idx, too_many}, tgt.opt).message();
     const std::string m2 = run_kda_commit(tgt.b, cfg, {tw, p2, w2, twice, acc}, tgt.opt).message();
     ok &= m1.find("num_accepted[1] = 6 exceeds the 5 draft tokens") != std::string::npos;
-    ok &= m2 == "state slot 4 is named twice (sequences 0 and 1)";
+    ok &= m2 == "state_indices: state slot 4 is named twice (sequences 0 and 1)";
     ok &= same(p2, pool0);
     ok &= run_kda_commit(tgt.b, cfg, {tw, p2, w2, idx, acc}, tgt.opt).is_ok();
     const std::string m3 = run_kda_commit(tgt.b, cfg, {tw, p2, w2, idx, acc}, tgt.opt).message();

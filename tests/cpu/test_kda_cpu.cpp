@@ -353,7 +353,7 @@ TEST(KdaCpu, PoolErrorsNameTheProblem) {
     return cpu::decode(k, DecodeArgs{c.inputs(), states, idx, o}, cpu_options_at(best_isa_level(), Algorithm::kAuto)).message();
   };
   EXPECT_NE(dec({0, 1, 2, 5}, pool.states).find("state_indices[3] = 5 is past the pool's 5 slots"), std::string::npos);
-  EXPECT_NE(dec({0, 1, 1, 3}, pool.states).find("state slot 1 is written twice"), std::string::npos);
+  EXPECT_NE(dec({0, 1, 1, 3}, pool.states).find("state_indices: state slot 1 is written twice"), std::string::npos);
   EXPECT_NE(dec({0, 1, 2}, pool.states).find("state_indices has 3 entries, expected N = 4"), std::string::npos);
   EXPECT_NE(dec({0, 1, 2, 3}, std::span<float>(pool.states).first(100)).find("state_pool has 100 elements"),
             std::string::npos);
@@ -374,7 +374,7 @@ TEST(KdaCpu, PoolErrorsNameTheProblem) {
   EXPECT_NE(ver({0, 1, 2, 3}, {1}, 2).find("num_accepted has 1 entries"), std::string::npos);
   EXPECT_NE(ver({0, 1, 2}, {1, 1}, 2).find("state_indices has 3 entries, expected N * T = 4"), std::string::npos);
   EXPECT_NE(ver({0, 1, 9, 3}, {1, 1}, 2).find("state_indices[1, 0] = 9 is past"), std::string::npos);
-  EXPECT_NE(ver({0, 1, 1, 3}, {1, 1}, 2).find("state slot 1 is written twice"), std::string::npos);
+  EXPECT_NE(ver({0, 1, 1, 3}, {1, 1}, 2).find("state_indices: state slot 1 is written twice"), std::string::npos);
 
   // BF16 state storage is a cuda-backend option: refused by name, nothing touched.
   std::vector<uint16_t> pool16(pool.states.size(), 0x3f80);

@@ -330,7 +330,7 @@ TEST(KdaReplay, RefusalsNameTheArgument) {
   };
   EXPECT_EQ(commit_msg({1, 2}, {4, 0}), "num_accepted[0] = 4 must be in [0, window_tokens = 3]");
   EXPECT_EQ(commit_msg({1, 2}, {0, -1}), "num_accepted[1] = -1 must be in [0, window_tokens = 3]");
-  EXPECT_EQ(commit_msg({1, 1}, {1, 1}), "state slot 1 is named twice (sequences 0 and 1)");
+  EXPECT_EQ(commit_msg({1, 1}, {1, 1}), "state_indices: state slot 1 is named twice (sequences 0 and 1)");
   EXPECT_EQ(commit_msg({1, 9}, {1, 1}), "state_indices[1] = 9 is past the pool's 4 slots");
   EXPECT_EQ(commit_msg({1, 2}, {1}), "num_accepted has 1 entries, expected N = 2 (one per state_indices entry)");
   EXPECT_NE(commit_msg({1, 2}, {1, 1}, 4).find("window_pool has"), std::string::npos);
@@ -351,7 +351,8 @@ TEST(KdaReplay, RefusalsNameTheArgument) {
 
   // verify_replay's refusals.
   const int32_t twice[] = {2, 2};
-  EXPECT_EQ(cpu::verify_replay(t.cfg, t.verify_args(twice)).message(), "state slot 2 is named twice (sequences 0 and 1)");
+  EXPECT_EQ(cpu::verify_replay(t.cfg, t.verify_args(twice)).message(),
+            "state_indices: state slot 2 is named twice (sequences 0 and 1)");
   const int32_t one[] = {1};
   EXPECT_EQ(cpu::verify_replay(t.cfg, t.verify_args(one)).message(), "state_indices has 1 entries, expected N = 2 ([N])");
   ReplayVerifyArgs a = t.verify_args(idx);

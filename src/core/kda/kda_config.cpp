@@ -253,8 +253,8 @@ Status check_distinct_writes(std::vector<std::pair<int64_t, int64_t>> writes, co
   std::sort(writes.begin(), writes.end());
   for (size_t i = 1; i < writes.size(); ++i) {
     if (writes[i].first == writes[i - 1].first) {
-      return invalid_argument("state slot " + num(writes[i].first) + " is " + verb + " twice (sequences " +
-                              num(writes[i - 1].second) + " and " + num(writes[i].second) + ")");
+      return invalid_argument("state_indices: state slot " + num(writes[i].first) + " is " + verb +
+                              " twice (sequences " + num(writes[i - 1].second) + " and " + num(writes[i].second) + ")");
     }
   }
   return Status::ok();
