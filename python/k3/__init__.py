@@ -13,10 +13,11 @@ Sub-modules: :mod:`k3.mx` (MXFP4 / MXFP8), :mod:`k3.moe` (fused MoE), :mod:`k3.k
 from . import _k3
 from . import kda, linear, moe, mx
 from .checkpoint import MoeLayer, load_checkpoint_layer
+from .model import Model
 from .routing import route
 from .tools import bench, validate
 
-__all__ = ["info", "route", "load_checkpoint_layer", "MoeLayer", "validate", "bench", "mx", "moe", "kda", "linear",
+__all__ = ["info", "Model", "route", "load_checkpoint_layer", "MoeLayer", "validate", "bench", "mx", "moe", "kda", "linear",
            "__version__"]
 __version__ = "0.1.0"
 

@@ -4,6 +4,7 @@
 k3: Kimi-K3 MoE and Kimi Delta Attention kernels (CPU backend; see the k3 package)
 """
 
+from collections.abc import Sequence
 from typing import Annotated, overload
 
 import numpy
@@ -109,6 +110,23 @@ def rms_norm_gated_bf16(x: Annotated[NDArray[numpy.uint16], dict(order='C', devi
 def head_gemv_bf16(w: Annotated[NDArray[numpy.uint16], dict(order='C', device='cpu', writable=False)], x: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)], y: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu')], heads: int, k: int, n: int, threads: int, isa: str) -> None:
     """
     y[h, :] = x[h, :] . w[h] for each head (w BF16 bits [H, K, N], x and y FP32): FP32 sums over k in order, the same bits on every ISA level and thread count.
+    """
+
+class NativeModel:
+    @property
+    def info(self) -> dict: ...
+
+    def forward(self, tokens: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)], cu_seqlens: Annotated[NDArray[numpy.int64], dict(order='C', device='cpu', writable=False)] | None, slots: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)], all_logits: bool, logits: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu')]) -> None: ...
+
+    def reset(self, slot: int) -> None: ...
+
+    def position(self, slot: int) -> int: ...
+
+    def generate(self, slot: int, prompt: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)], max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int, stop_ids: Sequence[int]) -> list[int]: ...
+
+def model_load(dir: str, threads: int, isa: str, trunk: str, experts: str, max_seqs: int, max_context: int, max_batch_tokens: int, progress: bool) -> NativeModel:
+    """
+    Load a Kimi-Linear checkpoint directory into the native runner (k3/model.hpp).
     """
 
 def cpu_linear_prepare(k: int, n: int, recipe: str, out_dtype: str, codes: Annotated[NDArray[numpy.uint8], dict(order='C', device='cpu', writable=False)] | None, scales: Annotated[NDArray[numpy.uint8], dict(order='C', device='cpu', writable=False)] | None, bf16: Annotated[NDArray[numpy.uint16], dict(order='C', device='cpu', writable=False)] | None, bias: Annotated[NDArray[numpy.float32], dict(order='C', device='cpu', writable=False)] | None, max_tokens: int, threads: int, isa: str) -> CpuLinear: ...

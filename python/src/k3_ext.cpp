@@ -37,6 +37,7 @@
 #include "k3/kda.hpp"
 #include "k3/kda_ops.hpp"
 #include "k3/norm.hpp"
+#include "k3/model.hpp"
 #include "k3/moe.hpp"
 #include "k3/mx.hpp"
 #include "k3/routing.hpp"
@@ -1047,6 +1048,90 @@ std::pair<std::string, std::string> bench(const std::string& target, const nb::d
 
 }  // namespace
 
+// ---- the native model runner (k3/model.hpp) ---------------------------------------------------
+struct NativeModel {
+  std::unique_ptr<k3::Model> model;
+};
+
+NativeModel* model_load(const std::string& dir, int threads, const std::string& isa, const std::string& trunk,
+                        const std::string& experts, int max_seqs, int64_t max_context, int64_t max_batch_tokens,
+                        bool progress) {
+  check(k3::check_thread_count(threads, "threads"));
+  k3::ModelOptions o;
+  o.threads = threads;
+  if (!isa.empty()) o.isa = value(k3::parse_isa_level(isa));
+  o.trunk = value(k3::parse_trunk_format(trunk));
+  if (experts == "w4a16") {
+    o.experts = k3::Recipe::kW4A16;
+  } else if (experts == "w4a8") {
+    o.experts = k3::Recipe::kW4A8;
+  } else {
+    throw nb::value_error(("experts = \"" + experts + "\" is not one of: w4a16, w4a8").c_str());
+  }
+  o.max_seqs = max_seqs;
+  o.max_context = max_context;
+  o.max_batch_tokens = max_batch_tokens;
+  if (progress) o.progress = [](const std::string& s) { std::fprintf(stderr, "%s\n", s.c_str()); };
+  std::unique_ptr<k3::Model> m;
+  {
+    nb::gil_scoped_release release;
+    auto r = k3::Model::load(dir, o);
+    if (r) m = std::move(r.value());
+    else {
+      nb::gil_scoped_acquire acquire;
+      check(r.status());
+    }
+  }
+  return new NativeModel{std::move(m)};
+}
+
+void model_forward(NativeModel& m, In<int32_t> tokens, std::optional<In<int64_t>> cu_seqlens, In<int32_t> slots,
+                   bool all_logits, Out<float> logits) {
+  k3::Status st;
+  {
+    nb::gil_scoped_release release;
+    st = m.model->forward(span(tokens), span(cu_seqlens), span(slots), all_logits, span(logits));
+  }
+  check(st);
+}
+
+nb::dict model_info(const NativeModel& m) {
+  const k3::ModelInfo& i = m.model->info();
+  nb::dict d;
+  d["family"] = i.family;
+  d["directory"] = i.directory;
+  d["vocab_size"] = i.config.vocab_size;
+  d["hidden_size"] = i.config.hidden;
+  d["num_layers"] = i.config.layers;
+  d["eos_token_ids"] = i.config.eos_token_ids;
+  d["trunk"] = k3::trunk_format_name(i.trunk);
+  d["experts"] = k3::recipe_name(i.experts);
+  d["threads"] = i.threads;
+  d["isa"] = k3::isa_level_name(i.isa);
+  d["max_seqs"] = i.max_seqs;
+  d["max_context"] = i.max_context;
+  d["max_batch_tokens"] = i.max_batch_tokens;
+  d["packed_bytes"] = i.packed_bytes;
+  d["state_bytes"] = i.state_bytes;
+  d["step_bytes"] = i.step_bytes;
+  d["peak_rss_bytes"] = i.peak_rss_bytes;
+  d["load_seconds"] = i.load_seconds;
+  d["describe"] = i.describe();
+  return d;
+}
+
+std::vector<int32_t> model_generate(NativeModel& m, int slot, In<int32_t> prompt, int64_t max_new_tokens,
+                                    float temperature, int top_k, float top_p, uint64_t seed,
+                                    std::vector<int32_t> stop_ids) {
+  k3::SamplingOptions so{temperature, top_k, top_p, seed};
+  k3::Result<std::vector<int32_t>> r = k3::invalid_argument("not run");
+  {
+    nb::gil_scoped_release release;
+    r = m.model->generate(slot, span(prompt), max_new_tokens, so, stop_ids);
+  }
+  return value(std::move(r));
+}
+
 NB_MODULE(_k3, m) {
   m.doc() = "k3: Kimi-K3 MoE and Kimi Delta Attention kernels (CPU backend; see the k3 package)";
   m.def("read_bandwidth", [](int threads, int64_t mib) {
@@ -1136,6 +1221,17 @@ NB_MODULE(_k3, m) {
         "k"_a, "n"_a, "threads"_a, "isa"_a,
         "y[h, :] = x[h, :] . w[h] for each head (w BF16 bits [H, K, N], x and y FP32): FP32 sums over k in "
         "order, the same bits on every ISA level and thread count.");
+  nb::class_<NativeModel>(m, "NativeModel")
+      .def_prop_ro("info", &model_info)
+      .def("forward", &model_forward, "tokens"_a.noconvert(), "cu_seqlens"_a.noconvert().none(), "slots"_a.noconvert(),
+           "all_logits"_a, "logits"_a.noconvert())
+      .def("reset", [](NativeModel& mm, int slot) { check(mm.model->reset(slot)); }, "slot"_a)
+      .def("position", [](const NativeModel& mm, int slot) { return value(mm.model->position(slot)); }, "slot"_a)
+      .def("generate", &model_generate, "slot"_a, "prompt"_a.noconvert(), "max_new_tokens"_a, "temperature"_a,
+           "top_k"_a, "top_p"_a, "seed"_a, "stop_ids"_a);
+  m.def("model_load", &model_load, nb::rv_policy::take_ownership, "dir"_a, "threads"_a, "isa"_a, "trunk"_a,
+        "experts"_a, "max_seqs"_a, "max_context"_a, "max_batch_tokens"_a, "progress"_a,
+        "Load a Kimi-Linear checkpoint directory into the native runner (k3/model.hpp).");
   m.def("cpu_linear_prepare", &cpu_linear_prepare, nb::rv_policy::take_ownership, "k"_a.noconvert(), "n"_a, "recipe"_a,
         "out_dtype"_a, "codes"_a.noconvert().none(), "scales"_a.noconvert().none(), "bf16"_a.noconvert().none(),
         "bias"_a.noconvert().none(), "max_tokens"_a, "threads"_a, "isa"_a);
